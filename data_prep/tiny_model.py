@@ -1,0 +1,177 @@
+"""Write a tiny Qwen3-architecture model folder that loads like a hub checkpoint, built fully offline.
+
+Why: the demo and the tests must run on a CPU machine with no hub access, with the same loading code as
+a real run (AutoModelForCausalLM, AutoTokenizer, vLLM). The folder holds:
+
+- a byte-level BPE tokenizer trained with the `tokenizers` library on the synthetic arithmetic corpus,
+  with a Qwen-style chat template, `<|im_end|>` as eos and `<|endoftext|>` as pad;
+- a Qwen3ForCausalLM with head_dim 32 (vLLM's CPU attention rejects 16), saved with save_pretrained.
+
+Optionally it warms the model up (`--warmup-steps`) by supervised training on the synthetic task with
+*noisy* answers: the correct sum with probability `--warmup-correct-prob`, a nearby wrong sum otherwise.
+The warmed-up model samples the right answer about that often, as a real base model "sometimes knows",
+so GRPO has signal from the first step and a visible curve within minutes on 2 cores.
+
+Run:  python data_prep/tiny_model.py --out artifacts/tiny_qwen3 --warmup-steps 300
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # run by path: the repo root replaces data_prep/ (whose math.py would shadow stdlib math)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from data_prep.synthetic import GSM8K_INSTRUCTION, make_problems, render_answer
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(corpus: list[str], *, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on `corpus`; digits stay single tokens so numbers tokenize uniformly.
+
+    Example: "12 + 7" -> ["1", "2", "Ġ+", "Ġ", "7"] (roughly; the merges depend on the corpus).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, seed: int) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 whose vocabulary matches `tokenizer` (vocab rounded up to 64)."""
+    torch.manual_seed(seed)
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=max(1, hidden_size // 64),
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def warm_up(model, tokenizer, *, steps: int, correct_prob: float, seed: int, lr: float = 3e-3, batch_size: int = 64) -> float:
+    """Supervised training on noisy synthetic answers; returns the last loss (response tokens only)."""
+    rng = random.Random(seed)
+    problems = make_problems(num=4096, seed=seed, max_operand=9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        rows = [rng.choice(problems) for _ in range(batch_size)]
+        ids, labels = [], []
+        for row in rows:
+            answer = row["result"]
+            if rng.random() >= correct_prob:
+                answer = answer + rng.choice([-3, -2, -1, 1, 2, 3])
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": row["question"] + " " + GSM8K_INSTRUCTION}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            response_ids = tokenizer(render_answer(row["a"], row["op"], row["b"], answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            ids.append(prompt_ids + response_ids)
+            labels.append([-100] * len(prompt_ids) + response_ids)
+        width = max(len(x) for x in ids)
+        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])  # [batch, width]
+        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels])  # [batch, width]
+        attention_mask = (torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]).long()
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == steps - 1:
+            print(f"warmup step {step}/{steps} loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return float(loss.item())
+
+
+def make_tiny_model(
+    out: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    warmup_steps: int = 0,
+    warmup_correct_prob: float = 0.3,
+    seed: int = 0,
+) -> Path:
+    """Build tokenizer + model and save both to `out`; returns the folder."""
+    out = Path(out)
+    problems = make_problems(num=2000, seed=seed + 1, max_operand=99)
+    corpus = [p["question"] + " " + GSM8K_INSTRUCTION + "\n" + p["answer"] for p in problems]
+    tokenizer = build_tokenizer(corpus)
+    model = build_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    if warmup_steps > 0:
+        warm_up(model, tokenizer, steps=warmup_steps, correct_prob=warmup_correct_prob, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder to write the model to")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="supervised steps on noisy answers (0: random model)")
+    parser.add_argument("--warmup-correct-prob", type=float, default=0.3, help="fraction of warm-up answers that are right")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = make_tiny_model(
+        args.out,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        warmup_steps=args.warmup_steps,
+        warmup_correct_prob=args.warmup_correct_prob,
+        seed=args.seed,
+    )
+    print(f"wrote tiny model to {path}")
+
+
+if __name__ == "__main__":
+    main()

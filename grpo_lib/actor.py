@@ -1,0 +1,238 @@
+"""The trained policy: model load, optimizer, the shared logprob pass over micro-batches, and the update.
+
+Every forward of the actor, the reference and the old-logprob pass goes through `logprobs_over_batch`,
+which calls the one logprob function (`grpo_lib.logprobs.token_logprobs`) on token-budgeted micro-batches
+built by `grpo_lib.batching` and returns results in the original row order (DESIGN invariant 2).
+
+The update divides every micro-batch loss by the mini-batch's *global* token / sequence counts
+(all-reduced over processes) and multiplies by the world size before the gradients are averaged over
+processes, so micro-batching and the process count never change the gradient (DESIGN invariant 1).
+
+Multi-process: gradients are all-reduced explicitly after the micro-batches of a mini-batch (no DDP
+wrapper: DDP needs every forward to go through its own `forward`, and the chunked logprob path calls the
+decoder and the output head separately). FSDP2 sharding plugs in at `_wrap_model` (its own issue).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from grpo_lib import algorithms
+from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices
+from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
+from grpo_lib.logprobs import token_logprobs
+from grpo_lib.types import RolloutBatch
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    return model.to(device)
+
+
+def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_size: int | None) -> list[list[int]]:
+    """Row indices per micro-batch; every process runs the same number of micro-batches."""
+    if max_tokens is not None:
+        local = micro_batch_indices(seq_lens, max_tokens=max_tokens)
+        agreed = agree_num_micro_batches(len(local))
+        return local if agreed == len(local) else micro_batch_indices(seq_lens, max_tokens=max_tokens, min_num_micro_batches=agreed)
+    local = micro_batch_indices(seq_lens, micro_batch_size=micro_batch_size)
+    agreed = agree_num_micro_batches(len(local))
+    return local if agreed == len(local) else micro_batch_indices(seq_lens, micro_batch_size=micro_batch_size, min_num_micro_batches=agreed)
+
+
+@torch.no_grad()
+def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
+                        micro_batch_size: int | None, device: torch.device) -> torch.Tensor:
+    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
+    for idx in micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size):
+        if not idx:
+            continue
+        mb = batch.select(idx)
+        lp, _ = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
+                               remove_padding=remove_padding)
+        out[torch.as_tensor(idx), :lp.shape[1]] = lp.float().cpu()
+    return out
+
+
+class Actor:
+    """Owns the policy model, its optimizer and LR schedule."""
+
+    def __init__(self, cfg, *, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+                                trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.config.use_cache = False
+        a = cfg.actor
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
+        warmup = max(0, a.lr_warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.world_size = dist.get_world_size() if _dist_on() else 1
+
+    # -- logprobs --------------------------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """Old logprobs (before this step's updates), [B, T]."""
+        a = self.cfg.actor
+        self.model.eval()
+        return logprobs_over_batch(
+            self.model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+            max_tokens=(a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
+            micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+
+    def named_weights(self):
+        """(name, full tensor) pairs in Hugging Face naming, for the engine push and checkpoints."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    # -- update ----------------------------------------------------------------------------------------
+
+    def micro_batch_loss(self, mb: RolloutBatch, *, num_tokens: float, num_seqs: float, compute_entropy: bool):
+        """Loss of one micro-batch normalised by the mini-batch's global counts, and its metrics."""
+        a, alg = self.cfg.actor, self.cfg.algorithm
+        mask = mb.response_mask.to(self.device)  # [b, T]
+        lp, entropy = token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                     temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                                     compute_entropy=compute_entropy)
+        lp = lp.float()  # [b, T]
+        old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
+        is_weights = None
+        if alg.rollout_correction.mode != "none":
+            is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,
+                                                       mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)
+        counts = dict(num_tokens=num_tokens, num_seqs=num_seqs,
+                      loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length)
+        pg_loss, metrics = algorithms.policy_loss(
+            lp, old, mb.advantages.to(self.device), mask, loss_mode=a.policy_loss.loss_mode,
+            clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
+            clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, is_weights=is_weights, **counts)
+        loss = pg_loss
+        metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = pg_loss.item()
+        if a.use_kl_loss:
+            kl = algorithms.kl_penalty(lp, mb.ref_logprobs.to(self.device), a.kl_loss_type)  # [b, T]
+            kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_agg_mode, **counts)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.item()
+        if entropy is not None:
+            ent = algorithms.aggregate_loss(entropy.float(), mask, a.loss_agg_mode, **counts)
+            if a.entropy_coeff != 0:
+                loss = loss - a.entropy_coeff * ent
+            metrics["actor/entropy"] = ent.item()
+        return loss, metrics, int(mask.sum().item())
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
+        a = self.cfg.actor
+        self.model.train()
+        n_mini = max(1, self.cfg.data.train_batch_size // a.ppo_mini_batch_size)
+        groups = list(dict.fromkeys(batch.group_ids))  # group order as generated
+        rows_of = defaultdict(list)
+        for i, g in enumerate(batch.group_ids):
+            rows_of[g].append(i)
+        summed: dict[str, float] = defaultdict(float)
+        num_updates = 0
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed)
+        for _epoch in range(a.ppo_epochs):
+            order = torch.randperm(len(groups), generator=generator).tolist() if a.shuffle else list(range(len(groups)))
+            for m in range(n_mini):
+                chosen = [groups[order[j]] for j in range(m, len(groups), n_mini)] if a.shuffle else \
+                    groups[m * math.ceil(len(groups) / n_mini):(m + 1) * math.ceil(len(groups) / n_mini)]
+                mini = batch.select([i for g in chosen for i in rows_of[g]])
+                summed_step = self._optimizer_step(mini)
+                for k, v in summed_step.items():
+                    summed[k] += v
+                num_updates += 1
+        return {k: v / num_updates for k, v in summed.items()}
+
+    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
+        """Backward over the micro-batches of one mini-batch, then one optimizer step."""
+        a = self.cfg.actor
+        num_tokens = all_reduce_sum(mini.response_mask.sum().item())
+        num_seqs = all_reduce_sum(int((mini.response_mask.sum(-1) > 0).sum().item()))
+        compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
+        metrics: dict[str, float] = defaultdict(float)
+        weighted: dict[str, float] = defaultdict(float)
+        idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu)
+        for idx in idx_lists:
+            if not idx:
+                continue
+            loss, mb_metrics, mb_tokens = self.micro_batch_loss(mini.select(idx), num_tokens=num_tokens, num_seqs=num_seqs,
+                                                                compute_entropy=compute_entropy)
+            (loss * self.world_size).backward()
+            for k, v in mb_metrics.items():
+                if k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+                    metrics[k] += v  # already normalised by global counts: the sum is this process's share
+                else:
+                    weighted[k] += v * mb_tokens  # per-micro-batch fractions: token-weighted mean
+        for k, v in weighted.items():
+            metrics[k] = all_reduce_sum(v) / max(num_tokens, 1.0)
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            if k in metrics:
+                metrics[k] = all_reduce_sum(metrics[k])
+        self._average_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip if a.grad_clip > 0 else float("inf"))
+        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        if math.isfinite(float(grad_norm)):
+            self.optimizer.step()
+        else:
+            metrics["actor/skipped_nonfinite_steps"] = 1.0
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    def _average_gradients(self) -> None:
+        if not _dist_on():
+            return
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(self.world_size)
+
+    # -- save ------------------------------------------------------------------------------------------
+
+    def save_hf(self, path, tokenizer) -> None:
+        """Hugging Face folder loadable by AutoModelForCausalLM and vLLM."""
+        self.model.save_pretrained(path, state_dict={k: v.cpu() for k, v in self.named_weights()})
+        tokenizer.save_pretrained(path)
+
+
+class Reference:
+    """Frozen copy of the initial policy; lives on CPU between uses when ref.param_offload."""
+
+    def __init__(self, cfg, *, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.offload = cfg.ref.param_offload and device.type != "cpu"
+        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device),
+                                device=torch.device("cpu") if self.offload else device, trust_remote_code=cfg.model.trust_remote_code)
+        self.model.eval().requires_grad_(False)
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        a, r = self.cfg.actor, self.cfg.ref
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            return logprobs_over_batch(
+                self.model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                max_tokens=(r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
+                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+        finally:
+            if self.offload:
+                self.model.to("cpu")

@@ -1,0 +1,297 @@
+"""GRPO math as pure tensor functions: advantages, KL estimators, loss aggregation, policy losses.
+
+Everything here is torch-only and stateless; the training loop picks behaviour by *name* through the
+small registries below (``ADV_ESTIMATORS``, ``KL_TYPES``, ``LOSS_AGG_MODES``, ``POLICY_LOSSES``,
+``ROLLOUT_IS_MODES``) and never branches on a loss name itself. An unknown name raises ``ValueError``
+listing the supported names. Formulas follow /work/shared/ALGORITHMS.md (DeepSeekMath GRPO, Dr. GRPO,
+DAPO, GSPO, verl's ``core_algos.py``).
+
+Departures from the papers / verl, on purpose:
+
+* A group of one response gets advantage exactly 0 (verl passes its raw score through). A group whose
+  scores are all equal also gets exactly 0 (forced, so float rounding of the mean cannot leak through).
+* GSPO uses the same clipped objective as ``vanilla``, dual clip included (verl's GSPO omits the dual
+  clip). With GSPO's tiny clip ranges and ``clip_ratio_c = 3`` it only binds on wild sequences.
+* The sequence log-ratio in GSPO and in rollout IS weights is clamped to [-20, 20] before ``exp``.
+* Counts used as denominators are clamped to at least 1, so an all-masked batch gives loss 0, not NaN.
+* ``num_seqs`` defaults to the number of rows with at least one valid token (all-padding rows, e.g.
+  dummy rows used to even out data-parallel shards, do not count).
+* Rollout IS weights hold 1.0 (the neutral multiplier) at masked positions, like ``mode="none"``.
+* ``policy_loss`` metrics are local to the tensors passed in (one micro-batch), not global.
+
+Run the tests with ``.venv/bin/python -m pytest tests/test_algorithms.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp, so exp never overflows
+
+
+def _check_name(kind: str, name: str, supported: Sequence[str]) -> None:
+    """Raise ValueError naming the supported names if ``name`` is not one of them."""
+    if name not in supported:
+        raise ValueError(f"unknown {kind} {name!r}; supported: {', '.join(supported)}")
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def _grpo_advantages(scores: Tensor, count: Tensor, mean: Tensor, std: Tensor, *,
+                     norm_by_std: bool, eps: float) -> Tensor:
+    """GRPO: (s - mean_g) / (std_g + eps); Dr. GRPO (norm_by_std=False): s - mean_g."""
+    centered = scores - mean  # [N]
+    return centered / (std + eps) if norm_by_std else centered
+
+
+def _rloo_advantages(scores: Tensor, count: Tensor, mean: Tensor, std: Tensor, *,
+                     norm_by_std: bool, eps: float) -> Tensor:
+    """RLOO: s_i - mean of the other n-1 scores = n/(n-1) * (s_i - mean_g). Ignores norm_by_std."""
+    return count / (count - 1).clamp(min=1) * (scores - mean)  # [N]
+
+
+ADV_ESTIMATORS: dict[str, Callable[..., Tensor]] = {"grpo": _grpo_advantages, "rloo": _rloo_advantages}
+
+
+def _group_index(group_ids: Sequence[Hashable] | Tensor, device: torch.device) -> tuple[Tensor, int]:
+    """Map arbitrary group labels to dense ints 0..G-1. ['b', 'a', 'b'] -> ([0, 1, 0], 2)."""
+    if isinstance(group_ids, Tensor):
+        _, index = torch.unique(group_ids, return_inverse=True)  # [N]
+        return index.to(device), int(index.max().item()) + 1 if index.numel() else 0
+    label_to_int: dict[Hashable, int] = {}
+    ints = [label_to_int.setdefault(label, len(label_to_int)) for label in group_ids]
+    return torch.tensor(ints, dtype=torch.long, device=device), len(label_to_int)  # [N]
+
+
+def compute_advantages(scores: Tensor | Sequence[float], group_ids: Sequence[Hashable] | Tensor, *,
+                       estimator: str = "grpo", norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """One advantage per response, baselined within its group (the responses of one prompt).
+
+    ``scores`` is 1-D (list or tensor); ``group_ids`` holds any hashable labels or an integer tensor.
+    Singleton groups and groups of equal scores get exactly 0. Std is unbiased (Bessel).
+    Example: scores [1, 0, 0, 1], one group -> mean 0.5, std sqrt(1/3), A = +-0.5 / (0.57735 + eps).
+    """
+    _check_name("adv_estimator", estimator, tuple(ADV_ESTIMATORS))
+    scores = torch.as_tensor(scores)
+    if not scores.is_floating_point():
+        scores = scores.to(torch.get_default_dtype())
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
+    index, num_groups = _group_index(group_ids, scores.device)  # [N]
+    if index.shape != scores.shape:
+        raise ValueError(f"group_ids has {index.numel()} labels but scores has {scores.numel()} entries")
+    zeros = scores.new_zeros(num_groups)  # [G]
+    count_g = zeros.index_add(0, index, torch.ones_like(scores))  # [G]
+    mean_g = zeros.index_add(0, index, scores) / count_g.clamp(min=1)  # [G]
+    sq_dev_g = zeros.index_add(0, index, (scores - mean_g[index]) ** 2)  # [G]
+    std_g = (sq_dev_g / (count_g - 1).clamp(min=1)).sqrt()  # [G]
+    max_g = zeros.scatter_reduce(0, index, scores, reduce="amax", include_self=False)  # [G]
+    min_g = zeros.scatter_reduce(0, index, scores, reduce="amin", include_self=False)  # [G]
+    no_signal_g = (count_g < 2) | (max_g == min_g)  # [G]
+    advantages = ADV_ESTIMATORS[estimator](scores, count_g[index], mean_g[index], std_g[index],
+                                           norm_by_std=norm_by_std, eps=eps)  # [N]
+    return torch.where(no_signal_g[index], torch.zeros_like(advantages), advantages)  # [N]
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+
+def _k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1: lp - ref (unbiased KL estimate, high variance, can be negative)."""
+    return logprobs - ref_logprobs
+
+
+def _abs(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """abs: |lp - ref|."""
+    return (logprobs - ref_logprobs).abs()
+
+
+def _k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 / mse: 0.5 * (lp - ref)^2; its gradient is the unbiased gradient of KL."""
+    return 0.5 * (logprobs - ref_logprobs).square()
+
+
+def _k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 / low_var_kl: x = clamp(ref - lp, -20, 20); clamp(exp(x) - x - 1, -10, 10)."""
+    x = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (x.exp() - x - 1).clamp(-10.0, 10.0)
+
+
+_KL_BASE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3,
+}
+# Every accepted name: base estimators plus their straight-through "+" forms.
+KL_TYPES: tuple[str, ...] = tuple(_KL_BASE) + tuple(f"{name}+" for name in _KL_BASE)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_type: str) -> Tensor:
+    """Elementwise KL estimate between actor and reference logprobs of the sampled tokens.
+
+    ``name+`` forms: value of ``name``, gradient of k2 (``k2 - k2.detach() + value.detach()``).
+    ``full`` (needs full-vocabulary distributions) is not supported.
+    """
+    if kl_type == "full":
+        raise ValueError(f"kl_type 'full' is not supported; supported: {', '.join(KL_TYPES)}")
+    _check_name("kl_type", kl_type, KL_TYPES)
+    value = _KL_BASE[kl_type.rstrip("+")](logprobs, ref_logprobs)  # same shape as logprobs
+    if not kl_type.endswith("+"):
+        return value
+    k2 = _k2(logprobs, ref_logprobs)  # same shape as logprobs
+    return k2 - k2.detach() + value.detach()
+
+
+# --------------------------------------------------------------------------- aggregation
+
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+)
+
+
+def _at_least_one(count: Tensor | float) -> Tensor | float:
+    """Clamp a denominator count to >= 1 (an empty batch then gives 0, not NaN)."""
+    return count.clamp(min=1) if isinstance(count, Tensor) else max(float(count), 1.0)
+
+
+def aggregate_loss(values: Tensor, mask: Tensor, mode: str, *, num_tokens: Tensor | float | None = None,
+                   num_seqs: Tensor | float | None = None,
+                   loss_scale_factor: float | None = None) -> Tensor:
+    """Reduce per-token ``values`` [batch, seq_len] to a scalar with ``mode`` (see LOSS_AGG_MODES).
+
+    ``num_tokens`` / ``num_seqs`` are the counts of the whole mini-batch (all micro-batches, all
+    processes); pass them when aggregating a micro-batch so micro-batch losses sum to the mini-batch
+    loss. Defaults: this tensor's ``mask.sum()`` and its number of rows with any valid token.
+    ``loss_scale_factor`` defaults to ``mask.shape[-1]``; pass ``data.max_response_length`` explicitly
+    when micro-batches are padded to different lengths, or they will not add up.
+    Example (token weights): rows of 10 and 90 valid tokens -> token-mean 0.01 each;
+    seq-mean-token-mean 0.05 for the short row's tokens and 1/180 for the long row's.
+    """
+    _check_name("loss_agg_mode", mode, LOSS_AGG_MODES)
+    mask = mask.to(values.dtype)  # [batch, seq_len]
+    masked_values = values * mask  # [batch, seq_len]
+    if mode == "token-mean":
+        total_tokens = mask.sum() if num_tokens is None else num_tokens
+        return masked_values.sum() / _at_least_one(total_tokens)
+    row_sums = masked_values.sum(dim=-1)  # [batch]
+    total_seqs = (mask.sum(dim=-1) > 0).sum() if num_seqs is None else num_seqs
+    if mode == "seq-mean-token-sum":
+        return row_sums.sum() / _at_least_one(total_seqs)
+    if mode == "seq-mean-token-mean":
+        row_means = row_sums / mask.sum(dim=-1).clamp(min=1)  # [batch]; all-padding row -> 0
+        return row_means.sum() / _at_least_one(total_seqs)
+    scale = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if scale <= 0:
+        raise ValueError(f"loss_scale_factor must be > 0, got {scale}")
+    return row_sums.sum() / (_at_least_one(total_seqs) * scale)  # seq-mean-token-sum-norm
+
+
+# --------------------------------------------------------------------------- policy losses
+
+
+def _vanilla_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """PPO token ratio exp(clamp(lp - old, -20, 20))."""
+    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [batch, seq_len]
+
+
+def _gspo_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO: sequence ratio s_i = exp(masked mean_t(lp - old)), applied per token as
+    exp(lp - lp.detach()) * s_i.detach(): value s_i, gradient d s_i / d lp_t summed over the row."""
+    mask = mask.to(logprobs.dtype)  # [batch, seq_len]
+    row_tokens = mask.sum(dim=-1, keepdim=True).clamp(min=1)  # [batch, 1]
+    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(dim=-1, keepdim=True) / row_tokens  # [batch, 1]
+    seq_log_ratio = seq_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [batch, 1]
+    return (logprobs - logprobs.detach() + seq_log_ratio).exp()  # [batch, seq_len]
+
+
+POLICY_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "vanilla": _vanilla_ratio, "gspo": _gspo_ratio,
+}
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                loss_mode: str = "vanilla", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
+                num_tokens: Tensor | float | None = None, num_seqs: Tensor | float | None = None,
+                loss_scale_factor: float | None = None,
+                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate loss with dual clip, ratio chosen by ``loss_mode`` (see POLICY_LOSSES).
+
+    All tensors are [batch, seq_len]; ``advantages`` is already broadcast per token.
+    Per token: L = max(-A*r, -A*clip(r, 1-low, 1+high)); where A < 0, L = min(L, -A*clip_ratio_c).
+    ``is_weights`` (detached) multiply L before ``aggregate_loss``. Metrics (python floats, masked
+    means over this call's valid tokens): ``pg_clipfrac`` (clip branch binding), ``pg_clipfrac_lower``
+    (dual clip binding), ``ppo_kl`` (mean of old - lp).
+    Example: lp == old, token-mean -> r = 1 everywhere and loss = -mean(A over valid tokens).
+    """
+    _check_name("loss_mode", loss_mode, tuple(POLICY_LOSSES))
+    _check_name("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual clip lower bound), got {clip_ratio_c}")
+    if not (0.0 <= clip_ratio_low < 1.0 and clip_ratio_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, "
+                         f"got low={clip_ratio_low}, high={clip_ratio_high}")
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
+        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old {tuple(old_logprobs.shape)}, "
+                         f"advantages {tuple(advantages.shape)}, mask {tuple(mask.shape)}")
+    ratio = POLICY_LOSSES[loss_mode](logprobs, old_logprobs, mask)  # [batch, seq_len]
+    unclipped = -advantages * ratio  # [batch, seq_len]
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [batch, seq_len]
+    clip_loss = torch.maximum(unclipped, clipped)  # [batch, seq_len]
+    dual_bound = -advantages * clip_ratio_c  # [batch, seq_len]
+    negative_adv = advantages < 0  # [batch, seq_len]
+    token_loss = torch.where(negative_adv, torch.minimum(clip_loss, dual_bound), clip_loss)  # [batch, seq_len]
+    if is_weights is not None:
+        token_loss = token_loss * is_weights.detach()  # [batch, seq_len]
+    loss = aggregate_loss(token_loss, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                          loss_scale_factor=loss_scale_factor)
+    with torch.no_grad():
+        valid = mask.to(logprobs.dtype)  # [batch, seq_len]
+        denom = valid.sum().clamp(min=1)
+
+        def masked_mean(x: Tensor) -> float:
+            return ((x.to(valid.dtype) * valid).sum() / denom).item()
+
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped > unclipped),
+            "pg_clipfrac_lower": masked_mean(negative_adv & (clip_loss > dual_bound)),
+            "ppo_kl": masked_mean(old_logprobs - logprobs),
+        }
+    return loss, metrics
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy per position over the last dim: logsumexp(z) - sum(softmax(z) * z). Logits must be
+    finite. Example: logits [0, 0] -> log(2)."""
+    probs = torch.softmax(logits, dim=-1)  # [..., vocab]
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # [...]
+
+
+# --------------------------------------------------------------------------- rollout correction
+
+ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token", "sequence")
+
+
+def rollout_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, mode: str,
+                       cap: float) -> Tensor:
+    """Truncated importance weights correcting trainer/vLLM logprob mismatch, detached, [batch, seq_len].
+
+    ``token``: min(exp(old - rollout), cap) per token; ``sequence``: min(exp(sum_t m*(old - rollout)),
+    cap) broadcast over the row; ``none``: ones. Log-ratios are clamped to [-20, 20] before exp.
+    Masked positions hold 1.0. Example (token, cap 2): old - rollout = [0, log 3] -> [1, 2].
+    """
+    _check_name("rollout_correction mode", mode, ROLLOUT_IS_MODES)
+    if cap <= 0:
+        raise ValueError(f"rollout IS cap must be > 0, got {cap}")
+    with torch.no_grad():
+        ones = torch.ones_like(old_logprobs)  # [batch, seq_len]
+        if mode == "none":
+            return ones
+        valid = mask.bool()  # [batch, seq_len]
+        log_ratio = torch.where(valid, old_logprobs - rollout_logprobs, 0.0)  # [batch, seq_len]
+        if mode == "sequence":
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)  # [batch, seq_len]
+        weights = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)  # [batch, seq_len]
+        return torch.where(valid, weights, ones)  # [batch, seq_len]

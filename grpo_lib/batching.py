@@ -1,0 +1,310 @@
+"""Micro-batches under a token budget, work balancing, and padding-free packing.
+
+Everything here is a memory knob only (DESIGN.md invariant 1): how a mini-batch is cut into micro-batches,
+and whether a micro-batch is packed, never changes the gradient, because the loss of every micro-batch is
+divided by the mini-batch's global counts elsewhere (`algorithms`).
+
+- `partition_balanced`: split item indices into k parts with nearly equal weight sums, by the
+  Karmarkar-Karp largest differencing method (as verl's `seqlen_balancing.py`). Guarantee used by the tests:
+  the spread max(sum) - min(sum) never exceeds the largest weight.
+- `micro_batch_indices`: dynamic batch size (every micro-batch holds <= max_tokens tokens, the fewest
+  balanced micro-batches that fit) or a fixed number of sequences per micro-batch. `min_num_micro_batches`
+  is how processes agree on one count (FSDP needs every process to run the same number of forwards):
+  each process computes its own count, `agree_num_micro_batches` takes the MAX, and each process calls again
+  with that number.
+- `restore_order` / `restore_order_list`: put per-micro-batch results back into the original row order.
+- `pack_sequences`: right-padded rows -> one row with position_ids restarting at 0 per sequence. In
+  transformers 5.19, eager / sdpa / flex_attention build a block-diagonal causal mask from such position_ids,
+  but ONLY when the model is called with `attention_mask=None` AND `use_cache=False` (a KV cache, or any
+  2D mask, silently disables the detection and sequences attend to each other). `check_packing_isolated`
+  verifies this once at start-up for the model actually in use.
+
+Example: micro_batch_indices([5, 3, 4, 4], max_tokens=8) -> [[0, 1], [2, 3]]  (8 and 8 tokens).
+"""
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def partition_balanced(weights: list[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
+    """Split indices 0..n-1 into exactly k parts whose weight sums are as even as possible (Karmarkar-Karp).
+
+    Each part's indices are sorted ascending; non-empty parts are ordered by their smallest index, empty
+    parts (only when k > n and not equal_size) come last. With equal_size=True every part holds n / k items.
+    Deterministic. Example: partition_balanced([5, 1, 4, 2], 2) -> [[0, 1], [2, 3]] (sums 6 and 6).
+    """
+    if k < 1:
+        raise ValueError(f"partition_balanced: k must be >= 1, got k={k}")
+    if any(w < 0 for w in weights):
+        raise ValueError(f"partition_balanced: weights must be >= 0, got min weight {min(weights)}")
+    n = len(weights)
+    if equal_size and n % k != 0:
+        raise ValueError(f"partition_balanced: equal_size needs len(weights) % k == 0, got {n} items into k={k} parts")
+    # Heaviest first: for equal_size each initial state holds k consecutive items of this order (one per part).
+    order = sorted(range(n), key=lambda i: (-weights[i], i))
+    if equal_size:
+        groups = [order[start : start + k] for start in range(0, n, k)]
+    else:
+        groups = [[i] for i in order]
+    # A state is k parts [(sum, indices)], sorted by sum descending; the heap pops the largest spread first.
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for counter, group in enumerate(groups):
+        parts = [(weights[i], [i]) for i in group] + [(0, []) for _ in range(k - len(group))]
+        parts.sort(key=lambda part: -part[0])
+        heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), counter, parts))
+    counter = len(groups)
+    while len(heap) > 1:
+        _, _, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        # Largest part of one state joins the smallest of the other: spread <= max(both spreads).
+        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second))]
+        merged.sort(key=lambda part: -part[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
+        counter += 1
+    parts = [sorted(indices) for _, indices in heap[0][2]] if heap else [[] for _ in range(k)]
+    return sorted(parts, key=lambda part: (not part, part[0] if part else 0))
+
+
+def _first_fit_decreasing(seq_lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Bin packing fallback: longest first, each into the first micro-batch with room."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
+        slot = next((b for b, load in enumerate(loads) if load + seq_lens[i] <= max_tokens), None)
+        if slot is None:
+            bins.append([])
+            loads.append(0)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        loads[slot] += seq_lens[i]
+    return bins
+
+
+def _split_to(parts: list[list[int]], seq_lens: list[int], num_parts: int) -> list[list[int]]:
+    """Split the heaviest multi-item part in two until there are num_parts parts (sums only shrink)."""
+    parts = [list(part) for part in parts]
+    while len(parts) < num_parts:
+        splittable = [p for p in range(len(parts)) if len(parts[p]) >= 2]
+        if not splittable:
+            parts.append([])  # fewer items than parts: trailing empty micro-batches
+            continue
+        p = max(splittable, key=lambda p: (sum(seq_lens[i] for i in parts[p]), -p))
+        part = parts.pop(p)
+        halves = partition_balanced([seq_lens[i] for i in part], 2)
+        parts += [sorted(part[j] for j in half) for half in halves]
+    return parts
+
+
+def micro_batch_indices(
+    seq_lens: list[int],
+    *,
+    max_tokens: int | None = None,
+    micro_batch_size: int | None = None,
+    min_num_micro_batches: int = 1,
+) -> list[list[int]]:
+    """Cut sequences (lengths in tokens, prompt + response) into micro-batches; returns row indices per part.
+
+    Exactly one of:
+    - max_tokens (dynamic batch size, verl's `use_dynamic_bsz`): every micro-batch holds <= max_tokens tokens.
+      The count is the smallest k >= ceil(sum / max_tokens) whose Karmarkar-Karp partition fits (first-fit
+      decreasing as the fallback). Micro-batches are ordered by token count descending (the memory peak comes
+      first, so an OOM shows at the first micro-batch), ties by smallest index.
+    - micro_batch_size (sequences per micro-batch): consecutive slices in the original order, as even as
+      possible (10 rows, size 4 -> sizes [4, 3, 3]); no token balancing (use max_tokens for that).
+
+    The result has exactly max(own need, min_num_micro_batches) parts, each sorted ascending. When that exceeds
+    the number of sequences, the trailing parts are EMPTY lists: the caller must still run a forward (a dummy
+    row whose loss is multiplied by 0) for an empty part so that every process runs the same number of
+    forward/backward passes under FSDP.
+    Example: micro_batch_indices([5, 3, 4, 4], max_tokens=8, min_num_micro_batches=3) -> 3 parts, each <= 8.
+    """
+    if (max_tokens is None) == (micro_batch_size is None):
+        raise ValueError(
+            f"micro_batch_indices: pass exactly one of max_tokens / micro_batch_size, "
+            f"got max_tokens={max_tokens}, micro_batch_size={micro_batch_size}"
+        )
+    if min_num_micro_batches < 1:
+        raise ValueError(f"micro_batch_indices: min_num_micro_batches must be >= 1, got {min_num_micro_batches}")
+    n = len(seq_lens)
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_indices: micro_batch_size must be >= 1, got {micro_batch_size}")
+        num_parts = max(math.ceil(n / micro_batch_size), min_num_micro_batches)
+        base, extra = divmod(n, num_parts)
+        bounds = [0]
+        for p in range(num_parts):
+            bounds.append(bounds[-1] + base + (1 if p < extra else 0))
+        return [list(range(bounds[p], bounds[p + 1])) for p in range(num_parts)]
+
+    assert max_tokens is not None, "max_tokens checked above"
+    if max_tokens < 1:
+        raise ValueError(f"micro_batch_indices: max_tokens must be >= 1, got {max_tokens}")
+    for i, length in enumerate(seq_lens):
+        if length < 0 or length > max_tokens:
+            raise ValueError(
+                f"micro_batch_indices: sequence {i} has {length} tokens, over the budget max_tokens={max_tokens} "
+                f"(raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu to at least {length})"
+            )
+
+    def fits(parts: list[list[int]]) -> bool:
+        return all(sum(seq_lens[i] for i in part) <= max_tokens for part in parts)
+
+    parts = _first_fit_decreasing(seq_lens, max_tokens)  # always fits; len(parts) bounds the search
+    for k in range(max(1, math.ceil(sum(seq_lens) / max_tokens)), len(parts) + 1):
+        candidate = partition_balanced(seq_lens, k)
+        if fits(candidate):
+            parts = candidate
+            break
+    parts = [sorted(part) for part in parts if part]  # own need counts non-empty parts only (n == 0 -> 0)
+    num_parts = max(len(parts), min_num_micro_batches)
+    if num_parts > len(parts):
+        candidate = partition_balanced(seq_lens, num_parts)
+        parts = candidate if fits(candidate) else _split_to(parts, seq_lens, num_parts)
+    assert len(parts) == num_parts and fits(parts), f"internal: {len(parts)} parts for {num_parts} or over budget"
+    return sorted(parts, key=lambda part: (not part, -sum(seq_lens[i] for i in part), part[0] if part else 0))
+
+
+def _inverse_order(index_lists: list[list[int]]) -> list[int]:
+    """Position in the concatenated micro-batch order of each original row; checks a permutation."""
+    flat = [i for part in index_lists for i in part]
+    assert sorted(flat) == list(range(len(flat))), f"index lists are not a permutation of 0..{len(flat) - 1}"
+    inverse = [0] * len(flat)
+    for position, i in enumerate(flat):
+        inverse[i] = position
+    return inverse
+
+
+def restore_order(chunks: list[Tensor], index_lists: list[list[int]]) -> Tensor:
+    """Concatenate per-micro-batch results (row p of chunk j belongs to row index_lists[j][p]) in original order.
+
+    A chunk for an empty part must have 0 rows (slice a dummy forward's output with [:0]). All chunks must
+    share their trailing shape. Differentiable. Example: chunks [[b], [a, c]], index lists [[1], [0, 2]] ->
+    [a, b, c].
+    """
+    assert len(chunks) == len(index_lists), f"{len(chunks)} chunks for {len(index_lists)} index lists"
+    for j, (chunk, indices) in enumerate(zip(chunks, index_lists)):
+        assert chunk.shape[0] == len(indices), f"chunk {j} has {chunk.shape[0]} rows for {len(indices)} indices"
+    inverse = _inverse_order(index_lists)
+    stacked = torch.cat(chunks, dim=0)  # [n, ...] in micro-batch order
+    return stacked[torch.tensor(inverse, dtype=torch.long, device=stacked.device)]  # [n, ...] original order
+
+
+def restore_order_list(chunks: list[list], index_lists: list[list[int]]) -> list:
+    """`restore_order` for python lists: [[b], [a, c]], [[1], [0, 2]] -> [a, b, c]."""
+    assert len(chunks) == len(index_lists), f"{len(chunks)} chunks for {len(index_lists)} index lists"
+    for j, (chunk, indices) in enumerate(zip(chunks, index_lists)):
+        assert len(chunk) == len(indices), f"chunk {j} has {len(chunk)} items for {len(indices)} indices"
+    flat = [item for chunk in chunks for item in chunk]
+    return [flat[position] for position in _inverse_order(index_lists)]
+
+
+def agree_num_micro_batches(n_local: int, *, group: dist.ProcessGroup | None = None) -> int:
+    """MAX of n_local over the processes of `group` when torch.distributed is initialised, else n_local."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return n_local
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    count = torch.tensor([n_local], dtype=torch.long, device=device)  # [1]
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+@dataclass
+class PackedBatch:
+    """b right-padded rows packed into one row of `total` real tokens (no pads)."""
+
+    input_ids: Tensor  # [1, total]
+    position_ids: Tensor  # [1, total], restarts at 0 for every sequence
+    cu_seqlens: Tensor  # [b + 1] int32, sequence boundaries in the packed row (flash-attn convention)
+    max_seqlen: int  # longest sequence, tokens
+    flat_index: Tensor  # [total] long, index of each packed token in the flattened [b * T] padded layout
+    batch_size: int  # b
+    seq_len: int  # T, padded length
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """[1, total, ...] or [total, ...] per-token values -> [b, T, ...] with zeros at pads (differentiable).
+
+        A leading dimension of 1 followed by `total` is read as the packed batch dimension.
+        """
+        total = self.flat_index.shape[0]
+        if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == total:
+            values = values[0]  # [total, ...]
+        assert values.shape[0] == total, f"unpack expects {total} packed tokens, got shape {tuple(values.shape)}"
+        padded = values.new_zeros((self.batch_size * self.seq_len, *values.shape[1:]))  # [b * T, ...]
+        padded = padded.index_copy(0, self.flat_index, values)  # [b * T, ...]
+        return padded.view(self.batch_size, self.seq_len, *values.shape[1:])  # [b, T, ...]
+
+
+def pack_sequences(input_ids: Tensor, attention_mask: Tensor) -> PackedBatch:
+    """Pack RIGHT-padded rows (mask 1...1 0...0, asserted) into one row with restarting position_ids.
+
+    Example: ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]] -> input_ids [[5, 6, 7]],
+    position_ids [[0, 1, 0]], cu_seqlens [0, 2, 3], max_seqlen 2.
+    Call the model with attention_mask=None, position_ids=packed.position_ids, use_cache=False.
+    """
+    assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
+        f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]"
+    )
+    mask = attention_mask.to(torch.long)  # [b, T]
+    assert bool(((mask == 0) | (mask == 1)).all()), "attention_mask must hold only 0 and 1"
+    assert bool((mask[:, 1:] <= mask[:, :-1]).all()), (
+        "pack_sequences assumes right padding (each mask row is 1s then 0s); left-padded rows must be shifted first"
+    )
+    batch_size, seq_len = mask.shape
+    lens = mask.sum(dim=1)  # [b]
+    valid = mask.bool()  # [b, T]
+    position_ids = (mask.cumsum(dim=1) - 1)[valid]  # [total]
+    cu_seqlens = torch.nn.functional.pad(lens.cumsum(dim=0), (1, 0)).to(torch.int32)  # [b + 1]
+    return PackedBatch(
+        input_ids=input_ids[valid].unsqueeze(0),  # [1, total]
+        position_ids=position_ids.unsqueeze(0),  # [1, total]
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lens.max()) if batch_size > 0 else 0,
+        flat_index=valid.flatten().nonzero().squeeze(1),  # [total]
+        batch_size=batch_size,
+        seq_len=seq_len,
+    )
+
+
+@torch.no_grad()
+def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None, seed: int = 0) -> None:
+    """Start-up check that packed sequences do not attend to each other with the model's attention backend.
+
+    Runs two random sequences packed in one row (restarting position_ids, attention_mask=None, use_cache=False)
+    and each alone; raises RuntimeError if the log-probabilities differ by more than atol (default 1e-4 for
+    float32, 1e-1 for half precision: a leak changes them by O(1) in a trained model).
+    """
+    param = next(model.parameters())
+    if atol is None:
+        atol = 1e-4 if param.dtype == torch.float32 else 1e-1
+    generator = torch.Generator().manual_seed(seed)
+    lens = (6, 9)
+    vocab_size = model.config.vocab_size
+    seqs = [torch.randint(0, vocab_size, (1, n), generator=generator).to(param.device) for n in lens]  # [1, n]
+    was_training = model.training
+    model.eval()
+    try:
+        alone = [
+            model(input_ids=s, position_ids=torch.arange(s.shape[1], device=s.device)[None], use_cache=False).logits
+            for s in seqs
+        ]  # each [1, n, V]
+        position_ids = torch.cat([torch.arange(n, device=param.device) for n in lens]).unsqueeze(0)  # [1, sum]
+        packed = model(
+            input_ids=torch.cat(seqs, dim=1), position_ids=position_ids, attention_mask=None, use_cache=False
+        ).logits  # [1, sum, V]
+    finally:
+        model.train(was_training)
+    expected = torch.cat(alone, dim=1).float().log_softmax(-1)  # [1, sum, V]
+    diff = (packed.float().log_softmax(-1) - expected).abs().max().item()
+    if not diff <= atol:
+        impl = getattr(model.config, "_attn_implementation", "unknown")
+        raise RuntimeError(
+            f"Packed sequences are not isolated with attn_implementation={impl!r}: log-probs differ by {diff:.3g} "
+            f"(> {atol:g}) between packed and separate forwards. Set `model.use_remove_padding: false`, or use "
+            f"attn_implementation sdpa / eager / flash_attention_2."
+        )

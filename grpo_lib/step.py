@@ -1,0 +1,224 @@
+"""The phases of one training step that sit between the engine, the rewards and the actor.
+
+`train_grpo.py` calls these by name in DESIGN.md's order. Each is a function over the typed containers
+of `grpo_lib.types`; none branches on a loss or estimator name (the math lives in `algorithms`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_lib import algorithms
+from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier
+from grpo_lib.types import Generation, PromptBatch, RolloutBatch
+
+
+def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]], *, pad_id: int = 0) -> RolloutBatch:
+    """Prompts x their n generations -> right-padded trajectory rows, groups adjacent.
+
+    Example: prompt [5, 6] with responses [7, 2] and [8] (pad 0) ->
+    input_ids [[5, 6, 7, 2], [5, 6, 8, 0]], response_mask [[0, 0, 1, 1], [0, 0, 1, 0]].
+    """
+    rows, meta = [], []
+    for p, group in enumerate(generations):
+        for g in group:
+            rows.append((prompts.prompt_ids[p], g))
+            meta.append(p)
+    width = max(len(pids) + len(g.token_ids) for pids, g in rows)
+    B = len(rows)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((B, width), dtype=torch.long)  # [B, T]
+    response_mask = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
+    rollout_logprobs = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
+    for i, (pids, g) in enumerate(rows):
+        P, R = len(pids), len(g.token_ids)
+        input_ids[i, :P + R] = torch.tensor(list(pids) + g.token_ids)
+        attention_mask[i, :P + R] = 1
+        response_mask[i, P:P + R] = 1.0
+        rollout_logprobs[i, P:P + R] = torch.tensor(g.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, rollout_logprobs=rollout_logprobs,
+        group_ids=[prompts.group_ids[p] for p in meta], response_texts=[g.text for _, g in rows],
+        data_sources=[prompts.data_sources[p] for p in meta], ground_truths=[prompts.ground_truths[p] for p in meta],
+        extra_infos=[prompts.extra_infos[p] for p in meta],
+        truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
+    )
+
+
+def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Rows of several batches in one (padded to the widest)."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.input_ids.shape[1] for b in batches)
+    fields = {}
+    for name in batches[0].__dataclass_fields__:
+        values = [getattr(b, name) for b in batches]
+        if isinstance(values[0], torch.Tensor):
+            if values[0].dim() == 2:
+                values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+            fields[name] = torch.cat(values)
+        elif isinstance(values[0], list):
+            fields[name] = [x for v in values for x in v]
+        elif values[0] is None:
+            fields[name] = None
+        else:
+            fields[name] = values[0]
+    return RolloutBatch(**fields)
+
+
+def score(scorer, batch: RolloutBatch) -> dict[str, float]:
+    """Fill batch.scores with the weighted reward; return per-function metrics (local sums, reduced by caller)."""
+    out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
+                       extra_infos=batch.extra_infos)
+    batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
+    sums = {f"reward/{name}/mean": float(sum(v)) for name, v in out.per_function.items()}
+    if "accuracy" in out.per_function:
+        sums["reward/accuracy"] = float(sum(1.0 for v in out.per_function["accuracy"] if v > 0))
+    sums["reward/errors"] = float(out.num_errors)
+    sums["reward/timeouts"] = float(out.num_timeouts)
+    return sums
+
+
+def informative_groups(batch: RolloutBatch) -> list[str]:
+    """Groups whose scores are not all equal (DAPO dynamic sampling keeps only these)."""
+    by_group: dict[str, set] = {}
+    for g, s in zip(batch.group_ids, batch.scores.tolist()):
+        by_group.setdefault(g, set()).add(round(s, 9))
+    return [g for g, values in by_group.items() if len(values) > 1]
+
+
+def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict):
+    """Prompts -> vLLM generation -> rewards; with filter_groups, repeat until enough informative groups.
+
+    Returns the batch of this process and the step's generation / reward metrics (reduced over processes).
+    """
+    per_rank = cfg.data.train_batch_size // world_size
+    fg = cfg.algorithm.filter_groups
+    kept: list[RolloutBatch] = []
+    num_kept, dropped, rounds = 0, 0, 0
+    sums: dict[str, float] = {}
+    while True:
+        rounds += 1
+        global_idx = sampler.next_batch()
+        prompts = dataset.batch(global_idx[rank * per_rank:(rank + 1) * per_rank])
+        seeds = [cfg.trainer.seed * 1_000_003 + step * 100_003 + rounds * 10_007 + rank * per_rank + i for i in range(len(prompts))]
+        start = time.perf_counter()
+        engine.wake_up()
+        generations = engine.generate(prompts.prompt_ids, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
+                                      max_tokens=cfg.data.max_response_length, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seeds=seeds)
+        engine.sleep()
+        timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+        batch = build_rollout_batch(prompts, generations, pad_id=cfg_pad_id(engine))
+        start = time.perf_counter()
+        for k, v in score(scorer, batch).items():
+            sums[k] = sums.get(k, 0.0) + v
+        sums["count"] = sums.get("count", 0.0) + len(batch)
+        sums["reward/sum"] = sums.get("reward/sum", 0.0) + float(batch.scores.sum())
+        sums["response/length_sum"] = sums.get("response/length_sum", 0.0) + float(batch.response_lengths.sum())
+        sums["response/length_max"] = max(sums.get("response/length_max", 0.0), float(batch.response_lengths.max()))
+        sums["response/clipped"] = sums.get("response/clipped", 0.0) + float(batch.truncated.sum())
+        timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+        if not fg.enable:
+            kept.append(batch)
+            break
+        good = set(informative_groups(batch))
+        dropped += len(set(batch.group_ids)) - len(good)
+        if good:
+            kept.append(batch.select([i for i, g in enumerate(batch.group_ids) if g in good]))
+            num_kept += len(good)
+        enough = all_reduce_min(num_kept) >= per_rank
+        if enough or (fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches):
+            break
+    batch = concat_rollouts(kept) if kept else None
+    metrics = {}
+    if fg.enable:
+        keep = int(all_reduce_min(num_kept))  # every process trains on the same number of groups
+        keep = min(keep, per_rank)
+        groups = list(dict.fromkeys(batch.group_ids))[:keep] if batch is not None else []
+        batch = batch.select([i for i, g in enumerate(batch.group_ids) if g in set(groups)]) if groups else None
+        metrics.update({"batch/kept_groups": all_reduce_sum(len(groups)), "batch/dropped_groups": all_reduce_sum(dropped),
+                        "batch/gen_rounds": float(rounds)})
+        if batch is None:
+            raise RuntimeError(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds; "
+                               "raise algorithm.filter_groups.max_num_gen_batches or check the reward")
+    count = all_reduce_sum(sums.pop("count"))
+    max_len = sums.pop("response/length_max")
+    for k, v in sums.items():
+        metrics[k] = all_reduce_sum(v) / count
+    metrics["reward/mean"] = metrics.pop("reward/sum")
+    metrics["response/length_mean"] = metrics.pop("response/length_sum")
+    metrics["response/clip_ratio"] = metrics.pop("response/clipped")
+    metrics["response/length_max"] = -all_reduce_min(-max_len)
+    for k in ("reward/errors", "reward/timeouts"):
+        metrics[k] = metrics[k] * count  # counts, not fractions
+    return batch, metrics
+
+
+def cfg_pad_id(engine) -> int:
+    tok = engine.llm.get_tokenizer()
+    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+
+def needs_old_logprobs(cfg) -> bool:
+    """A separate old-logprob pass is needed only when the policy moves before the last update of the step."""
+    several_updates = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
+    return several_updates or cfg.algorithm.use_kl_in_reward
+
+
+def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
+    """Token rewards (score on the last response token, minus the KL penalty if in reward) -> group advantages."""
+    alg = cfg.algorithm
+    mask = batch.response_mask  # [B, T]
+    last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # [B] index of each row's last response token
+    token_rewards = torch.zeros_like(mask)  # [B, T]
+    token_rewards[torch.arange(len(batch)), last] = batch.scores
+    metrics = {}
+    if alg.use_kl_in_reward:
+        kl = algorithms.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty) * mask  # [B, T]
+        token_rewards = token_rewards - alg.kl_ctrl.kl_coef * kl
+        metrics["critic/kl_in_reward"] = all_reduce_sum(kl.sum().item()) / max(all_reduce_sum(mask.sum().item()), 1.0)
+    batch.token_rewards = token_rewards
+    seq_scores = token_rewards.sum(-1)  # [B]
+    adv = algorithms.compute_advantages(seq_scores, batch.group_ids, estimator=alg.adv_estimator,
+                                        norm_by_std=alg.norm_adv_by_std_in_grpo)  # [B]
+    batch.advantages = adv[:, None] * mask  # [B, T]
+    metrics["critic/advantages_abs_mean"] = all_reduce_sum(adv.abs().sum().item()) / all_reduce_sum(len(batch))
+    return metrics
+
+
+def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int) -> dict[str, float]:
+    """Greedy (rollout.val_kwargs) generation over this process's share of the validation set; accuracy per source."""
+    idx = list(range(rank, len(dataset), world_size))
+    prompts = dataset.batch(idx)
+    vk = cfg.rollout.val_kwargs
+    engine.wake_up()
+    generations = engine.generate(prompts.prompt_ids, n=vk.n, temperature=vk.temperature, max_tokens=cfg.data.max_response_length,
+                                  seeds=[cfg.trainer.seed + i for i in idx])
+    engine.sleep()
+    batch = build_rollout_batch(prompts, generations, pad_id=cfg_pad_id(engine))
+    score(scorer, batch)
+    sources = sorted(set(dataset.data_sources))
+    metrics = {}
+    for src in sources:
+        hits = [float(s > 0) for s, d in zip(batch.scores.tolist(), batch.data_sources) if d == src]
+        total = all_reduce_sum(len(hits))
+        if total:
+            metrics[f"val/{src}/acc"] = all_reduce_sum(sum(hits)) / total
+    metrics["val/reward_mean"] = all_reduce_sum(batch.scores.sum().item()) / all_reduce_sum(len(batch))
+    return metrics
+
+
+def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
+    """Slowest process's time per phase (the step waits for it)."""
+    return {k: -all_reduce_min(-v) for k, v in timings.items()}
+
+
+def save_checkpoint(actor, tokenizer, path: Path, *, rank: int) -> None:
+    """Hugging Face export of the actor (process 0 writes; everybody waits)."""
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        actor.save_hf(path, tokenizer)
+    barrier()

@@ -1,0 +1,98 @@
+"""Containers that travel between the phases of a step. Every tensor field carries its shape.
+
+Layout of one trajectory row (B rows, T = longest prompt + response in the batch, right padded):
+
+    input_ids      [p0 p1 p2 r0 r1 r2 r3 pad pad]
+    attention_mask [ 1  1  1  1  1  1  1   0   0]
+    response_mask  [ 0  0  0  1  1  1  1   0   0]   positions whose token was sampled by the policy
+
+Every per-token tensor (`*_logprobs`, `advantages`) is aligned with `input_ids`: entry t is about token t,
+predicted from tokens < t. Rows of one prompt group are adjacent and share a `group_id`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    """Prompts of one step on this process, already tokenized."""
+
+    prompt_ids: list[list[int]]  # [num_prompts][prompt_len]
+    group_ids: list[str]  # [num_prompts] unique id of each prompt (the GRPO group key)
+    data_sources: list[str]  # [num_prompts]
+    ground_truths: list  # [num_prompts]
+    extra_infos: list[dict]  # [num_prompts]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def select(self, idx: list[int]) -> PromptBatch:
+        return PromptBatch(*[[getattr(self, f.name)[i] for i in idx] for f in fields(self)])
+
+    @staticmethod
+    def concat(batches: list[PromptBatch]) -> PromptBatch:
+        return PromptBatch(*[[x for b in batches for x in getattr(b, f.name)] for f in fields(PromptBatch)])
+
+
+@dataclass
+class Generation:
+    """What the engine returns for one sampled response."""
+
+    token_ids: list[int]  # [response_len] (includes the eos token when the model stopped)
+    logprobs: list[float]  # [response_len] engine's logprob of each sampled token
+    text: str
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class RolloutBatch:
+    """Trajectories of one step on this process (n per prompt, groups adjacent)."""
+
+    input_ids: torch.Tensor  # [B, T] long, prompt + response, right padded
+    attention_mask: torch.Tensor  # [B, T] long
+    response_mask: torch.Tensor  # [B, T] float, 1 on sampled response tokens
+    rollout_logprobs: torch.Tensor  # [B, T] float, engine's sampled-token logprobs (0 off-response)
+    group_ids: list[str]  # [B]
+    response_texts: list[str]  # [B]
+    data_sources: list[str]  # [B]
+    ground_truths: list  # [B]
+    extra_infos: list[dict]  # [B]
+    truncated: torch.Tensor  # [B] bool, hit max_response_length
+    scores: torch.Tensor | None = None  # [B] float, weighted reward per response
+    token_rewards: torch.Tensor | None = None  # [B, T] score on the last response token (minus KL if in reward)
+    advantages: torch.Tensor | None = None  # [B, T] float, sequence advantage broadcast over response tokens
+    old_logprobs: torch.Tensor | None = None  # [B, T] float, actor before this step's updates
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float, frozen reference
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Real tokens (prompt + response) per row."""
+        return self.attention_mask.sum(-1).tolist()
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)  # [B]
+
+    def select(self, idx: list[int]) -> RolloutBatch:
+        """Rows `idx` (in that order), trimmed to their own longest row."""
+        index = torch.as_tensor(idx, dtype=torch.long)
+        width = int(self.attention_mask[index].sum(-1).max().item()) if len(idx) else 1
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[index]
+                if value.dim() == 2:
+                    value = value[:, :width]
+            elif isinstance(value, list):
+                value = [value[i] for i in idx]
+            out[f.name] = value
+        return RolloutBatch(**out)

@@ -1,0 +1,122 @@
+"""GRPO training, top to bottom: `python train_grpo.py RECIPE.yaml [key=value ...]`.
+
+Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
+colocated vLLM engine and the actor; the step order follows DESIGN.md:
+
+    prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
+    -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
+    -> push weights to the engine -> log / validate / checkpoint
+
+Config problems exit with code 2 before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
+
+
+@contextmanager
+def timed(timings: dict, name: str):
+    start = time.perf_counter()
+    yield
+    timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def setup(cfg, world_size: int, rank: int):
+    """Tokenizer, data, engine, actor, reference, reward scorer, metric logger."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from grpo_lib.actor import Actor, Reference
+    from grpo_lib.data import PromptSampler, load_prompts
+    from grpo_lib.metrics import MetricLogger
+    from grpo_lib.rewards import RewardScorer
+    from grpo_lib.rollout import VLLMEngine
+
+    torch.manual_seed(cfg.trainer.seed)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+    engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                        seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
+    actor = Actor(cfg, device=device)
+    need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    reference = Reference(cfg, device=device) if need_ref else None
+    scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
+                          gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+    logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps)
+    logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
+    return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
+                reference=reference, scorer=scorer, logger=logger, device=device)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(argv[0], argv[1:], world_size=world_size)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from grpo_lib import step as S
+    from grpo_lib.distributed import init_distributed
+
+    init_distributed()
+    parts = setup(cfg, world_size, rank)
+    engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
+    out_dir = Path(cfg.trainer.default_local_dir)
+    if cfg.trainer.val_before_train and parts["val"] is not None:
+        logger.log(0, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
+
+    for step in range(1, parts["total_steps"] + 1):
+        timings: dict[str, float] = {}
+        with timed(timings, "step"):
+            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
+            batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
+                                                    world_size=world_size, rank=rank, timings=timings)
+            # 5. reference logprobs (only with a KL term)
+            if reference is not None:
+                with timed(timings, "ref"):
+                    batch.ref_logprobs = reference.compute_logprobs(batch)
+            # 6. old logprobs (only when the step makes more than one update, or KL in reward needs them)
+            if S.needs_old_logprobs(cfg):
+                with timed(timings, "old_logprob"):
+                    batch.old_logprobs = actor.compute_logprobs(batch)
+            # 4. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards)
+            adv_metrics = S.compute_advantages(cfg, batch)
+            # 7. update
+            with timed(timings, "update"):
+                train_metrics = actor.update(batch)
+            # push the new weights: the engine serves the actor's current weights from here on
+            with timed(timings, "push"):
+                engine.wake_up(tags=["weights"])
+                engine.push_weights(actor.named_weights())
+        # 8. log / validate / checkpoint
+        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
+        logger.advance()
+        if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
+            logger.log(step, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
+        if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"]:
+            S.save_checkpoint(actor, parts["tokenizer"], out_dir / f"global_step_{step}" / "actor", rank=rank)
+    scorer.close()
+    logger.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
