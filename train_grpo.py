@@ -106,6 +106,8 @@ def main(argv: list[str]) -> int:
             with timed(timings, "push"):
                 engine.wake_up(tags=["weights"])
                 engine.push_weights(actor.named_weights())
+            if cfg.trainer.check_weight_sync:
+                train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
         # 8. log / validate / checkpoint
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
         logger.advance()

@@ -46,12 +46,18 @@ def read_records(path: str, split: str | None = None) -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    if suffix == "jsonl":
+    if suffix in ("jsonl", "json"):
         with open(path, encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-    if suffix == "json":
-        with open(path, encoding="utf-8") as handle:
-            content = json.load(handle)
+            text = handle.read()
+        try:
+            content = json.loads(text) if suffix == "json" and text.strip() else None
+        except json.JSONDecodeError:
+            content = None  # a .json file holding JSON lines, as `datasets.to_json` writes
+        if content is None:
+            try:
+                return [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: not valid JSON / JSON lines ({error})") from error
         if isinstance(content, dict) and "data" in content:
             content = content["data"]
         if not isinstance(content, list):

@@ -259,6 +259,9 @@ class TrainerConfig:
     """Seed of torch, sampling and shuffling."""
     balance_batch: bool = True
     """Assign trajectories to processes by balanced token counts (whole groups stay together)."""
+    check_weight_sync: bool = False
+    """After every push, compare the engine's logprobs of one trajectory with the actor's (temperature 1) and
+    log the largest difference as `debug/weight_sync_max_abs_diff` (costs one tiny forward each)."""
     project_name: str = "grpo"
     """Free-form name shown in logs."""
     experiment_name: str = "run"

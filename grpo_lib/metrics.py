@@ -60,7 +60,8 @@ class MetricLogger:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
         if "console" in self.sinks:
-            shown = " ".join(f"{k.split('/', 1)[1] if k.count('/') == 1 else k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            keys = [k for k in CONSOLE_KEYS if k in metrics] or sorted(metrics)
+            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
             line = f"step {step}: {shown}"
             if self.bar is not None:
                 self.bar.write(line)

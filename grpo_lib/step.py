@@ -211,6 +211,19 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int) -> dic
     return metrics
 
 
+def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
+    """Largest |engine - actor| logprob over the first trajectory of `batch`, at temperature 1 (invariant 3)."""
+    from grpo_lib.logprobs import token_logprobs
+
+    length = int(batch.attention_mask[0].sum())
+    seq = batch.input_ids[0, :length]  # [L]
+    engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
+    actor.model.eval()
+    with torch.no_grad():
+        actor_lp, _ = token_logprobs(actor.model, seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))
+    return float((engine_lp - actor_lp[0].float().cpu()).abs().max())
+
+
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
     """Slowest process's time per phase (the step waits for it)."""
     return {k: -all_reduce_min(-v) for k, v in timings.items()}

@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny Qwen3 model folder and synthetic GSM8K-format data, built offline once per session,
+and a helper that runs train_grpo.py in a subprocess (each run owns its vLLM engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from data_prep.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", warmup_steps=0, seed=0)
+
+
+@pytest.fixture(scope="session")
+def arith_data(tmp_path_factory) -> dict[str, Path]:
+    from data_prep.synthetic import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("arith"), train_size=64, test_size=8, seed=0)
+
+
+def tiny_overrides(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[str]:
+    """Small, fast settings on top of recipes/tiny_cpu.yaml."""
+    return [
+        f"model.path={model_dir}",
+        f"data.train_files=[{data['train']}]",
+        f"data.val_files=[{data['test']}]",
+        f"trainer.default_local_dir={out_dir}",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=4",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "reward.num_workers=1",
+    ]
+
+
+def run_train(args: list[str], *, launcher: list[str] | None = None, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run train_grpo.py (or `launcher + [train_grpo.py, ...]`) from the repo root; fail with its output."""
+    cmd = (launcher or [sys.executable]) + [str(REPO / "train_grpo.py"), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-3000:]}")
+    return proc
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    """Per-step rows of metrics.jsonl (the step-0 data summary excluded)."""
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
