@@ -11,19 +11,24 @@ processes, so micro-batching and the process count never change the gradient (DE
 Multi-process: gradients are all-reduced explicitly after the micro-batches of a mini-batch (no DDP
 wrapper: DDP needs every forward to go through its own `forward`, and the chunked logprob path calls the
 decoder and the output head separately). FSDP2 sharding plugs in at `_wrap_model` (its own issue).
+Every process runs the same number of forward (and backward) passes: the micro-batch count is agreed
+across processes (`batching.agree_num_micro_batches`), and a process with fewer rows than micro-batches
+runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so per-module collectives
+(FSDP all-gathers / reduce-scatters) always pair up.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms
-from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices
+from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices
 from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
 from grpo_lib.logprobs import token_logprobs
 from grpo_lib.types import RolloutBatch
@@ -51,18 +56,40 @@ def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_si
     return local if agreed == len(local) else micro_batch_indices(seq_lens, micro_batch_size=micro_batch_size, min_num_micro_batches=agreed)
 
 
+def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
+    """One two-token row (token id 0, real tokens, EMPTY response mask) shaped like `template`'s fields.
+
+    Run in place of an empty micro-batch so this process makes the same forward/backward calls as the others;
+    its loss is multiplied by 0. Two tokens, so one token is scored and the output head is part of the graph.
+    """
+    out = {}
+    for f in fields(template):
+        value = getattr(template, f.name)
+        if isinstance(value, torch.Tensor):
+            shape = (1, 2) if value.dim() == 2 else (1, *value.shape[1:])
+            out[f.name] = torch.zeros(shape, dtype=value.dtype)
+        elif isinstance(value, list):
+            out[f.name] = [value[0] if value else None]
+        else:
+            out[f.name] = value
+    out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
+    return RolloutBatch(**out)
+
+
 @torch.no_grad()
 def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
                         micro_batch_size: int | None, device: torch.device) -> torch.Tensor:
-    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches."""
+    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches.
+
+    An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
+    """
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
     for idx in micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size):
-        if not idx:
-            continue
-        mb = batch.select(idx)
+        mb = batch.select(idx) if idx else dummy_micro_batch(batch)
         lp, _ = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                               remove_padding=remove_padding)
-        out[torch.as_tensor(idx), :lp.shape[1]] = lp.float().cpu()
+                               remove_padding=remove_padding)  # [b, t]
+        if idx:
+            out[torch.as_tensor(idx), :lp.shape[1]] = lp.float().cpu()
     return out
 
 
@@ -76,6 +103,8 @@ class Actor:
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
+        if cfg.model.use_remove_padding:
+            check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
         a = cfg.actor
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
         warmup = max(0, a.lr_warmup_steps)
@@ -162,30 +191,7 @@ class Actor:
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
         """Backward over the micro-batches of one mini-batch, then one optimizer step."""
         a = self.cfg.actor
-        num_tokens = all_reduce_sum(mini.response_mask.sum().item())
-        num_seqs = all_reduce_sum(int((mini.response_mask.sum(-1) > 0).sum().item()))
-        compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
-        metrics: dict[str, float] = defaultdict(float)
-        weighted: dict[str, float] = defaultdict(float)
-        idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu)
-        for idx in idx_lists:
-            if not idx:
-                continue
-            loss, mb_metrics, mb_tokens = self.micro_batch_loss(mini.select(idx), num_tokens=num_tokens, num_seqs=num_seqs,
-                                                                compute_entropy=compute_entropy)
-            (loss * self.world_size).backward()
-            for k, v in mb_metrics.items():
-                if k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-                    metrics[k] += v  # already normalised by global counts: the sum is this process's share
-                else:
-                    weighted[k] += v * mb_tokens  # per-micro-batch fractions: token-weighted mean
-        for k, v in weighted.items():
-            metrics[k] = all_reduce_sum(v) / max(num_tokens, 1.0)
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-            if k in metrics:
-                metrics[k] = all_reduce_sum(metrics[k])
-        self._average_gradients()
+        metrics = self.accumulate_gradients(mini)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip if a.grad_clip > 0 else float("inf"))
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -196,6 +202,42 @@ class Actor:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
+
+    def accumulate_gradients(self, mini: RolloutBatch) -> dict[str, float]:
+        """Backward over the micro-batches of this process's share of one mini-batch, gradients averaged over
+        processes; leaves the mini-batch gradient in `.grad` (no optimizer step) and returns its metrics.
+
+        Loss sums are divided by the mini-batch's global token / sequence counts and multiplied by the world size
+        (undone by the average), so `.grad` is the gradient of the whole mini-batch's loss on every process, for
+        any micro-batching, packing and process count (DESIGN invariant 1). Losses in the metrics are global.
+        """
+        a = self.cfg.actor
+        num_tokens = all_reduce_sum(mini.response_mask.sum().item())
+        num_seqs = all_reduce_sum(int((mini.response_mask.sum(-1) > 0).sum().item()))
+        compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
+        metrics: dict[str, float] = defaultdict(float)
+        weighted: dict[str, float] = defaultdict(float)
+        idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu)
+        for idx in idx_lists:
+            mb = mini.select(idx) if idx else dummy_micro_batch(mini)
+            weight = 1.0 if idx else 0.0  # an empty micro-batch still runs forward + backward, contributing exactly 0
+            loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                                compute_entropy=compute_entropy)
+            (loss * (weight * self.world_size)).backward()
+            for k, v in mb_metrics.items():
+                if k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+                    metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
+                else:
+                    weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
+        # The same keys on every process (the dummy reports them too), reduced in sorted order.
+        for k in sorted(weighted):
+            metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            if k in metrics:
+                metrics[k] = all_reduce_sum(metrics[k])
+        self._average_gradients()
+        return dict(metrics)
 
     def _average_gradients(self) -> None:
         if not _dist_on():

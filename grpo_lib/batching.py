@@ -13,6 +13,9 @@ divided by the mini-batch's global counts elsewhere (`algorithms`).
   each process computes its own count, `agree_num_micro_batches` takes the MAX, and each process calls again
   with that number.
 - `restore_order` / `restore_order_list`: put per-micro-batch results back into the original row order.
+- `balance_across_ranks` (`trainer.balance_batch`): trajectories are generated on the process that owns the
+  prompt; this moves whole groups between processes so that every process holds the same number of
+  trajectories and nearly the same number of tokens (`plan_rank_balance` is the pure planning step).
 - `pack_sequences`: right-padded rows -> one row with position_ids restarting at 0 per sequence. In
   transformers 5.19, eager / sdpa / flex_attention build a block-diagonal causal mask from such position_ids,
   but ONLY when the model is called with `attention_mask=None` AND `use_cache=False` (a KV cache, or any
@@ -22,13 +25,17 @@ divided by the mini-batch's global counts elsewhere (`algorithms`).
 Example: micro_batch_indices([5, 3, 4, 4], max_tokens=8) -> [[0, 1], [2, 3]]  (8 and 8 tokens).
 """
 
+from __future__ import annotations
+
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from grpo_lib.types import RolloutBatch
 
 
 def partition_balanced(weights: list[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
@@ -212,6 +219,98 @@ def agree_num_micro_batches(n_local: int, *, group: dist.ProcessGroup | None = N
     count = torch.tensor([n_local], dtype=torch.long, device=device)  # [1]
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
+
+
+def plan_rank_balance(groups_per_rank: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """Assign whole groups to processes: equal trajectory counts, balanced token counts, few moves.
+
+    groups_per_rank[r][j] = (rows, tokens) of group j on process r. Returns, for every destination process, the
+    groups it gets as (source process, j), in global order (source, then j). Every group must hold the same
+    number of rows and the group count must divide by the process count (each process then gets
+    num_groups / world_size groups); the token sums then differ by at most one group's tokens (Karmarkar-Karp).
+    A batch already as balanced as the partition stays put; otherwise parts go to processes greedily by how many
+    of their tokens are already there.
+    Example: [[(2, 90), (2, 80)], [(2, 10), (2, 20)]] -> [[(0, 0), (1, 0)], [(0, 1), (1, 1)]] (100 / 100 tokens).
+    """
+    world_size = len(groups_per_rank)
+    flat = [(r, j, rows, tokens) for r, groups in enumerate(groups_per_rank) for j, (rows, tokens) in enumerate(groups)]
+    sizes = sorted({rows for _, _, rows, _ in flat})
+    if len(sizes) > 1:
+        raise ValueError(f"balance_across_ranks: groups hold different numbers of trajectories {sizes}; equal counts per "
+                         "process need equal group sizes (set trainer.balance_batch=false)")
+    if len(flat) % world_size:
+        raise ValueError(f"balance_across_ranks: {len(flat)} groups do not split evenly across {world_size} processes "
+                         "(set trainer.balance_batch=false or make data.train_batch_size a multiple of the process count)")
+    parts = partition_balanced([tokens for *_, tokens in flat], world_size, equal_size=True)
+    planned = [sum(flat[i][3] for i in part) for part in parts]
+    current = [sum(tokens for _, tokens in groups) for groups in groups_per_rank]
+    if len({len(groups) for groups in groups_per_rank}) == 1 and max(current) - min(current) <= max(planned) - min(planned):
+        return [[(r, j) for j in range(len(groups))] for r, groups in enumerate(groups_per_rank)]  # already as balanced
+    # overlap[p][r]: tokens of part p already on process r; assign the largest overlaps first.
+    overlap = [[sum(flat[i][3] for i in part if flat[i][0] == r) for r in range(world_size)] for part in parts]
+    pairs = sorted(((overlap[p][r], p, r) for p in range(world_size) for r in range(world_size)), key=lambda x: (-x[0], x[1], x[2]))
+    owner: dict[int, int] = {}
+    taken: set[int] = set()
+    for _, p, r in pairs:
+        if p not in owner and r not in taken:
+            owner[p] = r
+            taken.add(r)
+    plan: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    for p, part in enumerate(parts):
+        plan[owner[p]] = sorted((flat[i][0], flat[i][1]) for i in part)
+    return plan
+
+
+def _concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Rows of several batches in one, [B, T] fields right-padded with zeros to the widest."""
+    width = max(b.input_ids.shape[1] for b in batches)
+    out = {}
+    for f in fields(RolloutBatch):
+        values = [getattr(b, f.name) for b in batches]
+        if isinstance(values[0], Tensor):
+            pad = [torch.nn.functional.pad(v, (0, width - v.shape[1])) if v.dim() == 2 else v for v in values]
+            out[f.name] = torch.cat(pad)
+        elif isinstance(values[0], list):
+            out[f.name] = [x for v in values for x in v]
+        else:
+            out[f.name] = values[0]  # None (on every process alike) or the batch-level `extra` dict
+    return RolloutBatch(**out)
+
+
+def balance_across_ranks(batch: RolloutBatch, *, group: dist.ProcessGroup | None = None) -> RolloutBatch:
+    """This process's rows after moving whole groups so every process holds the same number of trajectories and
+    nearly the same number of tokens (prompt + response, real tokens). Identity with one process.
+
+    The (rows, tokens) of every group are all-gathered, every process computes the same `plan_rank_balance`,
+    then each source process scatters the groups it gives away (pickled CPU batches, `scatter_object_list`).
+    Groups are rows sharing a group_id; a group never straddles processes, so per-group advantages are
+    unchanged. Rows arrive grouped, in (source process, position) order. Call it right after generation, before
+    any per-row tensor is computed from the process's share (reference / old logprobs, advantages).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return batch
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    group_order = list(dict.fromkeys(batch.group_ids))  # local groups, as generated
+    rows_of: dict[str, list[int]] = {g: [] for g in group_order}
+    for i, g in enumerate(batch.group_ids):
+        rows_of[g].append(i)
+    seq_lens = batch.seq_lens
+    local = [(len(rows_of[g]), sum(seq_lens[i] for i in rows_of[g])) for g in group_order]
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, local, group=group)
+    plan = plan_rank_balance(gathered)
+    outgoing = []
+    for dest in range(world_size):
+        mine = [j for src, j in plan[dest] if src == rank]
+        outgoing.append(batch.select([i for j in mine for i in rows_of[group_order[j]]]) if mine else None)
+    pieces = []
+    for src in range(world_size):  # one scatter per source process: data moves once, to its destination
+        received: list = [None]
+        dist.scatter_object_list(received, outgoing if src == rank else None, group=group, group_src=src)
+        if received[0] is not None:
+            pieces.append(received[0])
+    assert pieces, f"balance_across_ranks: process {rank} received no group"
+    return _concat_batches(pieces)
 
 
 @dataclass

@@ -38,8 +38,6 @@ class DataConfig:
     """Column holding the prompt: a list of chat messages, or a plain string."""
     train_batch_size: int = 1024
     """Prompts per training step, global across processes. Trajectories per step = this x rollout.n."""
-    val_batch_size: int | None = None
-    """Prompts per validation generate call (None: the whole validation set at once)."""
     max_prompt_length: int = 512
     """Prompt tokens (after the chat template). Longer prompts are filtered or truncated, see below."""
     max_response_length: int = 512
@@ -518,3 +516,53 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
 def to_dict(cfg: Config) -> dict:
     """Plain nested dict (for logging the resolved config next to the run)."""
     return dataclasses.asdict(cfg)
+
+
+def reference_markdown() -> str:
+    """The config reference table (README.md embeds it): key, default, meaning — read from the field docstrings."""
+    import ast
+    import inspect
+
+    docs: dict[str, dict[str, str]] = {}
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body, docs[node.name] = node.body, {}
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[node.name][a.target.id] = " ".join(str(b.value.value).split())
+
+    lines = []
+
+    def walk(cls, prefix: str):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {docs.get(cls.__name__, {}).get(f.name, '')} |")
+
+    for f in dataclasses.fields(Config):
+        lines.append(f"\n**{f.name}**\n\n| key | default | meaning |\n|---|---|---|")
+        walk(typing.get_type_hints(Config)[f.name], f"{f.name}.")
+    return "\n".join(lines).strip() + "\n"
+
+
+def update_readme(readme: str | Path = "README.md") -> None:
+    """Rewrite the tables between '## Config reference' (after its intro paragraph) and the next '## '."""
+    path = Path(readme)
+    text = path.read_text()
+    start = text.index("## Config reference")
+    first_table = text.index("**data**", start)
+    end = text.index("\n## ", first_table)
+    path.write_text(text[:first_table] + reference_markdown() + text[end:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--update-readme" in sys.argv:
+        update_readme()
+    else:
+        print(reference_markdown())

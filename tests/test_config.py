@@ -82,3 +82,12 @@ def test_cli_bad_config_exits_2_naming_the_key(override, needle):
 def test_cli_missing_recipe_exits_2():
     proc = run_cli("recipes/nope.yaml")
     assert proc.returncode == 2 and "recipes/nope.yaml" in proc.stderr
+
+
+def test_readme_config_reference_is_current():
+    """README's config reference is the generated one: a new or changed field must be documented there."""
+    from grpo_lib.config import reference_markdown
+
+    readme = (REPO / "README.md").read_text()
+    missing = [line for line in reference_markdown().splitlines() if line.startswith("| `") and line not in readme]
+    assert not missing, "README.md config reference is stale; regenerate with `python -m grpo_lib.config --update-readme`:\n" + "\n".join(missing)
