@@ -468,9 +468,9 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if a.ppo_mini_batch_size >= 1 and d.train_batch_size % a.ppo_mini_batch_size:
         p.append(f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size} "
                  "(both count prompts): pick a mini-batch size that divides the batch")
-    if a.ppo_mini_batch_size >= 1 and (a.ppo_mini_batch_size * r.n) % world_size:
-        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x rollout.n={r.n} = {a.ppo_mini_batch_size * r.n} trajectories "
-                 f"does not split across {world_size} processes: make it a multiple of {world_size}")
+    if a.ppo_mini_batch_size >= 1 and a.ppo_mini_batch_size % world_size:
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts does not split across {world_size} processes "
+                 f"(each process holds whole groups of rollout.n={r.n} trajectories): make it a multiple of {world_size}")
     if d.train_batch_size % world_size:
         p.append(f"data.train_batch_size={d.train_batch_size} prompts does not split across {world_size} processes "
                  "(a group never straddles processes): make it a multiple of the process count")

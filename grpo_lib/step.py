@@ -103,8 +103,10 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     while True:
         rounds += 1
         global_idx = sampler.next_batch()
-        prompts = dataset.batch(global_idx[rank * per_rank:(rank + 1) * per_rank])
-        seeds = [cfg.trainer.seed * 1_000_003 + step * 100_003 + rounds * 10_007 + rank * per_rank + i for i in range(len(prompts))]
+        # Strided share: local prompt j is global prompt rank + j * world_size, so the local mini-batch m of every
+        # process together hold exactly the global mini-batch m (process count never changes the update).
+        prompts = dataset.batch(global_idx[rank::world_size])
+        seeds = [cfg.trainer.seed * 1_000_003 + step * 100_003 + rounds * 10_007 + rank + j * world_size for j in range(len(prompts))]
         start = time.perf_counter()
         engine.wake_up()
         generations = engine.generate(prompts.prompt_ids, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
@@ -112,6 +114,8 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         engine.sleep()
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
         batch = build_rollout_batch(prompts, generations, pad_id=cfg_pad_id(engine))
+        if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
+            batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
         start = time.perf_counter()
         for k, v in score(scorer, batch).items():
             sums[k] = sums.get(k, 0.0) + v

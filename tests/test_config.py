@@ -51,8 +51,8 @@ def test_all_problems_reported_at_once():
 
 
 def test_mini_batch_must_split_across_processes():
-    with pytest.raises(ConfigError, match="does not split across 3 processes"):
-        load_config(RECIPES[0], ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4"], world_size=3)
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size=2 prompts does not split across 3 processes"):
+        load_config(RECIPES[0], ["data.train_batch_size=6", "actor.ppo_mini_batch_size=2", "rollout.n=4"], world_size=3)
 
 
 def test_token_budget_must_hold_one_sequence():
