@@ -18,22 +18,6 @@ solution has none), extracted by the reward code's own `last_boxed`, so data and
 
 from __future__ import annotations
 
-if __name__ == "math":
-    # A script run by path from data_prep/ (synthetic.py, tiny_model.py) puts this folder first on sys.path,
-    # so `import math` anywhere in that process finds this file. Hand the importer the real stdlib module
-    # (the import system returns whatever sys.modules["math"] holds once this body has run). The rest of
-    # this file only defines names (its imports are inside functions), so running it here is harmless.
-    import importlib.machinery as _machinery
-    import importlib.util as _util
-    import os as _os
-    import sys as _sys
-
-    _here = _os.path.dirname(_os.path.abspath(__file__))
-    _spec = _machinery.PathFinder.find_spec("math", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _here])
-    _stdlib_math = _util.module_from_spec(_spec)
-    _spec.loader.exec_module(_stdlib_math)
-    _sys.modules["math"] = _stdlib_math
-
 if __name__ == "__main__":  # run by path: import from the repo root, and never let this file shadow stdlib math
     import os as _os
     import sys as _sys
