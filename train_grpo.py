@@ -24,6 +24,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
 
 
+class RewardSetupError(RuntimeError):
+    """A reward function that cannot be built (bad custom file, unknown function name, unscorable data_source)."""
+
+
 @contextmanager
 def timed(timings: dict, name: str):
     start = time.perf_counter()
@@ -39,7 +43,7 @@ def setup(cfg, world_size: int, rank: int):
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.metrics import MetricLogger
-    from grpo_lib.rewards import RewardScorer
+    from grpo_lib.rewards import RewardScorer, registered_sources
     from grpo_lib.rollout import VLLMEngine
 
     torch.manual_seed(cfg.trainer.seed)
@@ -48,14 +52,22 @@ def setup(cfg, world_size: int, rank: int):
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
     val = load_prompts(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
     sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    try:  # before the engine: a bad reward file fails in seconds
+        scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
+                              gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+    except (ValueError, OSError, ImportError, AttributeError) as exc:
+        raise RewardSetupError(f"reward setup: {exc}") from exc
+    if cfg.reward.custom.path is None:
+        unknown = sorted(set(train.data_sources + (val.data_sources if val else [])) - set(registered_sources()))
+        if unknown:
+            raise RewardSetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
+                                   f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                         seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     reference = Reference(cfg, device=device) if need_ref else None
-    scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                          gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps)
     logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
@@ -74,10 +86,15 @@ def main(argv: list[str]) -> int:
         return 2
 
     from grpo_lib import step as S
+    from grpo_lib.data import DataError
     from grpo_lib.distributed import init_distributed
 
     init_distributed()
-    parts = setup(cfg, world_size, rank)
+    try:
+        parts = setup(cfg, world_size, rank)
+    except (DataError, RewardSetupError) as exc:  # bad data or reward setup: a message naming the file, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
     out_dir = Path(cfg.trainer.default_local_dir)
     if cfg.trainer.val_before_train and parts["val"] is not None:

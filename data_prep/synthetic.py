@@ -2,7 +2,8 @@
 
 Each record is `{"question": "What is 3 + 4?", "answer": "3 + 4 = 7\\n#### 7"}`, exactly the two columns of
 `openai/gsm8k`; `data_prep.gsm8k.make_rows` turns them into verl-schema rows with
-`data_source = "synthetic/arithmetic"` (scored by the gsm8k rule: the number after `####`).
+`data_source = "synthetic/arithmetic"` (scored by the gsm8k rule: the number after `####`). The prompt's
+instruction is `data_prep.gsm8k.INSTRUCTION` (re-exported here as `GSM8K_INSTRUCTION` for tiny_model.py).
 
 Run:  python data_prep/synthetic.py --out artifacts/data/arith --train-size 2000 --test-size 200
 """
@@ -19,8 +20,10 @@ import argparse
 import random
 from pathlib import Path
 
+from data_prep.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION  # one wording for real and synthetic data
+from data_prep.gsm8k import make_rows, write_parquet
+
 DATA_SOURCE = "synthetic/arithmetic"
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 def render_answer(a: int, op: str, b: int, result: int) -> str:
@@ -40,8 +43,6 @@ def make_problems(*, num: int, seed: int, max_operand: int = 9) -> list[dict]:
 
 def write_dataset(out: str | Path, *, train_size: int, test_size: int, seed: int = 0, max_operand: int = 9) -> dict[str, Path]:
     """Write `train.parquet` / `test.parquet` in verl's schema; returns {split: path}."""
-    from data_prep.gsm8k import make_rows, write_parquet
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}

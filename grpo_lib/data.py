@@ -7,14 +7,30 @@ A row (verl's schema, what `data_prep/` writes):
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {"split": "train", "index": 0, ...}}
 
-becomes a tokenized prompt (`prompt_ids`) plus what the reward needs. Prompts longer than
-`data.max_prompt_length` are dropped and counted (`filter_overlong_prompts`), or cut / reported with their
-file and row (`truncation`). The order is a seeded permutation per epoch; `PromptSampler.state_dict()` is
-the position to resume from.
+becomes a tokenized prompt (`prompt_ids`) plus what the reward needs:
+
+    load_prompts(["~/data/gsm8k/train.parquet"], tokenizer, cfg.data)
+    -> PromptDataset(prompt_ids=[[151644, 872, 198, ...]], uids=["0:train:0"], data_sources=["openai/gsm8k"],
+                     ground_truths=["72"], extra_infos=[{"split": "train", "index": 0, ...}], ...)
+
+Rules (the `data` config section):
+- `prompt_key` names the prompt column: a list of chat messages or a plain string (read as one user message).
+- `apply_chat_template`: render with the tokenizer's template (generation prompt added, no extra special
+  tokens); off, the message contents are joined with newlines and tokenized with the tokenizer's special
+  tokens (a base model's BOS). `system_prompt` goes in front of every prompt that has no system message.
+- Prompts longer than `max_prompt_length` tokens are dropped and counted (`filter_overlong_prompts`, a
+  warning says how many), else `truncation` decides: `error` (names file, row and length), `left` (keep the
+  end, where the question and generation prompt are) or `right` (keep the start).
+- The order is a seeded permutation per epoch (`PromptSampler`); `state_dict()` is the position to resume from.
+
+Speed: each file is rendered row by row (cheap) and tokenized in batched calls: a 7.5k-row GSM8K file
+loads in about a second (2 CPU cores, tiny tokenizer).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,27 +39,69 @@ import pandas as pd
 
 from grpo_lib.types import PromptBatch
 
+logger = logging.getLogger(__name__)
+
 REQUIRED_COLUMNS = ("data_source", "reward_model")
+TRUNCATION_MODES = ("error", "left", "right")
+_TOKENIZE_CHUNK_ROWS = 8192  # rows per batched tokenizer call (bounds the transient encodings of a large file)
 
 
 class DataError(ValueError):
     """A data file that cannot be used: the message names the file, row or column and the fix."""
 
 
+# ------------------------------------------------------------------------------------------------ reading
+def _read_json_records(path: Path) -> list[dict]:
+    """Rows of a .jsonl file, or of a .json file holding a list, {"data": [...]}, or JSON lines.
+
+    Parsed with `json`, not pandas: pandas' read_json turns a column of "72" strings into integers.
+    """
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json" and text.strip():
+        try:
+            content = json.loads(text)
+        except json.JSONDecodeError:
+            content = None  # JSON lines in a .json file, as `datasets.to_json` writes
+        if isinstance(content, dict) and "data" in content:
+            content = content["data"]
+        if isinstance(content, list):
+            return content
+        if content is not None:
+            raise DataError(f"data file {str(path)!r}: expected a JSON list of rows (or {{'data': [...]}}), "
+                            f"got {type(content).__name__}")
+    records = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise DataError(f"data file {str(path)!r} line {line_number} is not valid JSON ({error})") from error
+    return records
+
+
 def read_table(path: str | Path) -> pd.DataFrame:
-    """One parquet / jsonl / json file as a DataFrame; clear errors for a missing or empty file."""
+    """One .parquet / .jsonl / .json file as a DataFrame; a DataError for a missing, unreadable or empty file."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise DataError(f"data file {str(path)!r} does not exist: run the data_prep script first or fix data.train_files / data.val_files")
+        raise DataError(f"data file {str(path)!r} does not exist: run the data_prep script first "
+                        "or fix data.train_files / data.val_files")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        frame = pd.read_parquet(path)
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as error:  # pyarrow raises several types for a damaged file
+            raise DataError(f"data file {str(path)!r} cannot be read as parquet ({type(error).__name__}: {error})") from error
     elif suffix in (".jsonl", ".json"):
-        frame = pd.read_json(path, lines=suffix == ".jsonl")
+        records = _read_json_records(path)
+        bad = next((i for i, record in enumerate(records) if not isinstance(record, dict)), None)
+        if bad is not None:
+            raise DataError(f"data file {str(path)!r} row {bad} is not a JSON object: {str(records[bad])[:200]!r}")
+        frame = pd.DataFrame.from_records(records)
     else:
         raise DataError(f"data file {str(path)!r}: unsupported extension {suffix!r}; use .parquet, .jsonl or .json")
     if len(frame) == 0:
-        raise DataError(f"data file {str(path)!r} holds no rows")
+        raise DataError(f"data file {str(path)!r} holds no rows (columns found: {list(frame.columns)})")
     return frame
 
 
@@ -60,15 +118,42 @@ def _plain(value):
     return value
 
 
+# -------------------------------------------------------------------------------------------- rendering
+def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None) -> str:
+    """Chat messages (or a plain string) -> the prompt text the model sees, generation prompt included.
+
+    Example: [{"role": "user", "content": "What is 3 + 4?"}] with a Qwen template ->
+    "<|im_start|>user\\nWhat is 3 + 4?<|im_end|>\\n<|im_start|>assistant\\n"; without the template ->
+    "What is 3 + 4?". Raises ValueError for a prompt that is neither a string nor a list of messages.
+    """
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt or \
+            not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt):
+        raise ValueError(f"a prompt is a string or a non-empty list of {{'role', 'content'}} messages, got {str(prompt)[:200]!r}")
+    if system_prompt and not any(m["role"] == "system" for m in prompt):
+        prompt = [{"role": "system", "content": system_prompt}] + prompt
+    if apply_chat_template:
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in prompt)
+
+
+def render_prompt(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None) -> list[int]:
+    """`render_text` then tokenize: the prompt token ids, exactly as `load_prompts` makes them."""
+    text = render_text(prompt, tokenizer, apply_chat_template=apply_chat_template, system_prompt=system_prompt)
+    return tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- dataset
 @dataclass
 class PromptDataset:
     prompt_ids: list[list[int]]  # [rows][prompt_len]
-    uids: list[str]  # [rows] "file-stem:row"
-    data_sources: list[str]
-    ground_truths: list
-    extra_infos: list[dict]
-    num_filtered: int  # prompts dropped as overlong
-    num_truncated: int  # prompts cut by data.truncation
+    uids: list[str]  # [rows] "file-number:file-stem:row", unique even when two files share a name
+    data_sources: list[str]  # [rows]
+    ground_truths: list  # [rows]
+    extra_infos: list[dict]  # [rows]
+    num_filtered: int  # prompts dropped as longer than data.max_prompt_length
+    num_truncated: int  # prompts cut to data.max_prompt_length by data.truncation
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -83,68 +168,104 @@ class PromptDataset:
         )
 
 
-def render_prompt(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None) -> list[int]:
-    """Chat messages (or a plain string) -> prompt token ids, generation prompt included.
+def _where(file: str, row_index: int) -> str:
+    return f"data file {file!r} row {row_index} (0-based)"
 
-    Example: [{"role": "user", "content": "What is 3 + 4?"}] with a Qwen template ->
-    ids of "<|im_start|>user\\nWhat is 3 + 4?<|im_end|>\\n<|im_start|>assistant\\n".
+
+def _check_row(file: str, row_index: int, row: dict) -> tuple[str, object]:
+    """(data_source, ground_truth) of one row, or a DataError naming the file and row."""
+    data_source = row["data_source"]
+    if not isinstance(data_source, str) or not data_source:
+        raise DataError(f"{_where(file, row_index)}: data_source must be a non-empty string, got {data_source!r}")
+    reward_model = _plain(row["reward_model"])
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        found = sorted(reward_model) if isinstance(reward_model, dict) else repr(reward_model)
+        raise DataError(f"{_where(file, row_index)}: reward_model must be a dict with 'ground_truth' "
+                        f"(verl's schema), found {found}")
+    return data_source, reward_model["ground_truth"]
+
+
+def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
+    """Read, render and tokenize every file of `files` (in order) with the `data` config section `cfg`.
+
+    Raises DataError (missing / empty / unreadable file, missing column, bad row, overlong prompt with
+    truncation=error, nothing left after filtering). Warns with the count of dropped / truncated prompts.
     """
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if system_prompt and not any(m.get("role") == "system" for m in prompt):
-        prompt = [{"role": "system", "content": system_prompt}] + list(prompt)
-    if apply_chat_template:
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n".join(m["content"] for m in prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def load_prompts(files: list[str], tokenizer, cfg) -> PromptDataset:
-    """Read and tokenize every file of `files` with the `data` config section `cfg`."""
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    if not files:
+        raise DataError("no data files given: set data.train_files (and data.val_files) to parquet/jsonl files")
+    if cfg.truncation not in TRUNCATION_MODES:
+        raise DataError(f"data.truncation={cfg.truncation!r}: use one of {list(TRUNCATION_MODES)}")
+    if cfg.apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template: "
+                        "set data.apply_chat_template=false to tokenize the prompt text as is, or use a chat model's tokenizer")
     out = PromptDataset([], [], [], [], [], 0, 0)
-    for file in files:
+    limit = cfg.max_prompt_length
+    for file_index, file in enumerate(files):
+        file = str(file)
         frame = read_table(file)
         missing = [c for c in (cfg.prompt_key, *REQUIRED_COLUMNS) if c not in frame.columns]
         if missing:
             raise DataError(f"data file {file!r} lacks column(s) {missing}; columns found: {list(frame.columns)}. "
-                            f"Rows need verl's schema (see data_prep/) or set data.prompt_key")
+                            "Rows need verl's schema (see data_prep/), or set data.prompt_key to the prompt column")
+        records = frame.to_dict("records")
+        texts, checked = [], []
+        for row_index, row in enumerate(records):
+            checked.append(_check_row(file, row_index, row))
+            try:
+                texts.append(render_text(_plain(row[cfg.prompt_key]), tokenizer, apply_chat_template=cfg.apply_chat_template,
+                                         system_prompt=cfg.system_prompt))
+            except Exception as error:  # a malformed message list, or the chat template rejecting it
+                raise DataError(f"{_where(file, row_index)}: cannot render column {cfg.prompt_key!r} "
+                                f"({type(error).__name__}: {error})") from error
+        all_ids = []  # batched calls: per-row calls cost ~3x more in Python overhead
+        for start in range(0, len(texts), _TOKENIZE_CHUNK_ROWS):
+            all_ids += tokenizer(texts[start:start + _TOKENIZE_CHUNK_ROWS], add_special_tokens=not cfg.apply_chat_template,
+                                 return_attention_mask=False)["input_ids"]
         stem = Path(file).stem
-        for row_index, row in enumerate(frame.to_dict("records")):
-            ids = render_prompt(_plain(row[cfg.prompt_key]), tokenizer, apply_chat_template=cfg.apply_chat_template, system_prompt=cfg.system_prompt)
-            if len(ids) > cfg.max_prompt_length:
+        for row_index, (ids, row, (data_source, ground_truth)) in enumerate(zip(all_ids, records, checked)):
+            if len(ids) > limit:
                 if cfg.filter_overlong_prompts:
                     out.num_filtered += 1
                     continue
                 if cfg.truncation == "error":
-                    raise DataError(f"data file {file!r} row {row_index}: prompt has {len(ids)} tokens > data.max_prompt_length="
-                                    f"{cfg.max_prompt_length}; raise the limit, set data.filter_overlong_prompts=true "
-                                    "or data.truncation=left|right")
-                ids = ids[-cfg.max_prompt_length:] if cfg.truncation == "left" else ids[:cfg.max_prompt_length]
+                    raise DataError(f"{_where(file, row_index)}: prompt has {len(ids)} tokens > data.max_prompt_length="
+                                    f"{limit}; raise the limit, set data.filter_overlong_prompts=true or data.truncation=left|right")
+                ids = ids[-limit:] if cfg.truncation == "left" else ids[:limit]
                 out.num_truncated += 1
-            reward_model = _plain(row["reward_model"]) or {}
-            if "ground_truth" not in reward_model:
-                raise DataError(f"data file {file!r} row {row_index}: reward_model has no 'ground_truth' (found {sorted(reward_model)})")
-            out.prompt_ids.append(ids)
-            out.uids.append(f"{stem}:{row_index}")
-            out.data_sources.append(str(row["data_source"]))
-            out.ground_truths.append(reward_model["ground_truth"])
-            extra = _plain(row.get("extra_info")) if "extra_info" in row else None
+            out.prompt_ids.append(list(ids))
+            out.uids.append(f"{file_index}:{stem}:{row_index}")
+            out.data_sources.append(data_source)
+            out.ground_truths.append(ground_truth)
+            extra = _plain(row.get("extra_info"))
             out.extra_infos.append(extra if isinstance(extra, dict) else {})
+    total = len(out) + out.num_filtered
+    if out.num_filtered:
+        logger.warning("data: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens "
+                       "(data.filter_overlong_prompts=true) from %s", out.num_filtered, total, limit, files)
+    if out.num_truncated:
+        logger.warning("data: truncated %d of %d prompts to data.max_prompt_length=%d tokens (data.truncation=%s) from %s",
+                       out.num_truncated, total, limit, cfg.truncation, files)
     if len(out) == 0:
-        raise DataError(f"no prompts left from {files}: {out.num_filtered} were longer than data.max_prompt_length="
-                        f"{cfg.max_prompt_length}; raise it or check the files")
+        raise DataError(f"no prompts left from {files}: all {out.num_filtered} were longer than data.max_prompt_length="
+                        f"{limit} tokens; raise data.max_prompt_length or check the files")
     return out
 
 
+# ---------------------------------------------------------------------------------------------- sampler
 class PromptSampler:
-    """Seeded per-epoch permutation served in fixed-size batches (drop_last); its state resumes a run."""
+    """Seeded per-epoch permutation served in fixed-size batches (drop_last); its state resumes a run.
+
+    Example: PromptSampler(10, batch_size=4, seed=1) serves 2 batches of epoch 0 (rows 8 of the permutation
+    are used, 2 dropped), then epoch 1's permutation (seed + 1). Same seed -> same batches, on any machine.
+    """
 
     def __init__(self, num_rows: int, *, batch_size: int, seed: int, shuffle: bool = True):
         if batch_size > num_rows:
             raise DataError(f"data.train_batch_size={batch_size} is larger than the dataset ({num_rows} prompts): lower it")
         self.num_rows, self.batch_size, self.seed, self.shuffle = num_rows, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
+        self._order_cache: tuple[int, list[int]] | None = None  # (epoch, permutation)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -153,8 +274,10 @@ class PromptSampler:
     def _order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_rows))
-        rng = np.random.default_rng(self.seed + self.epoch)
-        return rng.permutation(self.num_rows).tolist()
+        if self._order_cache is None or self._order_cache[0] != self.epoch:
+            rng = np.random.default_rng(self.seed + self.epoch)
+            self._order_cache = (self.epoch, rng.permutation(self.num_rows).tolist())
+        return self._order_cache[1]
 
     def next_batch(self) -> list[int]:
         """The next `batch_size` row indices, starting a new epoch when the current one is used up."""
@@ -165,7 +288,16 @@ class PromptSampler:
         return idx
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        """Where the next batch starts, plus what the order depends on (checked by load_state_dict)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at `state`; a DataError if the data or the seed changed (the saved position would be meaningless)."""
+        changed = [f"{key} {state[key]} -> {getattr(self, key)}" for key in ("num_rows", "seed", "shuffle")
+                   if state[key] != getattr(self, key)]
+        if changed:
+            raise DataError(f"cannot resume the prompt order: {', '.join(changed)} since the checkpoint "
+                            "(num_rows: the training files or the overlong filter changed; seed/shuffle: data.seed / "
+                            "data.shuffle). Restore them, or start a fresh run")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -63,7 +63,7 @@ def _lookup(data_source: str):
     if entry is None:
         raise ValueError(
             f"no built-in reward for data_source {data_source!r}; registered sources: {registered_sources()}. "
-            "For other data, set a custom reward file (reward.custom_path / custom_reward_function.path)."
+            "For other data, set a custom reward file (reward.custom.path, verl: custom_reward_function.path)."
         )
     return entry
 
