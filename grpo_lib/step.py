@@ -94,6 +94,11 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     """Prompts -> vLLM generation -> rewards; with filter_groups, repeat until enough informative groups.
 
     Returns the batch of this process and the step's generation / reward metrics (reduced over processes).
+    With `algorithm.filter_groups.enable` (DAPO dynamic sampling) each round draws the next train_batch_size
+    prompts and keeps only groups whose scores differ, until every process holds train_batch_size / world_size
+    of them (the surplus of the last round is discarded) or max_num_gen_batches rounds have run (then the step
+    trains on fewer groups). Logged: batch/gen_rounds, batch/dropped_groups (all-equal groups, all rounds),
+    batch/kept_groups (trained on); reward/* and response/* cover every response generated, dropped ones too.
     """
     per_rank = cfg.data.train_batch_size // world_size
     fg = cfg.algorithm.filter_groups
