@@ -114,13 +114,24 @@ class Actor:
     # -- logprobs --------------------------------------------------------------------------------------
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Old logprobs (before this step's updates), [B, T]."""
+        """Old logprobs (before this step's updates), [B, T].
+
+        Cut into the mini-batches of the update's first epoch (same shuffle seed), each micro-batched as the update
+        does: the first update then sees every row in the same micro-batch at the same padded / packed width, so
+        its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2; tests/test_ratio.py).
+        """
         a = self.cfg.actor
         self.model.eval()
-        return logprobs_over_batch(
-            self.model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-            max_tokens=(a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
-            micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
+        for rows in self.mini_batch_rows(batch, torch.Generator().manual_seed(self.cfg.trainer.seed)):
+            lp = logprobs_over_batch(
+                self.model, batch.select(rows), temperature=self.cfg.rollout.temperature,
+                remove_padding=self.cfg.model.use_remove_padding,
+                max_tokens=(a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
+                micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+            if rows:
+                out[torch.as_tensor(rows), :lp.shape[1]] = lp  # [b, t]
+        return out
 
     def named_weights(self):
         """(name, full tensor) pairs in Hugging Face naming, for the engine push and checkpoints."""
@@ -164,25 +175,33 @@ class Actor:
             metrics["actor/entropy"] = ent.item()
         return loss, metrics, int(mask.sum().item())
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
+    def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[int]]:
+        """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
+
+        Example (4 groups of 2 rows, 2 mini-batches, no shuffle): [[0, 1, 2, 3], [4, 5, 6, 7]].
+        """
         a = self.cfg.actor
-        self.model.train()
         n_mini = max(1, self.cfg.data.train_batch_size // a.ppo_mini_batch_size)
         groups = list(dict.fromkeys(batch.group_ids))  # group order as generated
         rows_of = defaultdict(list)
         for i, g in enumerate(batch.group_ids):
             rows_of[g].append(i)
+        order = torch.randperm(len(groups), generator=generator).tolist() if a.shuffle else list(range(len(groups)))
+        size = math.ceil(len(groups) / n_mini)
+        chosen = [[groups[order[j]] for j in range(m, len(groups), n_mini)] if a.shuffle else groups[m * size:(m + 1) * size]
+                  for m in range(n_mini)]
+        return [[i for g in c for i in rows_of[g]] for c in chosen]
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
+        a = self.cfg.actor
+        self.model.train()
         summed: dict[str, float] = defaultdict(float)
         num_updates = 0
-        generator = torch.Generator().manual_seed(self.cfg.trainer.seed)
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed)  # compute_logprobs replays its first epoch
         for _epoch in range(a.ppo_epochs):
-            order = torch.randperm(len(groups), generator=generator).tolist() if a.shuffle else list(range(len(groups)))
-            for m in range(n_mini):
-                chosen = [groups[order[j]] for j in range(m, len(groups), n_mini)] if a.shuffle else \
-                    groups[m * math.ceil(len(groups) / n_mini):(m + 1) * math.ceil(len(groups) / n_mini)]
-                mini = batch.select([i for g in chosen for i in rows_of[g]])
-                summed_step = self._optimizer_step(mini)
+            for rows in self.mini_batch_rows(batch, generator):
+                summed_step = self._optimizer_step(batch.select(rows))
                 for k, v in summed_step.items():
                     summed[k] += v
                 num_updates += 1

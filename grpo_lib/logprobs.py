@@ -47,14 +47,20 @@ def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
 def _head_logprobs(
     head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """log p(target) and entropy for one chunk, log-softmax in float32."""
-    logits = head(hidden).float() / temperature  # [c, V]
+    """log p(target) and entropy for one chunk, log-softmax in float32.
+
+    Written for few passes over the [c, V] block (the head is a large share of a small model's step): no division
+    when temperature == 1 (x / 1.0 == x exactly), fused softmax, and a dot product instead of a [c, V] product.
+    """
+    logits = head(hidden).float()  # [c, V]
+    if temperature != 1.0:
+        logits = logits / temperature  # [c, V]
     log_norm = torch.logsumexp(logits, dim=-1)  # [c]
     logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
     if not compute_entropy:
         return logprobs, None
-    probs = torch.exp(logits - log_norm.unsqueeze(-1))  # [c, V]
-    entropy = log_norm - (probs * logits).sum(dim=-1)  # [c]
+    probs = torch.softmax(logits, dim=-1)  # [c, V]
+    entropy = log_norm - torch.linalg.vecdot(probs, logits)  # [c]: logsumexp(z) - sum(softmax(z) * z)
     return logprobs, entropy
 
 

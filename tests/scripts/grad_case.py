@@ -1,0 +1,151 @@
+"""The fixed case of the gradient-invariance tests (DESIGN invariant 1), shared by the in-process tests and the
+2-process worker (`grad_worker.py`): a tiny random Qwen3 saved to disk, one mini-batch of 8 trajectories of very
+different lengths, the config, and the plain full-batch loss the Actor's micro-batched gradients must reproduce.
+
+The mini-batch: 4 groups of 2 trajectories (a group shares its prompt), prompt + response from 5 to 60 tokens,
+random advantages of both signs, old logprobs = current logprobs + noise (so the PPO clip and the dual clip bind
+on some tokens), reference logprobs = current + noise (so the KL term has a gradient).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from grpo_lib import algorithms
+from grpo_lib.config import Config, load_config
+from grpo_lib.types import RolloutBatch
+
+VOCAB = 256
+MAX_PROMPT, MAX_RESPONSE = 12, 48  # the longest trajectory is exactly 60 = the smallest allowed token budget
+# (prompt length, [response lengths]) per group: totals 5, 43 | 60, 21 | 30, 8 | 38, 22 (sum 227)
+GROUPS = [(3, [2, 40]), (12, [48, 9]), (5, [25, 3]), (8, [30, 14])]
+LONGEST, TOTAL_TOKENS = 60, 227
+TEMPERATURE = 0.8
+KL_COEF, ENTROPY_COEFF = 0.3, 0.05
+
+
+def write_tiny_model(path: Path) -> Path:
+    """Random float32 Qwen3 (vocab 256, hidden 64, 2 layers, head_dim 32, tied embeddings) saved to `path`."""
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    Qwen3ForCausalLM(config).float().save_pretrained(path)
+    return Path(path)
+
+
+def make_config(model_dir: Path, *, loss_agg_mode: str = "token-mean", remove_padding: bool = False,
+                micro_batch_size: int | None = 8, max_tokens: int | None = None, extra: tuple[str, ...] = (),
+                world_size: int = 1) -> Config:
+    """Validated config: one mini-batch of 4 prompts x 2, KL loss (low_var_kl, coef 0.3), entropy bonus 0.05.
+
+    Exactly one of micro_batch_size (trajectories per micro-batch) / max_tokens (use_dynamic_bsz budget).
+    """
+    dynamic = max_tokens is not None
+    overrides = [
+        f"model.path={model_dir}", "model.dtype=float32", f"model.use_remove_padding={str(remove_padding).lower()}",
+        "data.train_files=[unused.parquet]", f"data.max_prompt_length={MAX_PROMPT}", f"data.max_response_length={MAX_RESPONSE}",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", f"rollout.temperature={TEMPERATURE}",
+        f"actor.loss_agg_mode={loss_agg_mode}", "actor.use_kl_loss=true", f"actor.kl_loss_coef={KL_COEF}",
+        "actor.kl_loss_type=low_var_kl", f"actor.entropy_coeff={ENTROPY_COEFF}", "actor.grad_clip=0",
+        f"actor.use_dynamic_bsz={str(dynamic).lower()}",
+        f"actor.ppo_max_token_len_per_gpu={max_tokens}" if dynamic else f"actor.ppo_micro_batch_size_per_gpu={micro_batch_size}",
+        *extra,
+    ]
+    return load_config(None, overrides, world_size=world_size)
+
+
+def naive_logprobs(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-vocabulary logits of the padded batch, / temperature, float32, shifted to token positions: [B, T] x 2."""
+    ids, mask = batch.input_ids, batch.attention_mask
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits.float()
+    logp = (logits[:, :-1] / TEMPERATURE).log_softmax(-1)  # [B, T-1, V]
+    lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+    scored = (mask[:, 1:] * mask[:, :-1]).float()  # [B, T-1]
+    pad = torch.nn.functional.pad
+    return pad(lp * scored, (1, 0)), pad(entropy * scored, (1, 0))  # [B, T] each
+
+
+def make_batch(model, *, seed: int = 0) -> RolloutBatch:
+    """The fixed mini-batch (right padded to 60), its old / reference logprobs perturbed from the model's own."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [(p, r, g) for g, (p, responses) in enumerate(GROUPS) for r in responses]
+    width = max(p + r for p, r, _ in rows)
+    batch_size = len(rows)
+    input_ids = torch.zeros(batch_size, width, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros(batch_size, width, dtype=torch.long)  # [B, T]
+    response_mask = torch.zeros(batch_size, width)  # [B, T]
+    prompts = {g: torch.randint(2, VOCAB, (p,), generator=generator) for g, (p, _) in enumerate(GROUPS)}
+    for i, (p, r, g) in enumerate(rows):
+        input_ids[i, :p] = prompts[g]
+        input_ids[i, p:p + r] = torch.randint(2, VOCAB, (r,), generator=generator)
+        attention_mask[i, :p + r] = 1
+        response_mask[i, p:p + r] = 1.0
+    advantages = torch.randn(batch_size, 1, generator=generator) * response_mask  # [B, T], both signs
+    batch = RolloutBatch(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+        rollout_logprobs=-torch.rand(batch_size, width, generator=generator) * response_mask,
+        group_ids=[f"g{g}" for _, _, g in rows], response_texts=[""] * batch_size, data_sources=["synthetic"] * batch_size,
+        ground_truths=[None] * batch_size, extra_infos=[{} for _ in rows], truncated=torch.zeros(batch_size, dtype=torch.bool),
+        scores=torch.zeros(batch_size), advantages=advantages)
+    with torch.no_grad():
+        current, _ = naive_logprobs(model, batch)  # [B, T]
+    batch.old_logprobs = (current + 0.25 * torch.randn(current.shape, generator=generator)) * response_mask  # [B, T]
+    batch.ref_logprobs = (current + 0.3 * torch.randn(current.shape, generator=generator)) * response_mask  # [B, T]
+    return batch
+
+
+def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """The mini-batch loss written plainly (ALGORITHMS.md), all rows in one padded forward, counts from the batch."""
+    a = cfg.actor
+    lp, entropy = naive_logprobs(model, batch)  # [B, T] each
+    mask = batch.response_mask  # [B, T]
+    counts = dict(loss_scale_factor=a.loss_scale_factor or cfg.data.max_response_length)
+    is_weights = None
+    if cfg.algorithm.rollout_correction.mode != "none":
+        is_weights = algorithms.rollout_is_weights(batch.old_logprobs, batch.rollout_logprobs, mask,
+                                                   mode=cfg.algorithm.rollout_correction.mode, cap=cfg.algorithm.rollout_correction.cap)
+    pg, _ = algorithms.policy_loss(lp, batch.old_logprobs, batch.advantages, mask, loss_mode=a.policy_loss.loss_mode,
+                                   clip_ratio_low=a.clip_ratio, clip_ratio_high=a.clip_ratio, clip_ratio_c=a.clip_ratio_c,
+                                   loss_agg_mode=a.loss_agg_mode, is_weights=is_weights, **counts)
+    kl = algorithms.aggregate_loss(algorithms.kl_penalty(lp, batch.ref_logprobs, a.kl_loss_type), mask, a.loss_agg_mode, **counts)
+    ent = algorithms.aggregate_loss(entropy, mask, a.loss_agg_mode, **counts)
+    return pg + a.kl_loss_coef * kl - a.entropy_coeff * ent
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    """Copies of every parameter's gradient (zeros where None), then clears them."""
+    out = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def reference_grads(model, batch: RolloutBatch, cfg: Config) -> tuple[dict[str, torch.Tensor], float]:
+    """Gradient and value of `reference_loss` (the single full-batch gradient)."""
+    model.zero_grad(set_to_none=True)
+    loss = reference_loss(model, batch, cfg)
+    loss.backward()
+    return grads_of(model), float(loss.detach())
+
+
+def metrics_loss(metrics: dict[str, float], cfg: Config) -> float:
+    """The total loss from the Actor's (global) loss metrics."""
+    a = cfg.actor
+    return metrics["actor/pg_loss"] + a.kl_loss_coef * metrics["actor/kl_loss"] - a.entropy_coeff * metrics["actor/entropy"]
+
+
+def group_rows(batch: RolloutBatch, groups: list[str]) -> list[int]:
+    """Row indices of `groups`, in batch order."""
+    wanted = set(groups)
+    return [i for i, g in enumerate(batch.group_ids) if g in wanted]
+
+
+# Micro-batch settings the tests sweep: fixed trajectories per micro-batch (1, 3, all 8) and token budgets from
+# the longest trajectory (60: one long row alone) to everything (227: one micro-batch).
+FIXED_SIZES = (1, 3, 8)
+TOKEN_BUDGETS = (LONGEST, 90, 150, TOTAL_TOKENS)

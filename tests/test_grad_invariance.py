@@ -1,0 +1,153 @@
+"""DESIGN invariant 1 on one process: micro-batch size, token budget and packing never change the gradient.
+
+The Actor's own loss path (`Actor.accumulate_gradients`: micro-batches, global counts, backward each) on the fixed
+mini-batch of `tests/scripts/grad_case.py` must give the gradient of the plain full-batch loss (one padded forward,
+full-vocabulary logits, counts of the batch) for every loss_agg_mode, with the KL and entropy terms on and the
+PPO clip binding on some tokens. Run: `.venv/bin/python -m pytest tests/test_grad_invariance.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo_lib.actor as actor_module
+from grpo_lib.actor import Actor
+from grpo_lib.algorithms import LOSS_AGG_MODES
+from tests.scripts import grad_case as case
+
+TOL = dict(rtol=1e-4, atol=1e-6)
+MICRO_SETTINGS = [dict(micro_batch_size=s) for s in case.FIXED_SIZES] + [dict(max_tokens=t) for t in case.TOKEN_BUDGETS]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """One Actor (built with packing on, so the start-up isolation check runs), the batch, and a cache of
+    reference gradients per config."""
+    torch.set_num_threads(1)  # the machine is shared; the model is tiny
+    model_dir = case.write_tiny_model(tmp_path_factory.mktemp("grad") / "model")
+    actor = Actor(case.make_config(model_dir, remove_padding=True), device=torch.device("cpu"))
+    batch = case.make_batch(actor.model)
+    return dict(model_dir=model_dir, actor=actor, batch=batch, refs={})
+
+
+def reference(setup, cfg, key):
+    if key not in setup["refs"]:
+        setup["refs"][key] = case.reference_grads(setup["actor"].model, setup["batch"], cfg)
+    return setup["refs"][key]
+
+
+def actor_grads(actor: Actor, cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    actor.cfg = cfg
+    actor.model.zero_grad(set_to_none=True)
+    metrics = actor.accumulate_gradients(batch)
+    return case.grads_of(actor.model), metrics
+
+
+def assert_same_grads(grads, expected, what: str) -> None:
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m: f"{what}: gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_micro_batching_never_changes_the_gradient(setup, loss_agg_mode, remove_padding):
+    actor, batch = setup["actor"], setup["batch"]
+    expected, expected_loss = reference(setup, case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode), loss_agg_mode)
+    assert any(g.abs().max() > 0 for g in expected.values())
+    for micro in MICRO_SETTINGS:
+        cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=remove_padding, **micro)
+        grads, metrics = actor_grads(actor, cfg, batch)
+        assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} remove_padding={remove_padding}")
+        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+        assert metrics["actor/pg_clipfrac"] > 0 and metrics["actor/kl_loss"] > 0, "the clip and the KL term are active"
+
+
+def test_sweep_really_splits(setup):
+    """The settings above make 8, 3, 1 (fixed) and 4+ .. 1 (budget) micro-batches: the sweep is not vacuous."""
+    seq_lens = setup["batch"].seq_lens
+    counts = [len(actor_module.micro_batches(seq_lens, max_tokens=m.get("max_tokens"), micro_batch_size=m.get("micro_batch_size")))
+              for m in MICRO_SETTINGS]
+    assert counts == [8, 3, 1, 4, 3, 2, 1], counts
+
+
+@pytest.mark.parametrize("extra", [("actor.policy_loss.loss_mode=gspo",), ("algorithm.rollout_correction.mode=token",),
+                                   ("algorithm.rollout_correction.mode=sequence", "actor.kl_loss_type=k3+")],
+                         ids=["gspo", "rollout-is-token", "rollout-is-seq-k3+"])
+def test_other_losses_invariant(setup, extra):
+    actor, batch = setup["actor"], setup["batch"]
+    mode = "seq-mean-token-mean" if "gspo" in extra[0] else "token-mean"
+    expected, _ = reference(setup, case.make_config(setup["model_dir"], loss_agg_mode=mode, extra=extra), extra)
+    for micro in (dict(micro_batch_size=3), dict(max_tokens=case.LONGEST)):
+        for remove_padding in (False, True):
+            cfg = case.make_config(setup["model_dir"], loss_agg_mode=mode, remove_padding=remove_padding, extra=extra, **micro)
+            grads, _ = actor_grads(actor, cfg, batch)
+            assert_same_grads(grads, expected, f"{extra} {micro} remove_padding={remove_padding}")
+
+
+class _ForwardCounter:
+    """Counts decoder forwards (each micro-batch, dummy or not, is one)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.get_decoder().register_forward_hook(self)
+
+    def __call__(self, *args):
+        self.count += 1
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_empty_micro_batches_run_a_zero_dummy(setup, monkeypatch, remove_padding):
+    """When the processes agree on more micro-batches than this one has rows, the empty ones still run forward
+    and backward (FSDP collectives pair up) and add exactly nothing."""
+    actor, batch = setup["actor"], setup["batch"]
+    expected, _ = reference(setup, case.make_config(setup["model_dir"]), "token-mean")
+    monkeypatch.setattr(actor_module, "agree_num_micro_batches", lambda n: n + 3)  # as if another process had more
+    cfg = case.make_config(setup["model_dir"], remove_padding=remove_padding, micro_batch_size=1)
+    counter = _ForwardCounter(actor.model)
+    try:
+        grads, _ = actor_grads(actor, cfg, batch)
+        assert counter.count == len(batch) + 3, "8 rows + 3 empty micro-batches -> 11 forwards"
+        assert_same_grads(grads, expected, "with 3 dummy micro-batches")
+        counter.count = 0
+        logprobs = actor.compute_logprobs(batch)
+        assert counter.count == len(batch) + 3
+    finally:
+        counter.handle.remove()
+    with torch.no_grad():
+        naive, _ = case.naive_logprobs(actor.model, batch)
+    torch.testing.assert_close(logprobs, naive, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_logprob_passes_return_original_order(setup, remove_padding):
+    """Old-logprob and reference passes: balanced micro-batches under their own budgets, rows back in order."""
+    from grpo_lib.actor import Reference
+
+    actor, batch = setup["actor"], setup["batch"]
+    with torch.no_grad():
+        naive, _ = case.naive_logprobs(actor.model, batch)
+    budgets = (f"actor.log_prob_max_token_len_per_gpu={case.LONGEST}", f"ref.log_prob_max_token_len_per_gpu={case.LONGEST + 10}")
+    actor.cfg = case.make_config(setup["model_dir"], remove_padding=remove_padding, max_tokens=case.TOTAL_TOKENS, extra=budgets)
+    torch.testing.assert_close(actor.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
+    reference_model = Reference(actor.cfg, device=torch.device("cpu"))
+    torch.testing.assert_close(reference_model.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
+
+
+def test_packing_check_runs_at_start_up(setup, monkeypatch):
+    calls = []
+    monkeypatch.setattr(actor_module, "check_packing_isolated", lambda model: calls.append(model))
+    Actor(case.make_config(setup["model_dir"], remove_padding=False), device=torch.device("cpu"))
+    assert calls == []
+    actor = Actor(case.make_config(setup["model_dir"], remove_padding=True), device=torch.device("cpu"))
+    assert calls == [actor.model]
+
+
+def test_update_steps_from_the_accumulated_gradient(setup):
+    """`update` = accumulate_gradients + one AdamW step: one SGD-like sanity check that the parameters move."""
+    actor = Actor(case.make_config(setup["model_dir"], max_tokens=case.LONGEST, extra=("actor.lr=1e-3",)), device=torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    metrics = actor.update(setup["batch"])
+    assert metrics["actor/grad_norm"] > 0 and all(p.grad is None for p in actor.model.parameters())
+    assert all(not torch.equal(before[n], p) for n, p in actor.model.named_parameters())

@@ -1,0 +1,140 @@
+"""DESIGN invariant 1 across processes: 2 CPU processes (gloo) give the 1-process full-batch gradient and loss.
+
+`tests/scripts/grad_worker.py` is launched with
+`python -m accelerate.commands.launch --multi_gpu --num_processes 2` (accelerate accepts --multi_gpu on a
+CPU-only machine and starts torch.distributed.run underneath; the process group falls back to gloo). Each
+process takes a share of the fixed mini-batch's groups (`tests/scripts/grad_case.py`) and writes its all-reduced
+gradients; this test compares them with the gradient of the plain full-batch loss computed here, in one process.
+Also: `plan_rank_balance` (pure) and `balance_across_ranks` (in the worker). Run:
+`.venv/bin/python -m pytest tests/test_multiprocess.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_lib.actor import load_model
+from grpo_lib.algorithms import LOSS_AGG_MODES
+from grpo_lib.batching import plan_rank_balance
+from tests.scripts import grad_case as case
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Model + batch on disk, the 2-process worker run, and the 1-process model to compute references with."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("multiprocess")
+    model_dir = case.write_tiny_model(root / "model")
+    model = load_model(str(model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    batch = case.make_batch(model)
+    torch.save(batch, root / "batch.pt")
+    out = root / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(REPO / "tests" / "scripts" / "grad_worker.py"), str(model_dir), str(root / "batch.pt"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}")
+    return dict(model_dir=model_dir, model=model, batch=batch, out=out, refs={})
+
+
+def load(launched, name: str) -> list[dict]:
+    return [torch.load(launched["out"] / f"rank{r}" / f"{name}.pt", weights_only=False) for r in range(2)]
+
+
+def reference(launched, loss_agg_mode: str = "token-mean"):
+    if loss_agg_mode not in launched["refs"]:
+        cfg = case.make_config(launched["model_dir"], loss_agg_mode=loss_agg_mode)
+        grads, loss = case.reference_grads(launched["model"], launched["batch"], cfg)
+        launched["refs"][loss_agg_mode] = (grads, loss, cfg)
+    return launched["refs"][loss_agg_mode]
+
+
+def check_against_one_process(launched, records: list[dict], loss_agg_mode: str, what: str) -> None:
+    expected, expected_loss, cfg = reference(launched, loss_agg_mode)
+    for rank, record in enumerate(records):
+        assert record["grads"].keys() == expected.keys()
+        for name, grad in record["grads"].items():
+            torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m: f"{what} rank {rank}: gradient of {name}: {m}")
+        assert case.metrics_loss(record["metrics"], cfg) == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), f"{what} rank {rank}"
+    for name in expected:
+        assert torch.equal(records[0]["grads"][name], records[1]["grads"][name]), f"{what}: ranks disagree on {name}"
+    assert records[0]["forwards"] == records[1]["forwards"], f"{what}: every process runs the same number of forwards"
+
+
+@pytest.mark.parametrize("setting", ["fixed1-padded", "budget60-packed"])
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_two_processes_give_the_full_batch_gradient(launched, loss_agg_mode, setting):
+    records = load(launched, f"even-{loss_agg_mode}-{setting}")
+    assert [r["rows"] for r in records] == [4, 4]
+    check_against_one_process(launched, records, loss_agg_mode, f"{loss_agg_mode} {setting}")
+
+
+def test_lopsided_shares_run_dummy_micro_batches(launched):
+    """Process 1 holds 2 rows but runs 6 micro-batches (4 dummies) like process 0; the gradient is unchanged."""
+    records = load(launched, "lopsided")
+    assert [r["rows"] for r in records] == [6, 2]
+    assert [r["forwards"] for r in records] == [6, 6] and [r["logprob_forwards"] for r in records] == [6, 6]
+    check_against_one_process(launched, records, "token-mean", "lopsided")
+    with torch.no_grad():
+        naive, _ = case.naive_logprobs(launched["model"], launched["batch"])
+    for rank, groups in enumerate([["g0", "g1", "g2"], ["g3"]]):
+        rows = case.group_rows(launched["batch"], groups)
+        logprobs = records[rank]["logprobs"]
+        torch.testing.assert_close(logprobs, naive[rows, :logprobs.shape[1]], atol=1e-5, rtol=0)
+
+
+def test_balance_across_ranks_moves_whole_groups(launched):
+    """141 vs 86 tokens before; after: 2 groups (4 trajectories) each, 119 vs 108 tokens, no group lost or split."""
+    records = load(launched, "balanced")
+    assert [r["rows"] for r in records] == [4, 4]
+    assert sorted(g for r in records for g in r["group_ids"]) == ["g0", "g1", "g2", "g3"]
+    assert sorted(r["tokens"] for r in records) == [108, 119]
+    assert records[0]["group_ids"] == ["g1", "g2"], "process 0 keeps its heaviest group and receives g2"
+    check_against_one_process(launched, records, "token-mean", "balanced")
+
+
+def test_plan_rank_balance_examples_and_errors():
+    assert plan_rank_balance([[(2, 90), (2, 80)], [(2, 10), (2, 20)]]) == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
+    already = [[(2, 50), (2, 50)], [(2, 50), (2, 50)]]
+    assert plan_rank_balance(already) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]], "a balanced batch stays put"
+    with pytest.raises(ValueError, match="different numbers of trajectories"):
+        plan_rank_balance([[(2, 5)], [(3, 5)]])
+    with pytest.raises(ValueError, match="3 groups do not split evenly across 2"):
+        plan_rank_balance([[(2, 5), (2, 5)], [(2, 5)]])
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), world_size=st.integers(1, 4), per_rank=st.integers(1, 5), rows=st.integers(1, 4))
+def test_plan_rank_balance_properties(data, world_size, per_rank, rows):
+    tokens = st.integers(rows, 400)
+    groups = [[(rows, data.draw(tokens)) for _ in range(per_rank)] for _ in range(world_size)]
+    plan = plan_rank_balance(groups)
+    flat = sorted(item for dest in plan for item in dest)
+    assert flat == [(r, j) for r in range(world_size) for j in range(per_rank)], "every group exactly once"
+    assert all(len(dest) == per_rank for dest in plan), "same number of trajectories everywhere"
+    assert all(dest == sorted(dest) for dest in plan), "global order within a process"
+    sums = [sum(groups[r][j][1] for r, j in dest) for dest in plan]
+    before = [sum(t for _, t in g) for g in groups]
+    largest = max(t for g in groups for _, t in g)
+    assert max(sums) - min(sums) <= max(largest, 0), "spread within one group's tokens"
+    assert max(sums) - min(sums) <= max(before) - min(before), "never worse than before"
