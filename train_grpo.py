@@ -106,6 +106,8 @@ def main(argv: list[str]) -> int:
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
             batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
                                                     world_size=world_size, rank=rank, timings=timings)
+            if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
+                batch = S.balance_batch(actor, batch)
             # 5. reference logprobs (only with a KL term)
             if reference is not None:
                 with timed(timings, "ref"):

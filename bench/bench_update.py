@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from grpo_lib.actor import Actor  # noqa: E402
+from grpo_lib.actor import Actor, micro_batches  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
 from grpo_lib.types import RolloutBatch  # noqa: E402
 
@@ -126,8 +126,6 @@ def reset_peak_rss() -> bool:
 
 def throughput(args, model_dir: Path) -> list[dict]:
     """Packing off / on, timed alternately (so a load change on a shared machine hits both), best of args.repeats."""
-    from grpo_lib.actor import micro_batches
-
     batch = make_batch(num_rows=args.rows, max_len=args.max_len, vocab=args.vocab)
     real_tokens = sum(batch.seq_lens)
     parts = micro_batches(batch.seq_lens, max_tokens=args.budget, micro_batch_size=None)
@@ -166,8 +164,6 @@ def memory_child(args) -> None:
     actor = Actor(cfg, device=torch.device("cpu"))
     actor.model.train()
     batch = make_batch(num_rows=args.rows, max_len=args.max_len, vocab=args.vocab)
-    from grpo_lib.actor import micro_batches
-
     parts = micro_batches(batch.seq_lens, max_tokens=args.budget, micro_batch_size=None)
     largest = max(sum(batch.seq_lens[i] for i in part) for part in parts)
     reset = reset_peak_rss()  # the peak below is the update's, not the model load's
@@ -278,9 +274,11 @@ costs do not shrink with packing on CPU (torch.profiler runs of these shapes, no
   `--max-len 256 --rows 32 --budget 2048` (about 10 rows per micro-batch) 1.37x: on CPU this attention term, not
   only the head, keeps packing near 1.3-1.4x.
 
-Peak memory: the forward/backward peak is set by the largest micro-batch (the token budget) and the head chunk, not
-by the batch, so it stays flat when the batch grows 4x; the AdamW step then adds its two states (2 x parameters,
-the same for any batch).
+Peak memory: the forward/backward peak follows the largest micro-batch (bounded by the token budget; its token
+count is listed), not the batch size. A 4x batch fills its micro-batches closer to the budget, which accounts for
+most of the difference between the two rows. A large part of the increment is the output head's float32 [chunk, vocab] blocks
+(`token_logprobs(chunk_size=1024)`: 128 MiB each at vocab 32k, several alive while the backward recomputes a
+chunk). The AdamW states (2 x parameters, allocated at the first step) stay below the forward/backward peak here.
 """
     path.write_text(text)
     return table

@@ -110,6 +110,7 @@ class Actor:
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = dist.get_world_size() if _dist_on() else 1
+        self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
 
     # -- logprobs --------------------------------------------------------------------------------------
 
@@ -123,7 +124,7 @@ class Actor:
         a = self.cfg.actor
         self.model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
-        for rows in self.mini_batch_rows(batch, torch.Generator().manual_seed(self.cfg.trainer.seed)):
+        for rows in self.mini_batch_rows(batch, self._shuffle_generator()):
             lp = logprobs_over_batch(
                 self.model, batch.select(rows), temperature=self.cfg.rollout.temperature,
                 remove_padding=self.cfg.model.use_remove_padding,
@@ -175,8 +176,12 @@ class Actor:
             metrics["actor/entropy"] = ent.item()
         return loss, metrics, int(mask.sum().item())
 
-    def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[int]]:
+    def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
         """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
+
+        Without shuffling, local mini-batch m of every process holds that process's part of global mini-batch m
+        (prompts are dealt out strided), so the process count never changes what an update sees. Shuffling
+        permutes each process's groups locally: the mini-batches then depend on the process count.
 
         Example (4 groups of 2 rows, 2 mini-batches, no shuffle): [[0, 1, 2, 3], [4, 5, 6, 7]].
         """
@@ -186,9 +191,10 @@ class Actor:
         rows_of = defaultdict(list)
         for i, g in enumerate(batch.group_ids):
             rows_of[g].append(i)
-        order = torch.randperm(len(groups), generator=generator).tolist() if a.shuffle else list(range(len(groups)))
+        shuffle = a.shuffle and generator is not None
+        order = torch.randperm(len(groups), generator=generator).tolist() if shuffle else list(range(len(groups)))
         size = math.ceil(len(groups) / n_mini)
-        chosen = [[groups[order[j]] for j in range(m, len(groups), n_mini)] if a.shuffle else groups[m * size:(m + 1) * size]
+        chosen = [[groups[order[j]] for j in range(m, len(groups), n_mini)] if shuffle else groups[m * size:(m + 1) * size]
                   for m in range(n_mini)]
         return [[i for g in c for i in rows_of[g]] for c in chosen]
 
@@ -198,14 +204,19 @@ class Actor:
         self.model.train()
         summed: dict[str, float] = defaultdict(float)
         num_updates = 0
-        generator = torch.Generator().manual_seed(self.cfg.trainer.seed)  # compute_logprobs replays its first epoch
+        generator = self._shuffle_generator()  # compute_logprobs replayed this step's first epoch with the same seed
         for _epoch in range(a.ppo_epochs):
             for rows in self.mini_batch_rows(batch, generator):
                 summed_step = self._optimizer_step(batch.select(rows))
                 for k, v in summed_step.items():
                     summed[k] += v
                 num_updates += 1
+        self.steps_done += 1
         return {k: v / num_updates for k, v in summed.items()}
+
+    def _shuffle_generator(self) -> torch.Generator:
+        """Mini-batch shuffle order of the current step (a new permutation every step, reproducible)."""
+        return torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.steps_done)
 
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
         """Backward over the micro-batches of one mini-batch, then one optimizer step."""

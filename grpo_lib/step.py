@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from grpo_lib import algorithms
-from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier
+from grpo_lib.batching import balance_across_ranks
+from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier, is_on
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 
 
@@ -67,6 +68,17 @@ def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
         else:
             fields[name] = values[0]
     return RolloutBatch(**fields)
+
+
+def balance_batch(actor, batch: RolloutBatch) -> RolloutBatch:
+    """Even out tokens across processes inside each mini-batch (whole groups move; identity with one process).
+
+    Balancing mini-batch by mini-batch keeps every global mini-batch's set of groups, so the update is the same
+    as without balancing; only the work per process changes.
+    """
+    if not is_on():
+        return batch
+    return concat_rollouts([balance_across_ranks(batch.select(rows)) for rows in actor.mini_batch_rows(batch)])
 
 
 def score(scorer, batch: RolloutBatch) -> dict[str, float]:
