@@ -26,6 +26,7 @@ chunked logprobs + entropy, PPO loss with the KL term, backward per micro-batch)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -40,8 +41,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+import grpo_lib.actor as actor_module  # noqa: E402
 from grpo_lib.actor import Actor, micro_batches  # noqa: E402
+from grpo_lib.batching import pack_sequences  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
+from grpo_lib.logprobs import _num_packed_rows, token_logprobs  # noqa: E402
 from grpo_lib.types import RolloutBatch  # noqa: E402
 
 GROUP_SIZE = 4  # rollout.n
@@ -124,42 +128,63 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def set_packed_row_tokens(packed_row_tokens: int | None) -> None:
+    """Make the Actor's `token_logprobs` calls pack into rows of >= packed_row_tokens tokens (None: one row)."""
+    actor_module.token_logprobs = functools.partial(token_logprobs, packed_row_tokens=packed_row_tokens)
+
+
 def throughput(args, model_dir: Path) -> list[dict]:
-    """Packing off / on, timed alternately (so a load change on a shared machine hits both), best of args.repeats."""
+    """Padded / packed in one row / packed in rows of >= args.packed_row_tokens, timed alternately (so a load
+    change on a shared machine hits all three), best of args.repeats."""
     batch = make_batch(num_rows=args.rows, max_len=args.max_len, vocab=args.vocab)
     real_tokens = sum(batch.seq_lens)
     parts = micro_batches(batch.seq_lens, max_tokens=args.budget, micro_batch_size=None)
-    padded_tokens = sum(len(p) * max(batch.seq_lens[i] for i in p) for p in parts)  # what the padded forwards process
     cfgs = {rp: make_config(model_dir, max_len=args.max_len, prompts=args.rows // GROUP_SIZE, budget=args.budget, remove_padding=rp)
             for rp in (False, True)}
+    modes = [dict(mode="padded", remove_padding=False, packed_row_tokens=None),
+             dict(mode="packed, one row", remove_padding=True, packed_row_tokens=None),
+             dict(mode=f"packed, rows of >= {args.packed_row_tokens} tokens", remove_padding=True, packed_row_tokens=args.packed_row_tokens)]
+    for m in modes:  # what the forwards process: rows x row width, summed over micro-batches
+        rows = widths = computed = 0
+        for part in parts:
+            mb = batch.select(part)
+            if not m["remove_padding"]:
+                shape = tuple(mb.input_ids[:, : max(mb.seq_lens)].shape)
+            else:
+                shape = tuple(pack_sequences(mb.input_ids, mb.attention_mask,
+                                             num_rows=_num_packed_rows(mb.attention_mask, m["packed_row_tokens"])).input_ids.shape)
+            rows, widths, computed = rows + shape[0], widths + shape[1], computed + shape[0] * shape[1]
+        m.update(forward_rows=rows, mean_row_width=widths / len(parts), computed_tokens=computed)
     actor = Actor(cfgs[True], device=torch.device("cpu"))
     actor.model.train()
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for rp in (False, True):  # warm-up: the smallest micro-batch
-        actor.cfg = cfgs[rp]
-        actor.accumulate_gradients(batch.select(parts[-1]))
-        actor.model.zero_grad(set_to_none=True)
-    for repeat in range(args.repeats):
-        for rp in (False, True):
-            actor.cfg = cfgs[rp]
-            start = time.perf_counter()
-            actor.accumulate_gradients(batch)
-            times[rp].append(time.perf_counter() - start)
+    times: list[list[float]] = [[] for _ in modes]
+    try:
+        for m in modes:  # warm-up: the smallest micro-batch
+            actor.cfg = cfgs[m["remove_padding"]]
+            set_packed_row_tokens(m["packed_row_tokens"])
+            actor.accumulate_gradients(batch.select(parts[-1]))
             actor.model.zero_grad(set_to_none=True)
-            print(f"  repeat {repeat}: remove_padding={rp}: {times[rp][-1]:.1f} s", flush=True)
-    rows = []
-    for rp in (False, True):
-        best = min(times[rp])
-        rows.append(dict(remove_padding=rp, micro_batches=len(parts), real_tokens=real_tokens,
-                         computed_tokens=real_tokens if rp else padded_tokens, seconds=best, all_seconds=times[rp],
-                         tokens_per_s=real_tokens / best))
-    return rows
+        for repeat in range(args.repeats):
+            for j, m in enumerate(modes):
+                actor.cfg = cfgs[m["remove_padding"]]
+                set_packed_row_tokens(m["packed_row_tokens"])
+                start = time.perf_counter()
+                actor.accumulate_gradients(batch)
+                times[j].append(time.perf_counter() - start)
+                actor.model.zero_grad(set_to_none=True)
+                print(f"  repeat {repeat}: {m['mode']}: {times[j][-1]:.1f} s", flush=True)
+    finally:
+        actor_module.token_logprobs = token_logprobs
+    for m, ts in zip(modes, times):
+        m.update(micro_batches=len(parts), real_tokens=real_tokens, seconds=min(ts), all_seconds=ts, tokens_per_s=real_tokens / min(ts))
+    return modes
 
 
 def memory_child(args) -> None:
     """Run in a fresh process: load, build the batch, one update (the steps of `Actor.update` for one mini-batch,
     spelled out so the forward/backward peak is read before the AdamW step allocates its states); print JSON."""
     torch.set_num_threads(args.threads)
+    set_packed_row_tokens(args.packed_row_tokens)
     cfg = make_config(Path(args.model_dir), max_len=args.max_len, prompts=args.rows // GROUP_SIZE, budget=args.budget, remove_padding=True)
     actor = Actor(cfg, device=torch.device("cpu"))
     actor.model.train()
@@ -183,7 +208,8 @@ def memory(args, model_dir: Path) -> list[dict]:
     out = []
     for scale in (1, 4):
         cmd = [sys.executable, __file__, "--child-memory", "--model-dir", str(model_dir), "--rows", str(args.mem_rows * scale),
-               "--max-len", str(args.max_len), "--budget", str(args.budget), "--vocab", str(args.vocab), "--threads", str(args.threads)]
+               "--max-len", str(args.max_len), "--budget", str(args.budget), "--vocab", str(args.vocab), "--threads", str(args.threads),
+               "--packed-row-tokens", str(args.packed_row_tokens)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"memory child failed:\n{proc.stderr[-4000:]}")
@@ -206,18 +232,20 @@ def machine() -> str:
 
 
 def write_report(path: Path, args, n_params: int, thr: list[dict], mem: list[dict], info: str) -> str:
-    off, on = thr
-    speedup = on["tokens_per_s"] / off["tokens_per_s"]
+    padded, one_row, multi_row = thr
+    speedup_one, speedup_multi = (m["tokens_per_s"] / padded["tokens_per_s"] for m in (one_row, multi_row))
     m1, m4 = mem
     inc1 = m1["peak_forward_backward_mib"] - m1["rss_before_update_mib"]
     inc4 = m4["peak_forward_backward_mib"] - m4["rss_before_update_mib"]
     table = "\n".join([
-        "| remove_padding | micro-batches | real tokens | computed tokens | seconds (best) | all runs, s | real tokens/s |",
-        "|---|---|---|---|---|---|---|",
-        *[f"| {r['remove_padding']} | {r['micro_batches']} | {r['real_tokens']} | {r['computed_tokens']} | {r['seconds']:.1f} | "
-          f"{', '.join(f'{t:.1f}' for t in r['all_seconds'])} | {r['tokens_per_s']:.0f} |" for r in thr],
+        "| mode | micro-batches | forward rows | mean row width | real tokens | computed tokens | seconds (best) | all runs, s | real tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['mode']} | {r['micro_batches']} | {r['forward_rows']} | {r['mean_row_width']:.0f} | {r['real_tokens']} | "
+          f"{r['computed_tokens']} | {r['seconds']:.1f} | {', '.join(f'{t:.1f}' for t in r['all_seconds'])} | {r['tokens_per_s']:.0f} |"
+          for r in thr],
         "",
-        f"**Packing speed-up: {speedup:.2f}x** (target >= 1.5x).",
+        f"**Packing speed-up: {speedup_multi:.2f}x** with rows of >= {args.packed_row_tokens} tokens (the default of "
+        f"`token_logprobs`), {speedup_one:.2f}x with one packed row per micro-batch (target >= 1.5x).",
         "",
         "| train_batch_size | trajectories | real tokens | micro-batches | largest micro-batch, tokens | RSS before update MiB | "
         "peak RSS, forward/backward MiB | forward/backward increment MiB | peak RSS, with AdamW step MiB | update s |",
@@ -293,6 +321,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="trajectories in the throughput mini-batch")
     parser.add_argument("--mem-rows", type=int, default=16, help="trajectories of the x1 memory run (x4: 4 times as many)")
     parser.add_argument("--budget", type=int, default=1024, help="ppo_max_token_len_per_gpu, tokens")
+    parser.add_argument("--packed-row-tokens", type=int, default=512,
+                        help="token_logprobs(packed_row_tokens=...) of the multi-row packed mode and the memory runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=str(REPO / "bench" / "results_cpu.md"))
@@ -312,7 +342,8 @@ def main() -> None:
         print(f"model: {n_params / 1e6:.1f}M parameters; throughput ({args.rows} trajectories, budget {args.budget}):", flush=True)
         thr = throughput(args, model_dir)
         if args.throughput_only:
-            print(f"packing speed-up: {thr[1]['tokens_per_s'] / thr[0]['tokens_per_s']:.2f}x")
+            print(f"packing speed-up: one row {thr[1]['tokens_per_s'] / thr[0]['tokens_per_s']:.2f}x, "
+                  f"rows of >= {args.packed_row_tokens} tokens {thr[2]['tokens_per_s'] / thr[0]['tokens_per_s']:.2f}x")
             return
         print(f"memory (fresh process each, {args.mem_rows} vs {4 * args.mem_rows} trajectories):", flush=True)
         mem = memory(args, model_dir)

@@ -150,10 +150,8 @@ class Actor:
                                      compute_entropy=compute_entropy)
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
-        is_weights = None
-        if alg.rollout_correction.mode != "none":
-            is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,
-                                                       mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)
+        is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
+                                                   mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)  # [b, T]
         counts = dict(num_tokens=num_tokens, num_seqs=num_seqs,
                       loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length)
         pg_loss, metrics = algorithms.policy_loss(

@@ -16,11 +16,13 @@ divided by the mini-batch's global counts elsewhere (`algorithms`).
 - `balance_across_ranks` (`trainer.balance_batch`): trajectories are generated on the process that owns the
   prompt; this moves whole groups between processes so that every process holds the same number of
   trajectories and nearly the same number of tokens (`plan_rank_balance` is the pure planning step).
-- `pack_sequences`: right-padded rows -> one row with position_ids restarting at 0 per sequence. In
+- `pack_sequences`: right-padded rows -> k rows of whole sequences (balanced token counts), position_ids
+  restarting at 0 per sequence, each row right-padded by a dummy segment whose position_ids also restart. In
   transformers 5.19, eager / sdpa / flex_attention build a block-diagonal causal mask from such position_ids,
   but ONLY when the model is called with `attention_mask=None` AND `use_cache=False` (a KV cache, or any
-  2D mask, silently disables the detection and sequences attend to each other). `check_packing_isolated`
-  verifies this once at start-up for the model actually in use.
+  2D mask, silently disables the detection and sequences attend to each other); the mask is built per row, so
+  several rows work alike (measured). `check_packing_isolated` verifies this once at start-up for the model
+  actually in use, with one and with two packed rows.
 
 Example: micro_batch_indices([5, 3, 4, 4], max_tokens=8) -> [[0, 1], [2, 3]]  (8 and 8 tokens).
 """
@@ -315,56 +317,81 @@ def balance_across_ranks(batch: RolloutBatch, *, group: dist.ProcessGroup | None
 
 @dataclass
 class PackedBatch:
-    """b right-padded rows packed into one row of `total` real tokens (no pads)."""
+    """b right-padded rows packed into k rows of whole sequences (`total` real tokens), each right-padded to `width`.
 
-    input_ids: Tensor  # [1, total]
-    position_ids: Tensor  # [1, total], restarts at 0 for every sequence
-    cu_seqlens: Tensor  # [b + 1] int32, sequence boundaries in the packed row (flash-attn convention)
-    max_seqlen: int  # longest sequence, tokens
-    flat_index: Tensor  # [total] long, index of each packed token in the flattened [b * T] padded layout
+    The padding of a packed row is one dummy segment whose position_ids restart at 0: it is a sequence of its own,
+    attends only to itself, and its outputs are ignored (`real` is False there).
+    """
+
+    input_ids: Tensor  # [k, width], pad segments hold token 0
+    position_ids: Tensor  # [k, width], restarts at 0 for every sequence and every pad segment
+    real: Tensor  # [k, width] bool, True on the tokens of the b sequences
+    cu_seqlens: Tensor  # [segments + 1] int32, segment boundaries (pad segments included) in the flattened [k * width] rows
+    max_seqlen: int  # longest segment, tokens
+    flat_index: Tensor  # [total] long, index in the flattened [b * T] padded layout of each real packed token (row-major)
     batch_size: int  # b
     seq_len: int  # T, padded length
 
     def unpack(self, values: Tensor) -> Tensor:
-        """[1, total, ...] or [total, ...] per-token values -> [b, T, ...] with zeros at pads (differentiable).
+        """[k, width, ...] or [total, ...] per-token values -> [b, T, ...] with zeros at pads (differentiable).
 
-        A leading dimension of 1 followed by `total` is read as the packed batch dimension.
+        Values whose two leading dimensions are [k, width] are read as the packed rows (pad segments dropped).
         """
         total = self.flat_index.shape[0]
-        if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == total:
-            values = values[0]  # [total, ...]
+        if values.dim() >= 2 and tuple(values.shape[:2]) == tuple(self.real.shape):
+            values = values[self.real]  # [total, ...]
         assert values.shape[0] == total, f"unpack expects {total} packed tokens, got shape {tuple(values.shape)}"
         padded = values.new_zeros((self.batch_size * self.seq_len, *values.shape[1:]))  # [b * T, ...]
         padded = padded.index_copy(0, self.flat_index, values)  # [b * T, ...]
         return padded.view(self.batch_size, self.seq_len, *values.shape[1:])  # [b, T, ...]
 
 
-def pack_sequences(input_ids: Tensor, attention_mask: Tensor) -> PackedBatch:
-    """Pack RIGHT-padded rows (mask 1...1 0...0, asserted) into one row with restarting position_ids.
+def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int = 1) -> PackedBatch:
+    """Pack RIGHT-padded rows (mask 1...1 0...0, asserted) into num_rows rows with restarting position_ids.
 
+    Sequences go to rows by `partition_balanced` of their lengths (each row's sequences in ascending index order);
+    rows are right-padded to the longest with a pad segment (token 0, position_ids 0, 1, ...). num_rows is capped at
+    the number of sequences (at least 1). Call the model with attention_mask=None, position_ids=packed.position_ids,
+    use_cache=False.
     Example: ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]] -> input_ids [[5, 6, 7]],
-    position_ids [[0, 1, 0]], cu_seqlens [0, 2, 3], max_seqlen 2.
-    Call the model with attention_mask=None, position_ids=packed.position_ids, use_cache=False.
+    position_ids [[0, 1, 0]], cu_seqlens [0, 2, 3], max_seqlen 2; with num_rows=2 -> input_ids [[5, 6], [7, 0]],
+    position_ids [[0, 1], [0, 0]], real [[1, 1], [1, 0]], cu_seqlens [0, 2, 3, 4].
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
         f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]"
     )
+    assert num_rows >= 1, f"num_rows must be >= 1, got {num_rows}"
     mask = attention_mask.to(torch.long)  # [b, T]
     assert bool(((mask == 0) | (mask == 1)).all()), "attention_mask must hold only 0 and 1"
     assert bool((mask[:, 1:] <= mask[:, :-1]).all()), (
         "pack_sequences assumes right padding (each mask row is 1s then 0s); left-padded rows must be shifted first"
     )
     batch_size, seq_len = mask.shape
-    lens = mask.sum(dim=1)  # [b]
-    valid = mask.bool()  # [b, T]
-    position_ids = (mask.cumsum(dim=1) - 1)[valid]  # [total]
-    cu_seqlens = torch.nn.functional.pad(lens.cumsum(dim=0), (1, 0)).to(torch.int32)  # [b + 1]
+    lens = mask.sum(dim=1).tolist()  # [b] python ints
+    rows = [row for row in partition_balanced(lens, min(num_rows, max(batch_size, 1))) if row] or [[]]
+    width = max(sum(lens[i] for i in row) for row in rows)
+    # Per packed row, the segments as (source row or -1 for the pad segment, length).
+    segments = [[(i, lens[i]) for i in row if lens[i] > 0] for row in rows]
+    for row in segments:
+        used = sum(n for _, n in row)
+        if used < width:
+            row.append((-1, width - used))
+    device = input_ids.device
+    seg_lens = torch.tensor([n for row in segments for _, n in row], dtype=torch.long)  # [segments]
+    cu_seqlens = torch.nn.functional.pad(seg_lens.cumsum(dim=0), (1, 0))  # [segments + 1]
+    source_row = torch.tensor([i for row in segments for i, _ in row], dtype=torch.long).repeat_interleave(seg_lens)  # [k * width]
+    position_ids = torch.arange(len(rows) * width) - cu_seqlens[:-1].repeat_interleave(seg_lens)  # [k * width]
+    real = source_row >= 0  # [k * width]
+    flat_index = (source_row * seq_len + position_ids)[real].to(device)  # [total]
+    packed_ids = torch.zeros(len(rows) * width, dtype=input_ids.dtype, device=device)  # [k * width]
+    packed_ids[real.to(device)] = input_ids.flatten()[flat_index]
     return PackedBatch(
-        input_ids=input_ids[valid].unsqueeze(0),  # [1, total]
-        position_ids=position_ids.unsqueeze(0),  # [1, total]
-        cu_seqlens=cu_seqlens,
-        max_seqlen=int(lens.max()) if batch_size > 0 else 0,
-        flat_index=valid.flatten().nonzero().squeeze(1),  # [total]
+        input_ids=packed_ids.view(len(rows), width),  # [k, width]
+        position_ids=position_ids.to(device).view(len(rows), width),  # [k, width]
+        real=real.to(device).view(len(rows), width),  # [k, width]
+        cu_seqlens=cu_seqlens.to(device=device, dtype=torch.int32),
+        max_seqlen=int(seg_lens.max()) if seg_lens.numel() else 0,
+        flat_index=flat_index,
         batch_size=batch_size,
         seq_len=seq_len,
     )
@@ -374,36 +401,41 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor) -> PackedBatch:
 def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None, seed: int = 0) -> None:
     """Start-up check that packed sequences do not attend to each other with the model's attention backend.
 
-    Runs two random sequences packed in one row (restarting position_ids, attention_mask=None, use_cache=False)
-    and each alone; raises RuntimeError if the log-probabilities differ by more than atol (default 1e-4 for
-    float32, 1e-1 for half precision: a leak changes them by O(1) in a trained model).
+    Packs three random sequences (3, 9 and 4 tokens) as `pack_sequences` does (restarting position_ids,
+    attention_mask=None, use_cache=False) into one row, and into two rows ([3 + 4 + a 2-token pad segment] and
+    [9]: two sequences in a row, a pad segment, a row without one), and runs each sequence alone; raises
+    RuntimeError if the log-probabilities differ by more than atol (default 1e-4 for float32, 1e-1 for half
+    precision: a leak changes them by O(1) in a trained model).
     """
     param = next(model.parameters())
     if atol is None:
         atol = 1e-4 if param.dtype == torch.float32 else 1e-1
     generator = torch.Generator().manual_seed(seed)
-    lens = (6, 9)
-    vocab_size = model.config.vocab_size
-    seqs = [torch.randint(0, vocab_size, (1, n), generator=generator).to(param.device) for n in lens]  # [1, n]
+    lens = torch.tensor([3, 9, 4])  # [3]
+    mask = (torch.arange(int(lens.max()))[None, :] < lens[:, None]).long().to(param.device)  # [3, 9]
+    input_ids = torch.randint(0, model.config.vocab_size, tuple(mask.shape), generator=generator).to(param.device) * mask
     was_training = model.training
     model.eval()
     try:
         alone = [
-            model(input_ids=s, position_ids=torch.arange(s.shape[1], device=s.device)[None], use_cache=False).logits
-            for s in seqs
-        ]  # each [1, n, V]
-        position_ids = torch.cat([torch.arange(n, device=param.device) for n in lens]).unsqueeze(0)  # [1, sum]
-        packed = model(
-            input_ids=torch.cat(seqs, dim=1), position_ids=position_ids, attention_mask=None, use_cache=False
-        ).logits  # [1, sum, V]
+            model(input_ids=input_ids[i : i + 1, :n], position_ids=torch.arange(n, device=param.device)[None],
+                  use_cache=False).logits.float().log_softmax(-1)[0]
+            for i, n in enumerate(lens.tolist())
+        ]  # each [n, V]
+        diffs = {}
+        for num_rows in (1, 2):
+            packed = pack_sequences(input_ids, mask, num_rows=num_rows)
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                           use_cache=False).logits  # [k, width, V]
+            unpacked = packed.unpack(logits.float().log_softmax(-1))  # [3, 9, V]
+            diffs[num_rows] = max((unpacked[i, :n] - alone[i]).abs().max().item() for i, n in enumerate(lens.tolist()))
     finally:
         model.train(was_training)
-    expected = torch.cat(alone, dim=1).float().log_softmax(-1)  # [1, sum, V]
-    diff = (packed.float().log_softmax(-1) - expected).abs().max().item()
-    if not diff <= atol:
+    if not all(diff <= atol for diff in diffs.values()):
         impl = getattr(model.config, "_attn_implementation", "unknown")
         raise RuntimeError(
-            f"Packed sequences are not isolated with attn_implementation={impl!r}: log-probs differ by {diff:.3g} "
-            f"(> {atol:g}) between packed and separate forwards. Set `model.use_remove_padding: false`, or use "
-            f"attn_implementation sdpa / eager / flash_attention_2."
+            f"Packed sequences are not isolated with attn_implementation={impl!r}: log-probs differ by "
+            f"{', '.join(f'{d:.3g} ({k} packed rows)' for k, d in diffs.items())} (> {atol:g}) between packed and "
+            f"separate forwards. Set `model.use_remove_padding: false`, or use attn_implementation sdpa / eager / "
+            f"flash_attention_2."
         )

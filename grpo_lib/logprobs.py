@@ -90,6 +90,18 @@ def _chunked_head(
     return logprobs, (torch.cat(entropy_chunks) if compute_entropy else None)
 
 
+def _num_packed_rows(mask: Tensor, packed_row_tokens: int | None) -> int:
+    """Rows for packing a [b, T] right-padded micro-batch: ceil(tokens / max(packed_row_tokens, longest)), >= 1.
+
+    Example: lengths [500, 300, 100, 400], packed_row_tokens 512 -> ceil(1300 / 512) = 3 rows.
+    """
+    if packed_row_tokens is None or mask.shape[0] == 0:
+        return 1
+    lens = mask.sum(dim=1)  # [b]
+    row_tokens = max(packed_row_tokens, int(lens.max()))
+    return max(1, -(-int(lens.sum()) // row_tokens))
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -99,6 +111,7 @@ def token_logprobs(
     remove_padding: bool = False,
     compute_entropy: bool = False,
     chunk_size: int = 1024,
+    packed_row_tokens: int | None = 512,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probabilities (and optionally entropies) of `input_ids` under `model`, float32 [b, T].
 
@@ -106,10 +119,15 @@ def token_logprobs(
     at pads. entropy[:, t] is the entropy of the distribution that predicted token t (None unless
     compute_entropy). Gradients flow to the model parameters when grad is enabled.
 
-    remove_padding=True packs the rows into one (rows must be right-padded) and calls the model with
-    attention_mask=None, restarting position_ids and use_cache=False: only exact when the attention backend
-    isolates packed sequences (`batching.check_packing_isolated`). remove_padding=False runs the padded batch
-    with its attention_mask and position_ids = cumsum(mask) - 1 (so left padding works too).
+    remove_padding=True packs the rows (they must be right-padded) into k rows of whole sequences and calls the
+    model with attention_mask=None, restarting position_ids and use_cache=False: only exact when the attention
+    backend isolates packed sequences (`batching.check_packing_isolated`). k = ceil(real tokens /
+    max(packed_row_tokens, longest sequence)), balanced by `batching.partition_balanced`; packed_row_tokens=None
+    packs everything into one row. Why several rows: sdpa / eager (and flex without a block mask) compute the dense
+    [row, row] attention of a packed row, so k rows cost ~1/k of one row's attention, for a little padding (rows
+    are right-padded to the longest). A varlen kernel (flash_attention_2) is indifferent to k.
+    remove_padding=False runs the padded batch with its attention_mask and position_ids = cumsum(mask) - 1 (so
+    left padding works too).
     Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
@@ -117,25 +135,30 @@ def token_logprobs(
     )
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     assert chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}"
+    assert packed_row_tokens is None or packed_row_tokens >= 1, f"packed_row_tokens must be >= 1 or None, got {packed_row_tokens}"
     batch_size, seq_len = input_ids.shape
     mask = attention_mask.to(torch.long)  # [b, T]
     # Token t is scored iff it and its predecessor are real tokens: [b, T - 1] for targets 1..T-1.
     scored = (mask[:, 1:] * mask[:, :-1]).bool()  # [b, T - 1]
 
     if remove_padding:
-        packed = pack_sequences(input_ids, mask)
+        packed = pack_sequences(input_ids, mask, num_rows=_num_packed_rows(mask, packed_row_tokens))
         hidden = _decoder_hidden_states(
             model,
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             attention_mask=None,
             use_cache=False,
-        )[0]  # [total, hidden]
-        # Packed token j is scored iff it does not start a sequence; right padding makes these tokens appear
-        # in the same row-major order as `scored` is True in the padded layout.
-        packed_scored = packed.position_ids[0, 1:] > 0  # [total - 1]
-        predicting = hidden[:-1][packed_scored]  # [N, hidden]
-        targets = packed.input_ids[0, 1:][packed_scored]  # [N]
+        )  # [k, width, hidden]
+        # Packed token j is scored iff it is real and does not start a sequence (its predecessor is then the
+        # previous token of its sequence). Reordered by the token's index in the padded [b, T] layout, the scored
+        # tokens appear in the order in which `scored` is True, as in the padded path.
+        packed_scored = packed.real[:, 1:] & (packed.position_ids[:, 1:] > 0)  # [k, width - 1]
+        padded_index = torch.full_like(packed.position_ids, -1)  # [k, width]
+        padded_index[packed.real] = packed.flat_index
+        order = padded_index[:, 1:][packed_scored].argsort()  # [N]
+        predicting = hidden[:, :-1][packed_scored][order]  # [N, hidden]
+        targets = packed.input_ids[:, 1:][packed_scored][order]  # [N]
     else:
         position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, T]
         hidden = _decoder_hidden_states(

@@ -139,6 +139,22 @@ def test_pack_and_unpack_round_trip():
         pack_sequences(ids, torch.tensor([[0, 1, 1], [1, 0, 0], [1, 1, 1]]))
 
 
+def test_pack_into_several_rows():
+    """Balanced rows of whole sequences, each right-padded by a pad segment whose position_ids restart at 0."""
+    ids = torch.tensor([[5, 6, 0], [7, 0, 0], [1, 2, 3], [4, 0, 0]])  # [4, 3], lengths 2, 1, 3, 1
+    mask = (ids > 0).long()  # [4, 3]
+    packed = pack_sequences(ids, mask, num_rows=2)  # partition_balanced([2, 1, 3, 1], 2) -> [[0, 1], [2, 3]]
+    assert packed.input_ids.tolist() == [[5, 6, 7, 0], [1, 2, 3, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 0, 0], [0, 1, 2, 0]]
+    assert packed.real.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert packed.cu_seqlens.tolist() == [0, 2, 3, 4, 7, 8] and packed.max_seqlen == 3  # pad segment [3, 4) included
+    assert torch.equal(packed.unpack(packed.input_ids), ids)
+    assert torch.equal(packed.unpack(packed.input_ids.flatten()[packed.real.flatten()]), ids)
+    assert pack_sequences(ids, mask, num_rows=9).input_ids.shape == (4, 3), "at most one row per sequence"
+    one_row = pack_sequences(ids, mask)
+    assert one_row.input_ids.tolist() == [[5, 6, 7, 1, 2, 3, 4]] and one_row.real.all()
+
+
 def _agree_worker(rank: int, init_file: str, queue) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     queue.put((rank, agree_num_micro_batches([3, 5][rank])))
