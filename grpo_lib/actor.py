@@ -10,7 +10,7 @@ processes, so micro-batching and the process count never change the gradient (DE
 
 Multi-process: gradients are all-reduced explicitly after the micro-batches of a mini-batch (no DDP
 wrapper: DDP needs every forward to go through its own `forward`, and the chunked logprob path calls the
-decoder and the output head separately). FSDP2 sharding plugs in at `_wrap_model` (its own issue).
+decoder and the output head separately). FSDP2 sharding (its own issue) plugs in right after `load_model` in `Actor.__init__`.
 Every process runs the same number of forward (and backward) passes: the micro-batch count is agreed
 across processes (`batching.agree_num_micro_batches`), and a process with fewer rows than micro-batches
 runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so per-module collectives
@@ -46,14 +46,11 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_rem
 
 
 def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_size: int | None) -> list[list[int]]:
-    """Row indices per micro-batch; every process runs the same number of micro-batches."""
-    if max_tokens is not None:
-        local = micro_batch_indices(seq_lens, max_tokens=max_tokens)
-        agreed = agree_num_micro_batches(len(local))
-        return local if agreed == len(local) else micro_batch_indices(seq_lens, max_tokens=max_tokens, min_num_micro_batches=agreed)
-    local = micro_batch_indices(seq_lens, micro_batch_size=micro_batch_size)
+    """Row indices per micro-batch (token budget if `max_tokens`, else fixed size); the count is agreed by all processes."""
+    budget = {"max_tokens": max_tokens} if max_tokens is not None else {"micro_batch_size": micro_batch_size}
+    local = micro_batch_indices(seq_lens, **budget)
     agreed = agree_num_micro_batches(len(local))
-    return local if agreed == len(local) else micro_batch_indices(seq_lens, micro_batch_size=micro_batch_size, min_num_micro_batches=agreed)
+    return local if agreed == len(local) else micro_batch_indices(seq_lens, **budget, min_num_micro_batches=agreed)
 
 
 def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
