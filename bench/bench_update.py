@@ -9,9 +9,10 @@ chunked logprobs + entropy, PPO loss with the KL term, backward per micro-batch)
 
 1. Throughput: real tokens (prompt + response, no pads) / second of forward + backward over one mini-batch whose
    lengths spread uniformly from 10% to 100% of the maximum, with `actor.use_dynamic_bsz` and a token budget of
-   `--budget` (1024) tokens, `model.use_remove_padding` on vs off. With packing off every micro-batch is padded to
-   its longest row; with packing on it is one row of real tokens (a block-diagonal causal mask, dense T x T on
-   CPU: why the budget stays small here). Best of `--repeats` timed runs after one warm-up.
+   `--budget` (1024) tokens, in three modes: padded (`model.use_remove_padding` off: every micro-batch padded to
+   its longest row), packed in one row (`token_logprobs(packed_row_tokens=None)`: a block-diagonal causal mask,
+   dense T x T for sdpa), packed in rows of >= `--packed-row-tokens` (512, the library default) tokens. Timed
+   alternately, best of `--repeats` after one warm-up each.
 2. Peak memory: peak resident set (VmHWM of /proc/self/status, restarted just before the update through
    /proc/self/clear_refs) of a FRESH subprocess per configuration that loads the model, builds the batch and runs
    one update (micro-batches, then the AdamW step; the peak is read after each), with `data.train_batch_size` 1x
@@ -45,7 +46,7 @@ import grpo_lib.actor as actor_module  # noqa: E402
 from grpo_lib.actor import Actor, micro_batches  # noqa: E402
 from grpo_lib.batching import pack_sequences  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.logprobs import _num_packed_rows, token_logprobs  # noqa: E402
+from grpo_lib.logprobs import num_packed_rows, token_logprobs  # noqa: E402
 from grpo_lib.types import RolloutBatch  # noqa: E402
 
 GROUP_SIZE = 4  # rollout.n
@@ -152,7 +153,7 @@ def throughput(args, model_dir: Path) -> list[dict]:
                 shape = tuple(mb.input_ids[:, : max(mb.seq_lens)].shape)
             else:
                 shape = tuple(pack_sequences(mb.input_ids, mb.attention_mask,
-                                             num_rows=_num_packed_rows(mb.attention_mask, m["packed_row_tokens"])).input_ids.shape)
+                                             num_rows=num_packed_rows(mb.attention_mask, m["packed_row_tokens"])).input_ids.shape)
             rows, widths, computed = rows + shape[0], widths + shape[1], computed + shape[0] * shape[1]
         m.update(forward_rows=rows, mean_row_width=widths / len(parts), computed_tokens=computed)
     actor = Actor(cfgs[True], device=torch.device("cpu"))
@@ -237,6 +238,12 @@ def write_report(path: Path, args, n_params: int, thr: list[dict], mem: list[dic
     m1, m4 = mem
     inc1 = m1["peak_forward_backward_mib"] - m1["rss_before_update_mib"]
     inc4 = m4["peak_forward_backward_mib"] - m4["rss_before_update_mib"]
+    # Matmul FLOPs per token: body 6 x its parameters (forward + backward) on computed tokens; output head 4 passes
+    # (forward, checkpoint recompute, two backward) x 2 x vocab x hidden on real tokens only, in every mode.
+    body_flops, head_flops = 6 * (n_params - args.vocab * args.hidden), 8 * args.vocab * args.hidden
+    bound = ((padded["computed_tokens"] * body_flops + padded["real_tokens"] * head_flops)
+             / (padded["real_tokens"] * (body_flops + head_flops)))
+    default_note = " (the default of `token_logprobs`)" if args.packed_row_tokens == token_logprobs.__kwdefaults__["packed_row_tokens"] else ""
     table = "\n".join([
         "| mode | micro-batches | forward rows | mean row width | real tokens | computed tokens | seconds (best) | all runs, s | real tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -244,8 +251,10 @@ def write_report(path: Path, args, n_params: int, thr: list[dict], mem: list[dic
           f"{r['computed_tokens']} | {r['seconds']:.1f} | {', '.join(f'{t:.1f}' for t in r['all_seconds'])} | {r['tokens_per_s']:.0f} |"
           for r in thr],
         "",
-        f"**Packing speed-up: {speedup_multi:.2f}x** with rows of >= {args.packed_row_tokens} tokens (the default of "
-        f"`token_logprobs`), {speedup_one:.2f}x with one packed row per micro-batch (target >= 1.5x).",
+        f"**Packing speed-up: {speedup_multi:.2f}x** with rows of >= {args.packed_row_tokens} tokens{default_note}, "
+        f"{speedup_one:.2f}x with one packed row per micro-batch (target >= 1.5x). Matmul-FLOP bound on "
+        f"any packing speed-up at these settings (attention excluded, tied head {head_flops / (body_flops + head_flops):.0%} "
+        f"of a real token's matmul FLOPs): {bound:.2f}x.",
         "",
         "| train_batch_size | trajectories | real tokens | micro-batches | largest micro-batch, tokens | RSS before update MiB | "
         "peak RSS, forward/backward MiB | forward/backward increment MiB | peak RSS, with AdamW step MiB | update s |",
@@ -273,40 +282,47 @@ Random Qwen3-architecture model: hidden {args.hidden}, {args.layers} layers, voc
 float32, sdpa. Lengths (prompt + response) spread uniformly from 10% to 100% of {args.max_len} tokens, prompt
 {max(1, args.max_len // 10)} tokens, groups of {GROUP_SIZE}. `actor.use_dynamic_bsz` with
 `ppo_max_token_len_per_gpu={args.budget}`; KL loss on, entropy computed. Throughput: {args.rows} trajectories, one
-mini-batch, forward + backward (`Actor.accumulate_gradients`), best of {args.repeats} after a warm-up. Memory: fresh
-process per row, one update (`accumulate_gradients`, peak read, then the AdamW step), packing on, {args.mem_rows} vs {4 * args.mem_rows}
-trajectories; peak RSS = VmHWM (restarted before the update).
+mini-batch, forward + backward (`Actor.accumulate_gradients`) padded, packed in one row and packed in rows of
+>= {args.packed_row_tokens} tokens, timed alternately, best of {args.repeats} after a warm-up. Memory: fresh process per row, one
+update (`accumulate_gradients`, peak read, then the AdamW step), packed in rows of >= {args.packed_row_tokens} tokens,
+{args.mem_rows} vs {4 * args.mem_rows} trajectories; peak RSS = VmHWM (restarted before the update).
 
 ## Results
 
 {table}
 
-"Computed tokens" with packing off = sum over micro-batches of rows x longest row (what the padded forward
-processes). The machine is shared with other jobs: timings are indicative (load average at start above, at the
-end: {os.getloadavg()}).
+"Computed tokens" = sum over micro-batches of forward rows x row width: rows x longest row when padded, k packed
+rows x the longest packed row when packed (each packed row is right-padded by a pad segment). The machine is shared
+with other jobs: timings are indicative (load average at start above, at the end: {os.getloadavg()}).
 
 ## Reading the numbers
 
-The speed-up of packing is bounded by computed / real tokens of the padded mode (the "computed tokens" column;
-a token-balanced partition mixes long and short rows in every micro-batch, so each is padded to a long row; with
-only 2-4 rows per micro-batch the longest row of each is below the global maximum, hence ~1.6x, not 1.8x). Two
-costs do not shrink with packing on CPU (torch.profiler runs of these shapes, not part of this script):
+The speed-up of packing is bounded by computed / real tokens of the padded mode (a token-balanced partition mixes
+long and short rows in every micro-batch, so each is padded to a long row; with only 2-4 rows per micro-batch the
+longest row of each is below the global maximum, hence ~1.6x, not 1.8x), and further by what does not shrink:
 
-- the output head, log-softmax and entropy run over real tokens only in both modes (the chunked head of
-  `grpo_lib.logprobs`). With a 32k vocabulary on a 512-wide model the head's matmuls (forward, checkpoint
-  recompute, two backward) are ~45% of the step's matmul FLOPs (4 x 32768 x 512 vs 6 x 25M body parameters per
-  token); a real 7-8B model spends well under 10% there;
-- the packed row's block-diagonal causal mask is dense for sdpa on CPU: the CPU flash kernel computes all T x T
-  scores of the row (~23% of the packed step at T ~ 1k with vocab 8k), where a GPU varlen kernel
-  (flash_attention_2) computes only the per-sequence blocks. The same benchmark with `--vocab 8192` gave 1.34x, and
-  `--max-len 256 --rows 32 --budget 2048` (about 10 rows per micro-batch) 1.37x: on CPU this attention term, not
-  only the head, keeps packing near 1.3-1.4x.
+- the output head, log-softmax and entropy run over real tokens only in every mode (the chunked head of
+  `grpo_lib.logprobs`). With a 32k vocabulary on a 512-wide model the head is ~47% of a real token's matmul
+  FLOPs, which caps the speed-up at the "matmul-FLOP bound" above (~1.3x at the defaults) whatever the packing
+  layout; a real 7-8B model spends well under 10% there;
+- attention: sdpa (CPU, and GPU without a varlen kernel) computes the packed row's block-diagonal causal mask as a
+  dense [row, row] problem. One packed row of T tokens costs T^2; k rows of ~T/k cost ~T^2/k (`token_logprobs`
+  packs into k = ceil(tokens / max(packed_row_tokens, longest sequence)) rows, balanced by
+  `batching.partition_balanced`). At the defaults a micro-batch holds 2-4 sequences (~900 tokens, longest up to
+  512), so it becomes 2 rows of ~470: a torch.profiler run of one micro-batch (not part of this script) put sdpa
+  at 13% of the one-row step and 8% of the two-row step, a ~5% gain, within the run-to-run noise here. Where
+  micro-batches hold many sequences it is large: `--rows 32 --budget 4096` (~14 sequences, ~4k tokens per
+  micro-batch, 2 repeats) measured padded 37.9 s, one row 31.9 s (1.19x), rows of >= 512 tokens 22.8 s (1.66x).
+  A varlen kernel (flash_attention_2) computes only the per-sequence blocks and is indifferent to k.
 
 Peak memory: the forward/backward peak follows the largest micro-batch (bounded by the token budget; its token
 count is listed), not the batch size. A 4x batch fills its micro-batches closer to the budget, which accounts for
 most of the difference between the two rows. A large part of the increment is the output head's float32 [chunk, vocab] blocks
 (`token_logprobs(chunk_size=1024)`: 128 MiB each at vocab 32k, several alive while the backward recomputes a
 chunk). The AdamW states (2 x parameters, allocated at the first step) stay below the forward/backward peak here.
+Packing in rows of >= 512 tokens peaked 90-100 MiB above one packed row in this x1 update (fresh processes, 2
+repeats; 30-50 MiB with MALLOC_MMAP_THRESHOLD_=1048576, and one micro-batch alone peaks 16 MiB lower): heap
+reuse across differently shaped micro-batches plus the pad segments' ~7% extra tokens through the body.
 """
     path.write_text(text)
     return table

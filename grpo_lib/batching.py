@@ -326,9 +326,9 @@ class PackedBatch:
     input_ids: Tensor  # [k, width], pad segments hold token 0
     position_ids: Tensor  # [k, width], restarts at 0 for every sequence and every pad segment
     real: Tensor  # [k, width] bool, True on the tokens of the b sequences
-    cu_seqlens: Tensor  # [segments + 1] int32, segment boundaries (pad segments included) in the flattened [k * width] rows
+    cu_seqlens: Tensor  # [segments + 1] int32, segment (pad segments too) boundaries in the flattened [k * width] rows
     max_seqlen: int  # longest segment, tokens
-    flat_index: Tensor  # [total] long, index in the flattened [b * T] padded layout of each real packed token (row-major)
+    flat_index: Tensor  # [total] long, index in the flattened [b * T] padded layout of each real packed token
     batch_size: int  # b
     seq_len: int  # T, padded length
 
@@ -379,7 +379,8 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int =
     device = input_ids.device
     seg_lens = torch.tensor([n for row in segments for _, n in row], dtype=torch.long)  # [segments]
     cu_seqlens = torch.nn.functional.pad(seg_lens.cumsum(dim=0), (1, 0))  # [segments + 1]
-    source_row = torch.tensor([i for row in segments for i, _ in row], dtype=torch.long).repeat_interleave(seg_lens)  # [k * width]
+    seg_source = torch.tensor([i for row in segments for i, _ in row], dtype=torch.long)  # [segments], -1: pad segment
+    source_row = seg_source.repeat_interleave(seg_lens)  # [k * width]
     position_ids = torch.arange(len(rows) * width) - cu_seqlens[:-1].repeat_interleave(seg_lens)  # [k * width]
     real = source_row >= 0  # [k * width]
     flat_index = (source_row * seq_len + position_ids)[real].to(device)  # [total]
@@ -413,7 +414,8 @@ def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None,
     generator = torch.Generator().manual_seed(seed)
     lens = torch.tensor([3, 9, 4])  # [3]
     mask = (torch.arange(int(lens.max()))[None, :] < lens[:, None]).long().to(param.device)  # [3, 9]
-    input_ids = torch.randint(0, model.config.vocab_size, tuple(mask.shape), generator=generator).to(param.device) * mask
+    input_ids = torch.randint(0, model.config.vocab_size, tuple(mask.shape), generator=generator)  # [3, 9]
+    input_ids = input_ids.to(param.device) * mask  # [3, 9], pads 0
     was_training = model.training
     model.eval()
     try:

@@ -63,7 +63,8 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype of the trained actor. auto: float32 on CPU, bfloat16 on GPU (FSDP keeps fp32 master)."""
     use_remove_padding: bool = False
-    """Pack each micro-batch into one row with restarting position_ids (no pad tokens computed)."""
+    """Pack each micro-batch into rows of whole sequences (>= 512 tokens each) with restarting position_ids: no pad
+    tokens computed except each row's short pad segment. Checked at start-up to isolate sequences."""
     enable_gradient_checkpointing: bool = False
     """Activation checkpointing in the actor's decoder layers (memory for compute)."""
     trust_remote_code: bool = False

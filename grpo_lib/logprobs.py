@@ -90,7 +90,7 @@ def _chunked_head(
     return logprobs, (torch.cat(entropy_chunks) if compute_entropy else None)
 
 
-def _num_packed_rows(mask: Tensor, packed_row_tokens: int | None) -> int:
+def num_packed_rows(mask: Tensor, packed_row_tokens: int | None) -> int:
     """Rows for packing a [b, T] right-padded micro-batch: ceil(tokens / max(packed_row_tokens, longest)), >= 1.
 
     Example: lengths [500, 300, 100, 400], packed_row_tokens 512 -> ceil(1300 / 512) = 3 rows.
@@ -123,9 +123,9 @@ def token_logprobs(
     model with attention_mask=None, restarting position_ids and use_cache=False: only exact when the attention
     backend isolates packed sequences (`batching.check_packing_isolated`). k = ceil(real tokens /
     max(packed_row_tokens, longest sequence)), balanced by `batching.partition_balanced`; packed_row_tokens=None
-    packs everything into one row. Why several rows: sdpa / eager (and flex without a block mask) compute the dense
-    [row, row] attention of a packed row, so k rows cost ~1/k of one row's attention, for a little padding (rows
-    are right-padded to the longest). A varlen kernel (flash_attention_2) is indifferent to k.
+    packs everything into one row. Why several rows: sdpa and eager compute the dense [row, row] attention of a
+    packed row, so k rows cost ~1/k of one row's attention, for a little padding (rows are right-padded to the
+    longest; bench/results_cpu.md). A varlen kernel (flash_attention_2) is indifferent to k.
     remove_padding=False runs the padded batch with its attention_mask and position_ids = cumsum(mask) - 1 (so
     left padding works too).
     Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
@@ -135,14 +135,16 @@ def token_logprobs(
     )
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     assert chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}"
-    assert packed_row_tokens is None or packed_row_tokens >= 1, f"packed_row_tokens must be >= 1 or None, got {packed_row_tokens}"
+    assert packed_row_tokens is None or packed_row_tokens >= 1, (
+        f"packed_row_tokens must be >= 1 or None, got {packed_row_tokens}"
+    )
     batch_size, seq_len = input_ids.shape
     mask = attention_mask.to(torch.long)  # [b, T]
     # Token t is scored iff it and its predecessor are real tokens: [b, T - 1] for targets 1..T-1.
     scored = (mask[:, 1:] * mask[:, :-1]).bool()  # [b, T - 1]
 
     if remove_padding:
-        packed = pack_sequences(input_ids, mask, num_rows=_num_packed_rows(mask, packed_row_tokens))
+        packed = pack_sequences(input_ids, mask, num_rows=num_packed_rows(mask, packed_row_tokens))
         hidden = _decoder_hidden_states(
             model,
             input_ids=packed.input_ids,
