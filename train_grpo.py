@@ -24,8 +24,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
 
 
-class RewardSetupError(RuntimeError):
-    """A reward function that cannot be built (bad custom file, unknown function name, unscorable data_source)."""
+class SetupError(RuntimeError):
+    """A model folder or reward function that cannot be loaded (reported with exit code 2, before the engine starts)."""
 
 
 @contextmanager
@@ -48,7 +48,11 @@ def setup(cfg, world_size: int, rank: int):
 
     torch.manual_seed(cfg.trainer.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise SetupError(f"model.path={cfg.model.path!r}: cannot load a tokenizer from it ({exc}); "
+                         "point it at a Hugging Face model folder or hub name") from exc
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
     val = load_prompts(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
     sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
@@ -56,11 +60,11 @@ def setup(cfg, world_size: int, rank: int):
         scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
                               gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     except (ValueError, OSError, ImportError, AttributeError) as exc:
-        raise RewardSetupError(f"reward setup: {exc}") from exc
+        raise SetupError(f"reward setup: {exc}") from exc
     if cfg.reward.custom.path is None:
         unknown = sorted(set(train.data_sources + (val.data_sources if val else [])) - set(registered_sources()))
         if unknown:
-            raise RewardSetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
+            raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
                                    f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
@@ -92,7 +96,7 @@ def main(argv: list[str]) -> int:
     init_distributed()
     try:
         parts = setup(cfg, world_size, rank)
-    except (DataError, RewardSetupError) as exc:  # bad data or reward setup: a message naming the file, not a traceback
+    except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))

@@ -91,3 +91,14 @@ def test_readme_config_reference_is_current():
     readme = (REPO / "README.md").read_text()
     missing = [line for line in reference_markdown().splitlines() if line.startswith("| `") and line not in readme]
     assert not missing, "README.md config reference is stale; regenerate with `python -m grpo_lib.config --update-readme`:\n" + "\n".join(missing)
+
+
+def test_cli_missing_model_exits_2_naming_it(tmp_path):
+    """A model folder that does not exist is reported with its key before any engine starts."""
+    from data_prep.synthetic import write_dataset
+
+    data = write_dataset(tmp_path / "data", train_size=40, test_size=4)
+    proc = run_cli("recipes/tiny_cpu.yaml", f"model.path={tmp_path / 'no_model'}", f"data.train_files=[{data['train']}]",
+                   f"data.val_files=[{data['test']}]")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.path=" in proc.stderr and "no_model" in proc.stderr and "Traceback" not in proc.stderr
