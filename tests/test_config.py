@@ -102,3 +102,16 @@ def test_cli_missing_model_exits_2_naming_it(tmp_path):
                    f"data.val_files=[{data['test']}]")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.path=" in proc.stderr and "no_model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_bad_custom_reward_exits_2_naming_the_file(tmp_path):
+    """A custom reward file that does not exist is reported before the engine starts."""
+    from data_prep.synthetic import write_dataset
+    from data_prep.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model")
+    data = write_dataset(tmp_path / "data", train_size=40, test_size=4)
+    proc = run_cli("recipes/tiny_cpu.yaml", f"model.path={model}", f"data.train_files=[{data['train']}]",
+                   f"data.val_files=[{data['test']}]", f"reward.custom.path={tmp_path / 'missing_reward.py'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "missing_reward.py" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
