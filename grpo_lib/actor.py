@@ -28,7 +28,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms
-from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices
+from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
 from grpo_lib.logprobs import token_logprobs
 from grpo_lib.types import RolloutBatch
@@ -80,14 +80,15 @@ def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remov
 
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
     """
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
-    for idx in micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size):
+    width = batch.input_ids.shape[1]
+    index_lists = micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size)
+    chunks = []
+    for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
         lp, _ = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
                                remove_padding=remove_padding)  # [b, t]
-        if idx:
-            out[torch.as_tensor(idx), :lp.shape[1]] = lp.float().cpu()
-    return out
+        chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
+    return restore_order(chunks, index_lists)  # [B, T]
 
 
 class Actor:
@@ -120,16 +121,16 @@ class Actor:
         """
         a = self.cfg.actor
         self.model.eval()
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
-        for rows in self.mini_batch_rows(batch, self._shuffle_generator()):
+        index_lists = self.mini_batch_rows(batch, self._shuffle_generator())
+        chunks = []
+        for rows in index_lists:
             lp = logprobs_over_batch(
                 self.model, batch.select(rows), temperature=self.cfg.rollout.temperature,
                 remove_padding=self.cfg.model.use_remove_padding,
                 max_tokens=(a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
                 micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
-            if rows:
-                out[torch.as_tensor(rows), :lp.shape[1]] = lp  # [b, t]
-        return out
+            chunks.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - lp.shape[1])))  # [b, T]
+        return restore_order(chunks, index_lists)  # [B, T]
 
     def named_weights(self):
         """(name, full tensor) pairs in Hugging Face naming, for the engine push and checkpoints."""

@@ -514,11 +514,6 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     return p
 
 
-def to_dict(cfg: Config) -> dict:
-    """Plain nested dict (for logging the resolved config next to the run)."""
-    return dataclasses.asdict(cfg)
-
-
 def reference_markdown() -> str:
     """The config reference table (README.md embeds it): key, default, meaning — read from the field docstrings."""
     import ast

@@ -65,6 +65,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(**kwargs)
         self.asleep = False
+        tokenizer = self.llm.get_tokenizer()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 

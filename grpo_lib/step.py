@@ -49,27 +49,6 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
     )
 
 
-def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
-    """Rows of several batches in one (padded to the widest)."""
-    if len(batches) == 1:
-        return batches[0]
-    width = max(b.input_ids.shape[1] for b in batches)
-    fields = {}
-    for name in batches[0].__dataclass_fields__:
-        values = [getattr(b, name) for b in batches]
-        if isinstance(values[0], torch.Tensor):
-            if values[0].dim() == 2:
-                values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
-            fields[name] = torch.cat(values)
-        elif isinstance(values[0], list):
-            fields[name] = [x for v in values for x in v]
-        elif values[0] is None:
-            fields[name] = None
-        else:
-            fields[name] = values[0]
-    return RolloutBatch(**fields)
-
-
 def balance_batch(actor, batch: RolloutBatch) -> RolloutBatch:
     """Even out tokens across processes inside each mini-batch (whole groups move; identity with one process).
 
@@ -78,7 +57,7 @@ def balance_batch(actor, batch: RolloutBatch) -> RolloutBatch:
     """
     if not is_on():
         return batch
-    return concat_rollouts([balance_across_ranks(batch.select(rows)) for rows in actor.mini_batch_rows(batch)])
+    return RolloutBatch.concat([balance_across_ranks(batch.select(rows)) for rows in actor.mini_batch_rows(batch)])
 
 
 def score(scorer, batch: RolloutBatch) -> dict[str, float]:
@@ -130,7 +109,7 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
                                       max_tokens=cfg.data.max_response_length, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seeds=seeds)
         engine.sleep()
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
-        batch = build_rollout_batch(prompts, generations, pad_id=cfg_pad_id(engine))
+        batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
         if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
         start = time.perf_counter()
@@ -153,7 +132,7 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         enough = all_reduce_min(num_kept) >= per_rank
         if enough or (fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches):
             break
-    batch = concat_rollouts(kept) if kept else None
+    batch = RolloutBatch.concat(kept) if kept else None
     metrics = {}
     if fg.enable:
         keep = int(all_reduce_min(num_kept))  # every process trains on the same number of groups
@@ -176,11 +155,6 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     for k in ("reward/errors", "reward/timeouts"):
         metrics[k] = metrics[k] * count  # counts, not fractions
     return batch, metrics
-
-
-def cfg_pad_id(engine) -> int:
-    tok = engine.llm.get_tokenizer()
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
 
 def needs_old_logprobs(cfg) -> bool:
@@ -219,7 +193,7 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int) -> dic
     generations = engine.generate(prompts.prompt_ids, n=vk.n, temperature=vk.temperature, max_tokens=cfg.data.max_response_length,
                                   seeds=[cfg.trainer.seed + i for i in idx])
     engine.sleep()
-    batch = build_rollout_batch(prompts, generations, pad_id=cfg_pad_id(engine))
+    batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
     score(scorer, batch)
     sources = sorted(set(dataset.data_sources))
     metrics = {}

@@ -12,7 +12,7 @@ predicted from tokens < t. Rows of one prompt group are adjacent and share a `gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,13 +29,6 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
-
-    def select(self, idx: list[int]) -> PromptBatch:
-        return PromptBatch(*[[getattr(self, f.name)[i] for i in idx] for f in fields(self)])
-
-    @staticmethod
-    def concat(batches: list[PromptBatch]) -> PromptBatch:
-        return PromptBatch(*[[x for b in batches for x in getattr(b, f.name)] for f in fields(PromptBatch)])
 
 
 @dataclass
@@ -67,7 +60,6 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None  # [B, T] float, sequence advantage broadcast over response tokens
     old_logprobs: torch.Tensor | None = None  # [B, T] float, actor before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, frozen reference
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -95,4 +87,23 @@ class RolloutBatch:
             elif isinstance(value, list):
                 value = [value[i] for i in idx]
             out[f.name] = value
+        return RolloutBatch(**out)
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Rows of several batches in one, per-token tensors right-padded to the widest."""
+        if len(batches) == 1:
+            return batches[0]
+        width = max(b.input_ids.shape[1] for b in batches)
+        out = {}
+        for f in fields(RolloutBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if isinstance(values[0], torch.Tensor):
+                if values[0].dim() == 2:
+                    values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+                out[f.name] = torch.cat(values)
+            elif isinstance(values[0], list):
+                out[f.name] = [x for v in values for x in v]
+            else:  # None: a field not filled yet
+                out[f.name] = None
         return RolloutBatch(**out)

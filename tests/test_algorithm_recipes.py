@@ -158,10 +158,7 @@ def test_kl_in_reward_reaches_the_advantages(tiny_model_dir):
 class FakeEngine:
     """n responses per prompt: texts r0, r1, ...; records the prompts of each generate call."""
 
-    class llm:  # noqa: N801  (mimics VLLMEngine.llm.get_tokenizer())
-        @staticmethod
-        def get_tokenizer():
-            return type("Tok", (), {"pad_token_id": 0, "eos_token_id": 1})()
+    pad_id = 0  # as VLLMEngine.pad_id
 
     def __init__(self):
         self.calls = []
