@@ -1,7 +1,7 @@
 """GRPO training, top to bottom: `python train_grpo.py RECIPE.yaml [key=value ...]`.
 
 Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
-colocated vLLM engine and the actor; the step order follows DESIGN.md:
+colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
 
     prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)

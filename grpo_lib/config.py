@@ -8,7 +8,7 @@ verl's full spelling is accepted as an alias, so a verl user's override lines wo
 `load_config` checks everything before anything heavy loads (DESIGN invariant 4) and raises `ConfigError`
 listing every problem with its key and fix; `train_grpo.py` turns that into exit code 2.
 
-Units (DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
+Units (docs/DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
 `actor.ppo_micro_batch_size_per_gpu` counts *trajectories* per process; token budgets count prompt +
 response tokens per process.
 """
@@ -112,7 +112,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (ALGORITHMS.md)."""
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (docs/ALGORITHMS.md)."""
     loss_scale_factor: float | None = None
     """Divisor of seq-mean-token-sum-norm (Dr. GRPO). None: data.max_response_length."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
