@@ -633,8 +633,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         planned = t.n_gpus_per_node * t.nnodes
         if planned != world_size:
             p.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} = {planned} processes, but this "
-                     f"launch has {world_size}: launch {planned} (accelerate launch --config_file recipes/accelerate/"
-                     f"{planned}_gpus.yaml) or set trainer.n_gpus_per_node={world_size} trainer.nnodes=1")
+                     f"launch has {world_size}: launch {planned} (accelerate launch --num_processes {planned}, or a config in "
+                     f"recipes/accelerate/) or set trainer.n_gpus_per_node={world_size} trainer.nnodes=1")
     if t.critic_warmup != 0:
         p.append(f"trainer.critic_warmup={t.critic_warmup}: GRPO has no critic; set it to 0 (or drop the line)")
     if a.clip_ratio_c <= 1:

@@ -142,9 +142,11 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
         f"update micro-batch bound: {_micro_bound(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu)}",
     ]
     if a.use_dynamic_bsz:
-        worst = math.ceil(per_proc_mini * seq / a.ppo_max_token_len_per_gpu)
-        lines.append(f"  at most {per_proc_mini} x {seq} / {a.ppo_max_token_len_per_gpu} -> {worst} micro-batches per mini-batch "
-                     "when every sequence is full length")
+        fewest = math.ceil(per_proc_mini * seq / a.ppo_max_token_len_per_gpu)
+        full = math.ceil(per_proc_mini / max(1, a.ppo_max_token_len_per_gpu // seq))
+        lines.append(f"  when every sequence is full length: {a.ppo_max_token_len_per_gpu} // {seq} = "
+                     f"{a.ppo_max_token_len_per_gpu // seq} per micro-batch, {full} micro-batches per mini-batch "
+                     f"(shorter sequences pack tighter: no fewer than {fewest})")
     else:
         lines.append(f"  {math.ceil(per_proc_mini / a.ppo_micro_batch_size_per_gpu)} micro-batches per mini-batch")
     old = _micro_bound(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu)
