@@ -166,6 +166,9 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
         how = "trainer.total_training_steps" if t.total_training_steps else f"{t.total_epochs} epochs x {per_epoch}"
         lines.append(f"steps per epoch: {rows} rows // {d.train_batch_size} = {per_epoch} (before the overlong-prompt filter); "
                      f"total steps: {total} ({how})")
+        if per_epoch == 0:
+            lines.append(f"  PROBLEM: {rows} rows are fewer than data.train_batch_size={d.train_batch_size}: the run would stop "
+                         "at the data loader (exit 2); lower data.train_batch_size or add data")
     return lines
 
 
