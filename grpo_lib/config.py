@@ -95,6 +95,9 @@ class ActorConfig:
     """Shuffle trajectories (whole groups) between mini-batches each epoch."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Trajectories per forward/backward per process (memory only; None with use_dynamic_bsz)."""
+    ppo_micro_batch_size: int | None = None
+    """verl's older global spelling: trajectories per forward/backward summed over all processes. When set (and the
+    per-GPU key is not), ppo_micro_batch_size_per_gpu = this / processes (resolved at load)."""
     use_dynamic_bsz: bool = False
     """Build micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
     ppo_max_token_len_per_gpu: int = 16384
@@ -160,6 +163,8 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per no-grad old-logprob forward per process (verl's name for that pass). None:
     actor.ppo_micro_batch_size_per_gpu (resolved at load; --print-plan shows it)."""
+    log_prob_micro_batch_size: int | None = None
+    """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
     log_prob_use_dynamic_bsz: bool | None = None
     """Old-logprob pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
     log_prob_max_token_len_per_gpu: int | None = None
@@ -173,6 +178,8 @@ class RefConfig:
     """Keep the reference model on CPU between uses (moved to the accelerator only for its forward)."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per reference forward per process. None: actor.ppo_micro_batch_size_per_gpu (resolved at load)."""
+    log_prob_micro_batch_size: int | None = None
+    """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
     log_prob_use_dynamic_bsz: bool | None = None
     """Reference pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
     log_prob_max_token_len_per_gpu: int | None = None
@@ -319,6 +326,7 @@ ALIASES: dict[str, str] = {
     "actor.optim.lr_warmup_steps": "actor.lr_warmup_steps",
     "actor.optim.weight_decay": "actor.weight_decay",
     "actor.optim.lr": "actor.lr",
+    "actor.optim.clip_grad": "actor.grad_clip",
     "custom_reward_function.": "reward.custom.",
     # Earlier spelling of the old-logprob pass's knobs; verl names them under rollout.
     "actor.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
@@ -349,6 +357,10 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
     "actor.fsdp_config.wrap_policy.": ("FSDP wrapping: every decoder layer is its own unit here", None),
     "ref.fsdp_config.wrap_policy.": ("FSDP wrapping: every decoder layer is its own unit here", None),
     "data.return_raw_chat": ("prompts keep their chat messages here in any case", None),
+    "data.val_batch_size": ("deprecated in verl too: validation sends all its prompts to the engine at once", None),
+    "rollout.max_model_len": ("the engine's context is data.max_prompt_length + data.max_response_length", None),
+    "rollout.calculate_log_probs": ("the engine's sampled-token logprobs are always recorded here", None),
+    "trainer.default_hdfs_dir": ("no HDFS copy: checkpoints go to trainer.default_local_dir", (None,)),
     "ray_init.": ("there is no Ray: accelerate launches the processes", None),
     "trainer.device": ("the device follows the launch (CUDA when available)", ("cuda", "cpu")),
     "reward_model.enable": ("no learned reward model: rewards are rules by data_source", (False,)),
@@ -548,13 +560,23 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     return config
 
 
-def resolve_defaults(cfg: Config) -> None:
+def _per_process(global_count: int | None, world_size: int) -> int | None:
+    """verl's older global micro-batch size -> per process (verl divides it the same way)."""
+    return None if global_count is None else max(1, global_count // world_size)
+
+
+def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     """Fill every derived default in place, once (a None field means "derive it"); the code then reads the fields.
 
     >>> c = Config(); c.actor.clip_ratio = 0.3; resolve_defaults(c); (c.actor.clip_ratio_high, c.rollout.log_prob_max_token_len_per_gpu)
     (0.3, 16384)
     """
     a, d, t = cfg.actor, cfg.data, cfg.trainer
+    if a.ppo_micro_batch_size_per_gpu is None:
+        a.ppo_micro_batch_size_per_gpu = _per_process(a.ppo_micro_batch_size, world_size)
+    for logprob_pass in (cfg.rollout, cfg.ref):
+        if logprob_pass.log_prob_micro_batch_size_per_gpu is None:
+            logprob_pass.log_prob_micro_batch_size_per_gpu = _per_process(logprob_pass.log_prob_micro_batch_size, world_size)
     if a.clip_ratio_low is None:
         a.clip_ratio_low = a.clip_ratio
     if a.clip_ratio_high is None:
@@ -588,7 +610,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
     from grpo_lib import algorithms  # registries of the supported names
 
-    resolve_defaults(cfg)
+    resolve_defaults(cfg, world_size)
     p: list[str] = []
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if not cfg.model.path:

@@ -9,6 +9,7 @@ run_qwen3-1.7b.sh, recipe/dapo/test_dapo_7b_math.sh, and the Dr. GRPO lines of v
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,110 @@ LORA = """
     trainer.save_freq=20
     trainer.test_freq=5
     trainer.total_epochs=15
+"""
+
+# examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh (one GPU; its mini_batch_size=116): verl's older
+# global micro-batch keys (divided by the process count here as in verl), vLLM scheduling keys.
+LORA_0_5B = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$TRAIN
+    data.val_files=$TEST
+    data.train_batch_size=116
+    data.val_batch_size=116
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    data.shuffle=False
+    actor_rollout_ref.model.path=$MODEL
+    actor_rollout_ref.model.use_shm=True
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.model.lora_rank=32
+    actor_rollout_ref.model.lora_alpha=32
+    actor_rollout_ref.model.target_modules=all-linear
+    actor_rollout_ref.actor.optim.lr=3e-5
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=116
+    actor_rollout_ref.actor.ppo_micro_batch_size=116
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.fsdp_config.fsdp_size=-1
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=True
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+    actor_rollout_ref.rollout.log_prob_micro_batch_size=116
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.1
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.rollout.max_num_seqs=512
+    actor_rollout_ref.rollout.max_model_len=1536
+    actor_rollout_ref.rollout.max_num_batched_tokens=1536
+    actor_rollout_ref.rollout.enable_chunked_prefill=False
+    actor_rollout_ref.rollout.load_format=safetensors
+    actor_rollout_ref.rollout.layered_summon=True
+    actor_rollout_ref.ref.log_prob_micro_batch_size=116
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=1
+    actor_rollout_ref.actor.entropy_coeff=0.001
+    algorithm.kl_ctrl.kl_coef=0.001
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb']
+    trainer.project_name=gsm8k-grpo-lora-qwen2.5-0.5b
+    trainer.experiment_name=0.5b
+    trainer.n_gpus_per_node=1
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=1
+"""
+
+# examples/tuning/1.5b/qwen2.5math-1.5b_grpo_1_h100_fsdp_vllm.sh: Dr. GRPO on one GPU.
+DR_GRPO_1_5B = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$TRAIN
+    data.val_files=$TEST
+    data.train_batch_size=256
+    data.max_prompt_length=1024
+    data.max_response_length=3000
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path=$MODEL
+    actor_rollout_ref.actor.optim.lr=1e-5
+    actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+    actor_rollout_ref.rollout.n=8
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.rollout.top_p=1.0
+    algorithm.use_kl_in_reward=False
+    algorithm.norm_adv_by_std_in_grpo=False
+    trainer.critic_warmup=0
+    trainer.logger='["console","wandb"]'
+    trainer.n_gpus_per_node=1
+    trainer.log_val_generations=40
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=1
+    trainer.project_name=qwen2.5_Math_1.5b_dr_grpo
+    trainer.experiment_name=Qwen2.5-Math-1.5B_1e-5_8_3000_grpo
+    trainer.total_epochs=2
 """
 
 # recipe/dapo/test_dapo_7b_math.sh with NNODES=1 (its ${NNODES:-8} default is 8 machines) and without its
@@ -222,16 +327,18 @@ QWEN3_1_7B = """
 PENDING_FIELDS = {
     "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "ref.fsdp_config.param_offload",
     "model.lora_rank", "model.lora_alpha", "rollout.val_kwargs.top_p", "rollout.val_kwargs.top_k",
-    "rollout.val_kwargs.do_sample", "trainer.resume_mode",
+    "rollout.val_kwargs.do_sample", "trainer.resume_mode", "model.target_modules", "trainer.log_val_generations",
 }
 
-SCRIPTS = {"seq_balance": SEQ_BALANCE, "grpo_lora": LORA, "dapo": DAPO, "dr_grpo": DR_GRPO}
+SCRIPTS = {"seq_balance": SEQ_BALANCE, "grpo_lora": LORA, "dapo": DAPO, "dr_grpo": DR_GRPO, "lora_0_5b": LORA_0_5B,
+           "dr_grpo_1_5b": DR_GRPO_1_5B}
+WORLD = {"lora_0_5b": 1, "dr_grpo_1_5b": 1}  # processes each script's trainer.n_gpus_per_node x nnodes asks for; else 8
 KNOWN = _all_leaf_keys(Config)
 
 
 def lines_of(script: str, model: Path, data: dict) -> list[str]:
     text = script.replace("$MODEL", str(model)).replace("$TRAIN", str(data["train"])).replace("$TEST", str(data["test"]))
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    return shlex.split(text)  # what the program receives from the shell (quotes removed)
 
 
 def usable(lines: list[str]) -> tuple[list[str], list[str]]:
@@ -253,7 +360,7 @@ def field_value(cfg: Config, key: str):
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_verl_script_lines_land_on_their_fields(name, tiny_model_dir, arith_data):
     keep, pending = usable(lines_of(SCRIPTS[name], tiny_model_dir, arith_data))
-    cfg = load_config(None, keep, world_size=8)
+    cfg = load_config(None, keep, world_size=WORLD.get(name, 8))
     ignored_keys = {k.split("=", 1)[0] for k in cfg.ignored}
     last: dict[str, str] = {}
     for line in keep:  # a later line overrides an earlier one (Dr. GRPO on top of a GRPO script)
@@ -280,6 +387,13 @@ def test_verl_meanings(tiny_model_dir, arith_data):
     dr = load_config(None, usable(lines_of(DR_GRPO, tiny_model_dir, arith_data))[0], world_size=8)
     assert dr.actor.loss_agg_mode == "seq-mean-token-sum-norm" and dr.algorithm.norm_adv_by_std_in_grpo is False
     assert dr.actor.loss_scale_factor == 1024.0  # resolved: data.max_response_length
+    old = load_config(None, usable(lines_of(LORA_0_5B, tiny_model_dir, arith_data))[0], world_size=1)
+    assert old.actor.ppo_micro_batch_size_per_gpu == 116  # verl's global 116 over 1 process
+    assert old.rollout.log_prob_micro_batch_size_per_gpu == 116 and old.ref.log_prob_micro_batch_size_per_gpu == 116
+    on_4 = load_config(None, usable(lines_of(LORA_0_5B, tiny_model_dir, arith_data))[0] +
+                       ["trainer.n_gpus_per_node=4", "data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=64"],
+                       world_size=4)
+    assert on_4.actor.ppo_micro_batch_size_per_gpu == 29  # 116 // 4
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -288,9 +402,11 @@ def test_verl_script_lines_through_the_cli(name, tiny_model_dir, arith_data):
     proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", *keep, "--print-plan"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 8 processes (from trainer.n_gpus_per_node x trainer.nnodes)" in proc.stdout
-    assert "verl keys accepted and ignored" in proc.stdout
-    assert proc.stdout.count("verl keys accepted and ignored") == 1
+    assert f"on {WORLD.get(name, 8)} processes (from trainer.n_gpus_per_node x trainer.nnodes)" in proc.stdout
+    ignorable = [line for line in keep if _match(_canonical(line.split("=", 1)[0].lstrip("+")), IGNORED) is not None]
+    assert proc.stdout.count("verl keys accepted and ignored") == (1 if ignorable else 0)
+    for line in ignorable:
+        assert _canonical(line.split("=", 1)[0].lstrip("+")) in proc.stdout, line
     if name == "dapo":
         assert "actor.ulysses_sequence_parallel_size=4: sequence parallelism" in proc.stdout
         assert "PROBLEM: 64 rows are fewer than data.train_batch_size=512" in proc.stdout  # the tiny data set
@@ -312,7 +428,7 @@ def test_critic_warmup_must_be_0():
 
 def test_math_changing_verl_keys_are_refused_not_ignored(tiny_model_dir, arith_data):
     keep, _ = usable(lines_of(DAPO, tiny_model_dir, arith_data))
-    refused = [line.strip() for line in DAPO_REFUSED.splitlines() if line.strip()]
+    refused = shlex.split(DAPO_REFUSED)
     with pytest.raises(ConfigError) as err:
         load_config(None, keep + refused, world_size=8)
     text = str(err.value)
