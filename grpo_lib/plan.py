@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_lib.config import Config, ConfigError, environment_problems, launch_world_size, load_config, read_raw
+from grpo_lib.step import needs_old_logprobs  # the step's own rule, so the plan says what the run will do
 
 GIB = 2**30
 HEAD_CHUNK_TOKENS = 1024  # grpo_lib.logprobs.token_logprobs' default chunk_size
@@ -113,12 +114,6 @@ def count_rows(files: list[str]) -> int | None:
         else:
             return None
     return total
-
-
-def needs_old_logprobs(cfg: Config) -> bool:
-    """The old-logprob pass runs when the step makes more than one update (or KL in reward needs it)."""
-    several_updates = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
-    return several_updates or cfg.algorithm.use_kl_in_reward
 
 
 def _micro_bound(dynamic: bool, tokens: int | None, count: int | None) -> str:
