@@ -145,3 +145,18 @@ def test_memory_plan_within_2x_of_a_measured_cpu_update(tmp_path):
     planned, measured = float(fields[fields.index("PLAN") + 1]), float(fields[fields.index("MEASURED") + 1])
     assert fields[fields.index("PARAMS") + 1] == fields[fields.index("ACTUAL_PARAMS") + 1], "parameter count formula is off"
     assert 0.5 <= measured / planned <= 2.0, f"plan {planned / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"
+
+
+def test_accelerate_configs_load_with_their_process_counts():
+    """recipes/accelerate/: accelerate's own loader reads each; the counts match the names; the README uses them."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    expected = {"1_gpu.yaml": (1, 1), "2_gpus.yaml": (2, 1), "4_gpus.yaml": (4, 1), "8_gpus.yaml": (8, 1), "2_machines.yaml": (16, 2)}
+    found = {p.name: p for p in (REPO / "recipes" / "accelerate").glob("*.yaml")}
+    assert set(found) == set(expected)
+    readme = (REPO / "README.md").read_text()
+    for name, (processes, machines) in expected.items():
+        cfg = ClusterConfig.from_yaml_file(str(found[name]))
+        assert (cfg.num_processes, cfg.num_machines) == (processes, machines), name
+        assert str(cfg.mixed_precision) in ("no", "PrecisionType.NO"), f"{name}: the trainer sets its own dtypes"
+        assert name in readme, f"README does not mention recipes/accelerate/{name}"
