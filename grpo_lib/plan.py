@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,7 +263,7 @@ def print_plan(argv: list[str]) -> int:
         else:
             args.append(item)
     if not args:
-        print("error: --print-plan needs a recipe: python train_grpo.py RECIPE.yaml [key=value ...] --print-plan")
+        print("error: --print-plan needs a recipe: python train_grpo.py RECIPE.yaml [key=value ...] --print-plan", file=sys.stderr)
         return 2
     try:
         raw = read_raw(args[0], args[1:])
@@ -276,10 +277,10 @@ def print_plan(argv: list[str]) -> int:
         cfg = load_config(args[0], args[1:], world_size=world_size)
         gpu_gb = float(flags["--gpu-memory-gb"])
     except ConfigError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
-        print(f"error: --num-processes / --gpu-memory-gb: {exc}")
+        print(f"error: --num-processes / --gpu-memory-gb: {exc}", file=sys.stderr)
         return 2
     out = [f"plan for {args[0]} on {world_size} processes (from {source})", "", "batch:"]
     out += [f"  {line}" for line in batch_lines(cfg, world_size)]

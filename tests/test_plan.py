@@ -21,7 +21,9 @@ QWEN3_4B = DATA / "qwen3_4b_config.json"
 
 def plan(capsys, *argv: str) -> tuple[int, str]:
     code = print_plan([*argv, "--print-plan"])
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert code == 0 or captured.err.startswith("error: "), "errors go to stderr"
+    return code, captured.out + captured.err
 
 
 def test_seed_numbers_qwen3_4b_on_4_gpus(capsys):
