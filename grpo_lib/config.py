@@ -574,9 +574,11 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     a, d, t = cfg.actor, cfg.data, cfg.trainer
     if a.ppo_micro_batch_size_per_gpu is None:
         a.ppo_micro_batch_size_per_gpu = _per_process(a.ppo_micro_batch_size, world_size)
+    a.ppo_micro_batch_size = None  # consumed: the per-process value is the one the code reads
     for logprob_pass in (cfg.rollout, cfg.ref):
         if logprob_pass.log_prob_micro_batch_size_per_gpu is None:
             logprob_pass.log_prob_micro_batch_size_per_gpu = _per_process(logprob_pass.log_prob_micro_batch_size, world_size)
+        logprob_pass.log_prob_micro_batch_size = None
     if a.clip_ratio_low is None:
         a.clip_ratio_low = a.clip_ratio
     if a.clip_ratio_high is None:
@@ -610,8 +612,13 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
     from grpo_lib import algorithms  # registries of the supported names
 
-    resolve_defaults(cfg, world_size)
     p: list[str] = []
+    for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
+                          (cfg.ref, "log_prob_micro_batch_size")):
+        if getattr(section, name) is not None and getattr(section, name + "_per_gpu") is not None:
+            key = f"{'actor' if section is cfg.actor else 'rollout' if section is cfg.rollout else 'ref'}.{name}"
+            p.append(f"{key} (global, verl's older spelling) and {key}_per_gpu are both set: keep only {key}_per_gpu")
+    resolve_defaults(cfg, world_size)
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if not cfg.model.path:
         p.append("model.path is empty: set it to a Hugging Face model folder (model.path=artifacts/tiny_qwen3)")
