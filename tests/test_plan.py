@@ -162,3 +162,12 @@ def test_accelerate_configs_load_with_their_process_counts():
         assert (cfg.num_processes, cfg.num_machines) == (processes, machines), name
         assert str(cfg.mixed_precision) in ("no", "PrecisionType.NO"), f"{name}: the trainer sets its own dtypes"
         assert name in readme, f"README does not mention recipes/accelerate/{name}"
+
+
+def test_readme_shows_the_current_qwen3_4b_plan(capsys, monkeypatch):
+    """README's 4-GPU walkthrough quotes the plan verbatim; regenerate it when the plan changes."""
+    monkeypatch.chdir(REPO)
+    code, out = plan(capsys, "recipes/qwen3_4b_gsm8k.yaml", "--model-config", "tests/data/qwen3_4b_config.json")
+    assert code == 0
+    assert out.strip() in (REPO / "README.md").read_text(), "README's Qwen3-4B plan is stale: paste the output of " \
+        "`python train_grpo.py recipes/qwen3_4b_gsm8k.yaml --print-plan --model-config tests/data/qwen3_4b_config.json`"
