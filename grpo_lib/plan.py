@@ -198,14 +198,19 @@ def resolved_lines(cfg: Config) -> list[str]:
 
 
 def _offloaded(section, key: str) -> bool:
-    """actor/ref `fsdp_config.<key>` when that field exists in this build, else False (no offload)."""
+    """`<section>.fsdp_config.<key>` (the actor's / reference's offload switches), else `<section>.<key>`, else False."""
     fsdp = getattr(section, "fsdp_config", None)
-    return bool(getattr(fsdp, key, False))
+    return bool(getattr(fsdp, key, getattr(section, key, False)))
 
 
 def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int = 2,
                 master_bytes: int = 4, with_engine: bool = True) -> dict[str, float]:
-    """Bytes per GPU of each component, the two phases and the peak (see the module docstring for the formulas)."""
+    """Bytes per GPU of each component, the phases and the peak (see the module docstring for the formulas).
+
+    Components are their full sizes; the phases count what is on the GPU then: actor weights offloaded
+    (actor.fsdp_config.param_offload) leave the GPU while vLLM generates, AdamW state offloaded
+    (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step.
+    """
     a, d, P, W = cfg.actor, cfg.data, sizes.params, world_size
     param_offload, optim_offload = _offloaded(a, "param_offload"), _offloaded(a, "optimizer_offload")
     tokens = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * (d.max_prompt_length +
@@ -217,23 +222,23 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         act = tokens * sizes.layers * per_layer_token
     head_tokens = min(tokens, HEAD_CHUNK_TOKENS)
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref_offload = cfg.ref.param_offload or _offloaded(cfg.ref, "param_offload")
     parts = {
-        "actor master weights": 0.0 if param_offload else master_bytes * P / W,
+        "actor master weights": master_bytes * P / W,
         "gradients": master_bytes * P / W,
-        "AdamW state": 0.0 if optim_offload else 2 * master_bytes * P / W,
+        "AdamW state": 2 * master_bytes * P / W,
         "gathered units": (2 * compute_bytes * max(sizes.layer_params, sizes.embed_params)) if W > 1 else 0.0,
-        "reference": 0.0 if (not kl or ref_offload) else compute_bytes * P / W,
+        "reference": 0.0 if (not kl or _offloaded(cfg.ref, "param_offload")) else compute_bytes * P / W,
         "activations": float(act),
         "output head chunk": 3.0 * head_tokens * sizes.vocab * 4,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
     }
-    resident = parts["actor master weights"] + parts["AdamW state"] + parts["reference"]
-    train = resident + parts["gradients"] + parts["gathered units"] + parts["activations"] + parts["output head chunk"]
-    if not cfg.rollout.free_cache_engine:
-        train += parts["vLLM share"]
-    parts["generation phase"] = resident + parts["vLLM share"]
-    parts["training phase"] = train
+    weights, adam, ref = parts["actor master weights"], parts["AdamW state"], parts["reference"]
+    engine_in_training = 0.0 if cfg.rollout.free_cache_engine else parts["vLLM share"]
+    backward = (weights + parts["gradients"] + (0.0 if optim_offload else adam) + ref + parts["gathered units"]
+                + parts["activations"] + parts["output head chunk"] + engine_in_training)
+    optimizer_step = weights + parts["gradients"] + adam + ref + engine_in_training
+    parts["generation phase"] = (0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref + parts["vLLM share"]
+    parts["training phase"] = max(backward, optimizer_step)
     parts["peak"] = max(parts["generation phase"], parts["training phase"])
     return parts
 
@@ -245,7 +250,11 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     lines += [f"  {name:<22} {value / GIB:7.2f} GiB" for name, value in parts.items()
               if name not in ("generation phase", "training phase", "peak")]
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
-    lines.append(f"  generation phase       {parts['generation phase'] / GIB:7.2f} GiB (actor weights + AdamW + reference + vLLM share)")
+    offloaded = [name for name, on in (("actor weights", _offloaded(cfg.actor, "param_offload")),
+                                       ("AdamW", _offloaded(cfg.actor, "optimizer_offload"))) if on]
+    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share"])
+    lines.append(f"  generation phase       {parts['generation phase'] / GIB:7.2f} GiB ({held}"
+                 + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
     lines.append(f"  training phase         {parts['training phase'] / GIB:7.2f} GiB ({sleep})")
     verdict = "fits" if parts["peak"] <= gpu_gb * GIB else "DOES NOT FIT"
     lines.append(f"  peak per GPU           {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {verdict}")

@@ -171,3 +171,18 @@ def test_readme_shows_the_current_qwen3_4b_plan(capsys, monkeypatch):
     assert code == 0
     assert out.strip() in (REPO / "README.md").read_text(), "README's Qwen3-4B plan is stale: paste the output of " \
         "`python train_grpo.py recipes/qwen3_4b_gsm8k.yaml --print-plan --model-config tests/data/qwen3_4b_config.json`"
+
+
+def test_offload_switches_move_memory_between_phases(monkeypatch):
+    """Actor weights offloaded leave the generation phase; AdamW offloaded is only on the GPU for the optimizer step."""
+    from grpo_lib import plan as plan_module
+
+    cfg = load_config(REPO / "recipes/qwen3_4b_gsm8k.yaml", world_size=4)
+    sizes = model_sizes(json.loads(QWEN3_4B.read_text()))
+    base = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * 2**30)
+    monkeypatch.setattr(plan_module, "_offloaded", lambda section, key: True)  # every switch on (the recipe's ref already is)
+    off = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * 2**30)
+    assert off["generation phase"] == base["generation phase"] - base["actor master weights"] - base["AdamW state"]
+    backward_without_adam = base["training phase"] - base["AdamW state"]
+    optimizer_step = base["actor master weights"] + base["gradients"] + base["AdamW state"]
+    assert off["training phase"] == max(backward_without_adam, optimizer_step)
