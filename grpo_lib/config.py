@@ -327,6 +327,7 @@ ALIASES: dict[str, str] = {
     "actor.optim.weight_decay": "actor.weight_decay",
     "actor.optim.lr": "actor.lr",
     "actor.optim.clip_grad": "actor.grad_clip",
+    "trainer.log_val_generations": "trainer.val_generations_to_log",
     "custom_reward_function.": "reward.custom.",
     # Earlier spelling of the old-logprob pass's knobs; verl names them under rollout.
     "actor.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",

@@ -327,7 +327,7 @@ QWEN3_1_7B = """
 PENDING_FIELDS = {
     "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "ref.fsdp_config.param_offload",
     "model.lora_rank", "model.lora_alpha", "rollout.val_kwargs.top_p", "rollout.val_kwargs.top_k",
-    "rollout.val_kwargs.do_sample", "trainer.resume_mode", "model.target_modules", "trainer.log_val_generations",
+    "rollout.val_kwargs.do_sample", "trainer.resume_mode", "model.target_modules", "trainer.val_generations_to_log",
 }
 
 GLOBAL_SPELLINGS = {"actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_per_gpu",
