@@ -151,6 +151,11 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = _micro_bound(cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu, cfg.ref.log_prob_micro_batch_size_per_gpu)
     lines.append(f"reference pass: {'runs (KL term on)' if kl else 'skipped (no KL term)'}; bound {ref}")
+    fg = cfg.algorithm.filter_groups
+    if fg.enable:
+        rounds = fg.max_num_gen_batches or "unlimited"
+        lines.append(f"dynamic sampling (DAPO): up to {rounds} generate rounds of {d.train_batch_size} prompts per step until "
+                     f"{d.train_batch_size} groups have differing scores")
     rows = count_rows(d.train_files)
     if rows is None:
         lines.append(f"steps per epoch: unknown (data.train_files {d.train_files} not found); total steps: "
