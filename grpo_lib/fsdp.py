@@ -53,13 +53,15 @@ class LogprobModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        return token_logprobs(self.model, input_ids, attention_mask, **kwargs)
+        logprobs, entropy = token_logprobs(self.model, input_ids, attention_mask, **kwargs)  # [b, T] each
+        # Not views: FSDP2 hangs its pre-backward hook (root re-gather) on the outputs; a view loses it to in-place ops.
+        return logprobs.clone(), (entropy.clone() if entropy is not None else None)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks (classes named in `model._no_split_modules`), each one FSDP unit."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses them
     assert layers, (f"{type(model).__name__} names no _no_split_modules decoder-layer class, so FSDP2 cannot find its "
                     "layers; this trainer supports Hugging Face causal LMs that do (Qwen, Llama, Mistral, ...)")
     return layers
@@ -75,7 +77,9 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    # reshard_after_forward=True on the root too (FSDP2's default keeps the ROOT unsharded after its forward, which
+    # would leave the embeddings and head whole after every no-grad pass, forever for the reference).
+    kwargs = dict(mesh=mesh, reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
                   offload_policy=CPUOffloadPolicy(pin_memory=False) if cpu_offload and device.type != "cpu" else OffloadPolicy())
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
