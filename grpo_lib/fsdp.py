@@ -155,9 +155,20 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """CUDA max allocated on a GPU; this process's peak resident set size on CPU (Linux ru_maxrss is in KiB)."""
+    """CUDA max allocated on a GPU; on CPU this process's peak resident set (VmHWM of /proc/self/status).
+
+    Not `getrusage().ru_maxrss`: Linux carries the launcher's high-water mark into it across fork + exec
+    (bench/bench_update.py found this); VmHWM belongs to this process's own address space.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / MB
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB -> MiB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
