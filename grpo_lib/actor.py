@@ -105,7 +105,9 @@ class Actor:
         fc = cfg.actor.fsdp_config
         self.param_dtype, reduce_dtype = resolve_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
-        self.model = load_model(cfg.model.path, dtype=torch.float32, device=device, trust_remote_code=cfg.model.trust_remote_code)
+        # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
+        self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
+                                trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
@@ -336,8 +338,8 @@ class Reference:
         fc = cfg.actor.fsdp_config
         param_dtype = resolve_dtype(fc.param_dtype, device)
         offload = cfg.ref.fsdp_config.param_offload
-        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device),
-                                device=torch.device("cpu") if offload else device, trust_remote_code=cfg.model.trust_remote_code)
+        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
+                                trust_remote_code=cfg.model.trust_remote_code)
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
                                  cpu_offload=offload)

@@ -69,10 +69,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
           cpu_offload: bool = False) -> LogprobModel:
-    """Wrap `model` in a `LogprobModel` and, when a process group exists, `fully_shard` its layers and the root."""
+    """Wrap `model` (on the host) in a `LogprobModel` and, when a process group exists, `fully_shard` its layers and
+    the root: each unit is moved to `device` and sharded in turn (to host memory with `cpu_offload`). Without a
+    group the whole model moves to `device` (only a CPU run has no group: `distributed.init_distributed`)."""
     policy = LogprobModel(model)
     if not has_group():
-        return policy
+        return policy.to(device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
