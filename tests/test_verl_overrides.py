@@ -325,7 +325,6 @@ QWEN3_1_7B = """
 # Keys that other issues add to the config concurrently. While a field is missing from this build its line is left
 # out (and listed); once the field exists, its line must land on it like any other. Keys here that exist are strict.
 PENDING_FIELDS = {
-    "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "ref.fsdp_config.param_offload",
     "model.lora_rank", "model.lora_alpha", "rollout.val_kwargs.top_p", "rollout.val_kwargs.top_k",
     "rollout.val_kwargs.do_sample", "trainer.resume_mode", "model.target_modules", "trainer.val_generations_to_log",
 }
