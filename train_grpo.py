@@ -94,10 +94,11 @@ def main(argv: list[str]) -> int:
         return 2
 
     from grpo_lib import step as S
-    from grpo_lib.perf import tune_allocator
+    from grpo_lib.perf import capture_torch_threads, tune_allocator
 
     if cfg.trainer.tune_allocator:  # before the model and engine allocate: freed activations stay in the heap
         tune_allocator()
+    capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
     from grpo_lib.distributed import init_distributed
 

@@ -50,7 +50,12 @@ SETTINGS = {
     "fast_bf16": ["rollout.dtype=bfloat16", "actor.fsdp_config.param_dtype=bfloat16", "algorithm.rollout_correction.mode=token"],
     # + compiled decoder layers in the actor
     "fast_compile": ["actor.use_torch_compile=true"],
+    # the engine keeps 2 torch threads (OMP_NUM_THREADS=2 set before start; vLLM's default for serving is 1)
+    "fast_omp2": [],
 }
+SETTING_ENV = {"fast_omp2": {"OMP_NUM_THREADS": "2"}}
+# baseline: the actor's passes keep the engine's 1 torch thread, as before perf.capture_torch_threads existed
+NO_THREAD_FIX = {"baseline"}
 REWARD = """def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str) % 3 == 0)
 """
@@ -110,11 +115,13 @@ def trainer_worker(work: Path, setting: str) -> None:
     import train_grpo
     from grpo_lib import step as S
     from grpo_lib.config import load_config
-    from grpo_lib.perf import tune_allocator
+    from grpo_lib.perf import capture_torch_threads, trainer_threads, tune_allocator
 
     cfg = load_config(None, overrides(work, setting))
     if cfg.trainer.tune_allocator:
         tune_allocator()
+    if setting not in NO_THREAD_FIX:
+        capture_torch_threads()  # as train_grpo.main does
     parts = train_grpo.setup(cfg, 1, 0)
     engine, actor = parts["engine"], parts["actor"]
     recorded: dict = {}
@@ -126,7 +133,7 @@ def trainer_worker(work: Path, setting: str) -> None:
 
     engine.generate = recording_generate
     step_number, last_batch = 0, None
-    reply({"ready": True, "kv_cache_bytes": cfg.rollout.kv_cache_memory_bytes})
+    reply({"ready": True, "kv_cache_bytes": cfg.rollout.kv_cache_memory_bytes, "threads": torch.get_num_threads()})
     for line in sys.stdin:
         cmd = json.loads(line)
         c0 = time.process_time()
@@ -151,7 +158,8 @@ def trainer_worker(work: Path, setting: str) -> None:
                    "tokens": int(batch.response_mask.sum()), "preemptions": gen_metrics["rollout/preemptions"],
                    "logprob_gap": train_metrics.get("rollout/logprob_abs_diff_mean")})
         elif cmd["cmd"] == "minimal":
-            seconds = minimal_update(cfg, last_batch, autocast=actor.autocast)
+            with trainer_threads():  # the update's thread count
+                seconds = minimal_update(cfg, last_batch, autocast=actor.autocast)
             reply({"minimal_s": seconds, "cpu_s": time.process_time() - c0})
         elif cmd["cmd"] == "quit":
             break
@@ -251,7 +259,7 @@ class Worker:
         self.log = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", role, "--setting", setting, "--work-dir", str(work)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **SETTING_ENV.get(setting, {})})
         self.ready = self.read()
 
     def read(self) -> dict:

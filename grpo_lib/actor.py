@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import fields
 
@@ -121,6 +122,9 @@ class Actor:
         self.model.config.use_cache = False
         self.master_dtype = next(self.model.parameters()).dtype
         self.compute_dtype = perf.compute_dtype(cfg.actor.fsdp_config.param_dtype, self.master_dtype, device)
+        if device.type == "cpu" and self.compute_dtype != self.master_dtype and not perf.native_bf16_cpu():
+            warnings.warn(f"actor.fsdp_config.param_dtype={cfg.actor.fsdp_config.param_dtype} on a CPU without native bf16 "
+                          f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=2)
         if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
@@ -139,6 +143,7 @@ class Actor:
 
     # -- logprobs --------------------------------------------------------------------------------------
 
+    @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Old logprobs (before this step's updates), [B, T].
 
@@ -229,6 +234,7 @@ class Actor:
                   for m in range(n_mini)]
         return [[i for g in c for i in rows_of[g]] for c in chosen]
 
+    @perf.with_trainer_threads
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
         a = self.cfg.actor
@@ -329,6 +335,7 @@ class Reference:
         master = next(self.model.parameters()).dtype
         self.autocast = lambda: perf.compute_autocast(device, perf.compute_dtype(cfg.actor.fsdp_config.param_dtype, master, device), master)
 
+    @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         a, r = self.cfg.actor, self.cfg.ref
         if self.offload:

@@ -9,6 +9,11 @@ Numbers behind the defaults are in bench/results_cpu.md (`python bench/bench_ste
 - `tune_allocator`: glibc malloc gives large blocks back to the OS (munmap / trim) as soon as they are freed and
   page-faults them in again on the next micro-batch; raising the mmap threshold, the trim threshold and the top pad
   keeps that memory in the heap (trainer.tune_allocator).
+- `capture_torch_threads` / `trainer_threads`: vLLM's CPU worker drops torch to ONE intra-op thread when the engine
+  starts ("for serving": a multi-threaded op in the engine's loop leaves OpenMP workers spin-waiting against the
+  scheduler's Python) and turns `torch.set_num_threads` into a no-op. In-process that also left the actor's update on
+  one core. The thread count is captured before the engine starts and the actor's passes run with it; generation
+  keeps the engine's one thread.
 - `compute_autocast`: bf16 autocast for the actor's forward on CPU when actor.fsdp_config.param_dtype asks for it;
   the parameters (master weights) and AdamW state stay float32 (DESIGN invariant 7).
 """
@@ -122,6 +127,46 @@ def tune_allocator(settings: dict[str, int] | None = None) -> bool:
     return ok
 
 
+_TORCH_THREADS: dict = {}
+
+
+def capture_torch_threads() -> int:
+    """Remember torch's set_num_threads and thread count; call BEFORE the vLLM engine is built. Returns the count."""
+    import torch
+
+    if not _TORCH_THREADS:
+        _TORCH_THREADS.update(set=torch.set_num_threads, count=torch.get_num_threads())
+    return _TORCH_THREADS["count"]
+
+
+@contextlib.contextmanager
+def trainer_threads():
+    """Run the block with the thread count captured before the engine started (no-op if none was captured)."""
+    import torch
+
+    if not _TORCH_THREADS or torch.get_num_threads() == _TORCH_THREADS["count"]:
+        yield
+        return
+    before = torch.get_num_threads()
+    _TORCH_THREADS["set"](_TORCH_THREADS["count"])
+    try:
+        yield
+    finally:
+        _TORCH_THREADS["set"](before)  # the engine's count (compiled graphs guard on it)
+
+
+def with_trainer_threads(fn):
+    """Decorator form of `trainer_threads` for the actor's passes."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with trainer_threads():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def engine_logprobs_needed(cfg) -> bool:
     """The engine's sampling logprobs are requested only when something reads them.
 
@@ -143,6 +188,14 @@ def compute_dtype(name: str, master_dtype, device):
     if name == "auto":
         return master_dtype if device.type == "cpu" else torch.bfloat16
     return getattr(torch, name)
+
+
+def native_bf16_cpu() -> bool:
+    """True when torch's CPU kernels have bf16 instructions (AVX512-BF16 / AMX); on AVX2 bf16 is emulated and a
+    bf16 matmul measured ~8x SLOWER than fp32 (this project's 2-core AVX2 machine, torch 2.13)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2", "ZVECTOR", "VSX")
 
 
 def compute_autocast(device, dtype, master_dtype):

@@ -188,3 +188,52 @@ def test_head_checkpointed_only_above_the_size_threshold(model):
     assert len(rows_ckpt) == len(forward) + 5, f"each chunk recomputed in the backward: {rows_ckpt}"
     for a, b in zip(grads_small, grads_ckpt):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------- actor compute (actor.py)
+
+
+def _actor_and_batch(tiny_model_dir, *overrides):
+    from grpo_lib.actor import Actor
+    from tests.test_ratio import fake_batch, make_cfg
+
+    cfg = make_cfg(tiny_model_dir, *overrides)
+    torch.manual_seed(0)
+    return Actor(cfg, device=torch.device("cpu")), fake_batch(cfg)
+
+
+def _update_grads(actor, batch):
+    actor.accumulate_gradients(batch)
+    grads = {n: p.grad.clone() for n, p in actor.model.named_parameters()}
+    actor.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_torch_compiled_decoder_layers_match_eager(tiny_model_dir):
+    """actor.use_torch_compile: logprobs within 1e-5 and gradients within 1e-4 (relative) of the eager actor (fp32;
+    inductor fuses and reorders float ops, so not bitwise); the update runs through the compiled layers."""
+    eager, batch = _actor_and_batch(tiny_model_dir)
+    compiled, _ = _actor_and_batch(tiny_model_dir, "actor.use_torch_compile=true")
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.get_decoder().layers), "each layer compiled"
+    torch.testing.assert_close(compiled.compute_logprobs(batch), eager.compute_logprobs(batch), rtol=0, atol=1e-5)
+    g_compiled, g_eager = _update_grads(compiled, batch), _update_grads(eager, batch)
+    for name, grad in g_eager.items():
+        torch.testing.assert_close(g_compiled[name], grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+    metrics = compiled.update(batch)
+    assert all(map(torch.isfinite, map(torch.tensor, metrics.values()))), metrics
+
+
+def test_bf16_autocast_keeps_fp32_master_and_changes_the_weights(tiny_model_dir):
+    actor, batch = _actor_and_batch(tiny_model_dir, "actor.fsdp_config.param_dtype=bfloat16", "actor.lr=1e-5")
+    fp32, _ = _actor_and_batch(tiny_model_dir)
+    bf16_lp, fp32_lp = actor.compute_logprobs(batch), fp32.compute_logprobs(batch)
+    gap = float((bf16_lp - fp32_lp).abs().max())
+    assert 1e-6 < gap < 0.5, f"bf16 compute differs from fp32 by a small, nonzero amount: {gap}"
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    batch.rollout_logprobs = fp32_lp * batch.response_mask  # as if an fp32 engine had sampled
+    metrics = actor.update(batch)
+    assert all(p.dtype == torch.float32 for p in actor.model.parameters())
+    changed = sum(int((p.detach() != before[n]).sum()) for n, p in actor.model.named_parameters())
+    total = sum(p.numel() for p in actor.model.parameters())
+    assert changed > 0.5 * total, f"lr 1e-5 with fp32 master weights: {changed}/{total} entries moved"
+    assert 0 < metrics["rollout/logprob_abs_diff_mean"] < 0.5, metrics
