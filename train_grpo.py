@@ -43,7 +43,7 @@ def setup(cfg, world_size: int, rank: int):
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.metrics import MetricLogger
-    from grpo_lib.perf import resolve_kv_cache_bytes
+    from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
     from grpo_lib.rollout import VLLMEngine
 
@@ -78,6 +78,7 @@ def setup(cfg, world_size: int, rank: int):
     reference = Reference(cfg, device=device) if need_ref else None
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps)
     logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
+    freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
 
