@@ -553,8 +553,17 @@ def read_raw(recipe: str | Path | None = None, overrides: list[str] | None = Non
         if not isinstance(tree, dict):
             raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
     raw = {_canonical(k): v for k, v in _flatten(tree).items()}
-    raw.update({_canonical(k): v for k, v in parse_overrides(overrides or []).items()})
+    for key, value in parse_overrides(overrides or []).items():
+        key = _canonical(key)
+        raw.pop(_OTHER_SPELLING.get(key, ""), None)  # an override of one spelling replaces the recipe's other one
+        raw[key] = value
     return raw
+
+
+# verl's older global micro-batch keys and their per-process successors (one of each pair may be set).
+_OTHER_SPELLING = {}
+for _global in ("actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size"):
+    _OTHER_SPELLING[_global], _OTHER_SPELLING[_global + "_per_gpu"] = _global + "_per_gpu", _global
 
 
 def launch_world_size(raw: dict[str, Any]) -> int | None:
