@@ -434,7 +434,7 @@ def test_half_hung_responses_cost_one_timeout_per_batch(custom_file):
         elapsed_s = time.monotonic() - start
     assert out.num_timeouts == 8 and out.num_errors == 0, f"the 8 hung responses are timeouts: {out}"
     assert out.per_function["custom"] == [1.0, 0.0] * 8, "the 8 others are scored"
-    assert elapsed_s < timeout_s + HARD_GRACE_S, f"8 hangs must cost about one timeout_s={timeout_s} s in total, took {elapsed_s:.1f} s"
+    assert elapsed_s < timeout_s + HARD_GRACE_S + 1.0, f"8 hangs must cost about one timeout_s={timeout_s} s in total, took {elapsed_s:.1f} s"
 
 
 def test_many_hangs_stop_at_the_batch_deadline(custom_file):

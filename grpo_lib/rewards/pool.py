@@ -4,14 +4,16 @@ Why processes: reward code (sympy, user files) can hang or crash; the trainer mu
 from a `forkserver` (a clean interpreter with the reward modules preloaded, never a fork of the trainer's
 torch / vLLM threads; `spawn` where forkserver is unavailable) and live across calls, so start-up is paid once.
 
-One call at a time per worker; the parent hands the next call to whichever worker is free. Time limits:
+The parent sends each free worker a chunk of calls; the worker sends results back every `RESULT_FLUSH_S`, so
+the parent knows which call runs and since when (to 10 ms). Time limits:
 1. soft, per call (in the worker): a watchdog thread sends SIGUSR1 to the worker's main thread after
    `timeout_s`; the handler raises `CallTimeout` (a BaseException, so a user's `except Exception` cannot
    swallow it). This stops Python-level hangs (`time.sleep`, loops, sympy); the worker takes the next call.
 2. hard, per call (in the parent): a call still running `timeout_s + HARD_GRACE_S` after it started (a hang
    in C code that ignores signals) gets its worker killed and replaced; the call scores as a timeout.
-3. per batch: a worker busy on one call for more than `STALL_S` may be hung, so a helper process takes its
-   place (at most `MAX_HELPERS` extra) and the other calls keep running in parallel. The first call that runs
+3. per batch: a worker busy on one call for more than `STALL_S` may be hung: the rest of its chunk goes back
+   to the queue and a helper process takes its place (at most `MAX_HELPERS` extra), so the other calls keep
+   running in parallel. The first call that runs
    past `timeout_s / 2` starts the batch's deadline: every call must end by that call's start + `timeout_s` +
    `HARD_GRACE_S`; calls still running then are killed, calls not started are not run, both count as
    timeouts. So 112 hung responses cost about one `timeout_s`, not 112 of them (verified in tests/test_rewards.py).
@@ -32,13 +34,16 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any, Callable
 
 HARD_GRACE_S = 2.0  # seconds past timeout_s before the parent kills a worker stuck in C code
 STALL_S = 0.25  # a call running longer than this (or timeout_s / 4) gets its worker a helper
 MAX_HELPERS = 8  # extra worker processes at most, while calls hang
+MAX_CHUNK = 32  # calls sent to a worker at once
+RESULT_FLUSH_S = 0.01  # a worker sends its finished calls' results at least this often
 MAX_FAILED_STARTS = 8  # workers dying before they are ready, per pool, before calls are given up as errors
 POLL_S = 0.05  # parent's wait between checks of the workers
 TRAINER_POLL_S = 1.0  # how often a worker checks that the trainer is alive (fallback to PDEATHSIG)
@@ -139,7 +144,8 @@ def _worker_main(conn, trainer_pid: int, factory: Callable[..., dict], factory_a
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the trainer's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     watchdog, functions = _Watchdog(), factory(*factory_args)
-    conn.send(("ready", None))
+    conn.send("ready")
+    outbox = _Outbox(conn)
     while True:
         try:
             message = conn.recv()
@@ -147,19 +153,53 @@ def _worker_main(conn, trainer_pid: int, factory: Callable[..., dict], factory_a
             os._exit(0)
         if message is None:
             return
-        call_id, name, kwargs, timeout_s = message
-        try:
-            watchdog.arm(timeout_s)
+        chunk, timeout_s = message
+        for call_id, name, kwargs in chunk:
             try:
-                result = call_safely(functions[name], kwargs)
-            finally:
-                watchdog.disarm()
-        except CallTimeout:
-            result = ("timeout", None, f"took longer than {timeout_s} s")
-        try:
-            conn.send((call_id, result))
-        except Exception as error:  # a value that cannot be pickled (a dict with a lambda ...)
-            conn.send((call_id, ("error", None, f"reward returned a value that cannot be sent back: {error}")))
+                watchdog.arm(timeout_s)
+                try:
+                    result = call_safely(functions[name], kwargs)
+                finally:
+                    watchdog.disarm()
+            except CallTimeout:
+                result = ("timeout", None, f"took longer than {timeout_s} s")
+            outbox.put(call_id, result)
+        outbox.flush()
+
+
+class _Outbox:
+    """Results of finished calls, sent to the parent every RESULT_FLUSH_S by a thread (and at a chunk's end), so
+    the parent knows which call runs even when the next one hangs, without one message per call."""
+
+    def __init__(self, conn):
+        self._conn, self._lock, self._done = conn, threading.Lock(), []
+        threading.Thread(target=self._loop, name="reward-outbox", daemon=True).start()
+
+    def put(self, call_id: int, result: Result) -> None:
+        with self._lock:
+            self._done.append((call_id, result))
+
+    def flush(self) -> None:
+        with self._lock:
+            done, self._done = self._done, []
+            if not done:
+                return
+            try:
+                self._conn.send(done)
+            except (BrokenPipeError, EOFError):  # the trainer is gone
+                os._exit(0)
+            except Exception:  # a value that cannot be pickled (a dict with a lambda ...): one by one
+                for call_id, result in done:
+                    try:
+                        self._conn.send([(call_id, result)])
+                    except Exception as error:
+                        message = f"reward returned a value that cannot be sent back: {error}"
+                        self._conn.send([(call_id, ("error", None, message))])
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(RESULT_FLUSH_S)
+            self.flush()
 
 
 # ----------------------------------------------------------------------------------------- parent side
@@ -168,8 +208,13 @@ class _Worker:
     process: Any
     conn: Any
     ready: bool = False
-    call: Call | None = None  # the call it runs now
-    started: float = 0.0  # monotonic start of that call
+    pending: list = field(default_factory=list)  # calls sent and not answered, in the order the worker runs them
+    started: float = 0.0  # monotonic start of pending[0]: when it was sent or the previous result came back
+    ignore: set = field(default_factory=set)  # calls taken back from this worker (re-queued); their results are dropped
+
+    @property
+    def free(self) -> bool:
+        return self.ready and not self.pending and not self.ignore
 
 
 class TimeoutPool:
@@ -209,73 +254,92 @@ class TimeoutPool:
 
     def run(self, calls: list[Call]) -> dict[int, Result]:
         """Run every call; returns {call_id: (status, value, message)}. Never raises for a call's failure."""
-        from collections import deque
-
         results: dict[int, Result] = {}
         queue = deque(calls)
         deadline: float | None = None  # set by the first call that runs past timeout_s / 2
-        while len(self._workers) < self.num_workers:
-            self._spawn()
-        while queue or any(w.call is not None for w in self._workers):
+        stall_s = min(STALL_S, self.timeout_s / 4)
+        while queue or any(w.pending for w in self._workers):
             if self._failed_starts > MAX_FAILED_STARTS:  # workers cannot even start: give up on the rest
                 for call_id, _, _ in queue:
                     results[call_id] = ("error", None, f"reward workers died {self._failed_starts} times while starting")
                 queue.clear()
             now = time.monotonic()
-            for worker in self._workers:  # hand out calls to free workers
-                if worker.ready and worker.call is None and queue:
-                    worker.call, worker.started = queue.popleft(), now
-                    call_id, name, kwargs = worker.call
+            chunk_size = max(1, min(MAX_CHUNK, len(queue) // (4 * self.num_workers)))
+            for worker in self._workers:  # hand out chunks to free workers
+                if worker.free and queue:
+                    worker.pending = [queue.popleft() for _ in range(min(chunk_size, len(queue)))]
+                    worker.started = now
                     try:
-                        worker.conn.send((call_id, name, kwargs, self.timeout_s))
-                    except OSError:  # the worker died while idle: its call goes back to the queue
-                        queue.appendleft(worker.call)
-                        worker.call, worker.ready = None, False
-            busy = [w for w in self._workers if w.call is not None]
-            stalled = [w for w in busy if now - w.started > min(STALL_S, self.timeout_s / 4)]
-            if queue and len(self._workers) - len(stalled) < self.num_workers \
-                    and len(self._workers) < self.num_workers + MAX_HELPERS:
-                self._spawn()  # a possibly hung worker is replaced: the queue keeps moving
+                        worker.conn.send((worker.pending, self.timeout_s))
+                    except OSError:  # the worker died while idle: its calls go back to the queue
+                        queue.extendleft(reversed(worker.pending))
+                        worker.pending, worker.ready = [], False
+            busy = [w for w in self._workers if w.pending]
+            for worker in busy:
+                if now - worker.started > stall_s and len(worker.pending) > 1:  # maybe hung: take back the rest
+                    queue.extendleft(reversed(worker.pending[1:]))
+                    worker.ignore.update(call[0] for call in worker.pending[1:])
+                    worker.pending = worker.pending[:1]
+            stalled = sum(now - w.started > stall_s for w in busy)
+            if queue:
+                room = self.num_workers + MAX_HELPERS - len(self._workers)
+                want = self.num_workers - len(self._workers)  # workers killed or dead: replace them
+                if stalled and len(self._workers) - stalled < self.num_workers:
+                    # possibly hung workers: start helpers for what is queued at once (one per stall would start them
+                    # one generation at a time, and every generation may meet hangs of its own)
+                    want = max(want, len(queue))
+                for _ in range(min(want, room)):
+                    self._spawn()
             slow = [w.started for w in busy if now - w.started > self.timeout_s / 2]
             if deadline is None and slow:
                 deadline = min(slow) + self.timeout_s + HARD_GRACE_S
-            waiting = [w.conn for w in self._workers if w.call is not None or not w.ready]
+            waiting = [w.conn for w in self._workers if w.pending or w.ignore or not w.ready]
             for conn in connection.wait(waiting, timeout=POLL_S):
-                self._receive(next(w for w in self._workers if w.conn is conn), results)
+                worker = next(w for w in self._workers if w.conn is conn)
+                while worker in self._workers and worker.conn.poll():  # drain: one message per finished call
+                    self._receive(worker, queue, results)
             now = time.monotonic()
-            for worker in [w for w in self._workers if w.call is not None]:
-                if now - worker.started > self.timeout_s + HARD_GRACE_S or (deadline is not None and now > deadline):
-                    results[worker.call[0]] = ("timeout", None, f"took longer than {self.timeout_s} s (worker killed)"
-                                               if now - worker.started > self.timeout_s else
-                                               "stopped at the batch's reward deadline (another call hung; worker killed)")
+            for worker in [w for w in self._workers if w.pending]:
+                overdue = now - worker.started > self.timeout_s + HARD_GRACE_S
+                if overdue or (deadline is not None and now > deadline):
+                    results[worker.pending[0][0]] = ("timeout", None, f"took longer than {self.timeout_s} s (worker killed)"
+                                                     if overdue else "stopped at the batch's reward deadline (another call "
+                                                     "hung; worker killed)")
+                    queue.extendleft(reversed(worker.pending[1:]))
                     self._retire(worker)
             if deadline is not None and now > deadline:
                 for call_id, _, _ in queue:
                     results[call_id] = ("timeout", None, "not run: the batch's reward deadline passed (a call hung for "
                                         f"reward.timeout_s={self.timeout_s} s)")
                 queue.clear()
-        for worker in [w for w in self._workers if not w.process.is_alive()]:
-            self._retire(worker)
+        for worker in [w for w in self._workers if w.ignore or not w.process.is_alive()]:
+            self._retire(worker)  # still busy with taken-back calls (maybe hung): replaced by the next batch
         for worker in self._workers[self.num_workers:]:  # helpers go; the next batch starts them again if needed
             self._retire(worker)
         return results
 
-    def _receive(self, worker: _Worker, results: dict[int, Result]) -> None:
+    def _receive(self, worker: _Worker, queue: deque, results: dict[int, Result]) -> None:
         try:
             message = worker.conn.recv()
-        except (EOFError, OSError):  # the worker died: only its own call is lost
+        except (EOFError, OSError):  # the worker died: only the call it was running is lost
             self._failed_starts += not worker.ready
-            if worker.call is not None:
+            if worker.pending:
                 code = worker.process.exitcode
-                results[worker.call[0]] = ("error", None, f"reward worker process died (exit code {code})")
+                results[worker.pending[0][0]] = ("error", None, f"reward worker process died (exit code {code})")
+                queue.extendleft(reversed(worker.pending[1:]))
             self._retire(worker)
             return
-        if message[0] == "ready":
+        if message == "ready":
             worker.ready = True
             return
-        call_id, result = message
-        results[call_id] = result
-        worker.call = None
+        for call_id, result in message:
+            if call_id in worker.ignore:  # a taken-back call, run elsewhere
+                worker.ignore.discard(call_id)
+                continue
+            results[call_id] = result
+        answered = {call_id for call_id, _ in message}
+        worker.pending = [call for call in worker.pending if call[0] not in answered]
+        worker.started = time.monotonic()
 
     def close(self):
         """Stop the workers (kills any still running; idempotent)."""
