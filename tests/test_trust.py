@@ -150,3 +150,53 @@ def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_d
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     assert "val/generations/text_summary" in events.Tags()["tensors"], events.Tags()
+
+
+HANGING_REWARD = """
+import os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    open(os.path.join({marks!r}, str(os.getpid())), "w").close()  # "a worker is inside a call"
+    time.sleep(300)
+    return 0.0
+"""
+
+
+def test_no_reward_worker_survives_sigkill_of_the_trainer(tiny_model_dir, arith_data, tmp_path):
+    """SIGKILL train_grpo.py while its reward workers hang inside calls: every process it started is gone within
+    a few seconds (the forkserver and the workers alike)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    reward = tmp_path / "reward.py"
+    reward.write_text(textwrap.dedent(HANGING_REWARD.format(marks=str(marks))))
+    args = [*tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run"), f"reward.custom.path={reward}",
+            "reward.timeout_s=250", "reward.num_workers=2", "trainer.val_before_train=false"]
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(repo / "train_grpo.py"), "recipes/tiny_cpu.yaml", *args], cwd=repo,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 400
+        while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert len(list(marks.iterdir())) >= 2, "both reward workers should be inside a hanging call"
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        workers = {int(p.name) for p in marks.iterdir()}
+        assert workers <= {p.pid for p in descendants}, "the marked workers are the trainer's descendants"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        alive, gone_by = descendants, time.monotonic() + 10
+        while alive and time.monotonic() < gone_by:
+            time.sleep(0.2)
+            alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"outlived the SIGKILLed trainer: {[(p.pid, ' '.join(p.cmdline())[:120]) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
