@@ -166,7 +166,10 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         batch = batch.select([i for i, g in enumerate(batch.group_ids) if g in set(groups)]) if groups else None
         metrics.update({"batch/kept_groups": all_reduce_sum(len(groups)), "batch/dropped_groups": all_reduce_sum(dropped),
                         "batch/gen_rounds": float(rounds)})
-        if batch is None:
+        if batch is None:  # rewards that all failed score 0 everywhere: say so (exit 3), not "no group differs"
+            failed = {k: all_reduce_sum(sums[k]) for k in ("reward/error_fraction", "reward/errors", "reward/timeouts")}
+            failed["reward/error_fraction"] /= all_reduce_sum(sums["count"])
+            check_reward_errors(cfg, failed, step=step, samples=scorer.last_error_samples)
             raise RuntimeError(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds; "
                                "raise algorithm.filter_groups.max_num_gen_batches or check the reward")
     count = all_reduce_sum(sums.pop("count"))

@@ -200,3 +200,28 @@ def test_no_reward_worker_survives_sigkill_of_the_trainer(tiny_model_dir, arith_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_dynamic_sampling_with_a_failing_reward_stops_with_exit_3():
+    """With DAPO's filter_groups, rewards that all fail make every group all-equal (zeros): the run stops as
+    untrustworthy (RunAborted, exit 3) instead of 'no group with different scores'."""
+    from grpo_lib import step
+    from grpo_lib.config import load_config
+    from grpo_lib.rewards import RewardOutput
+    from tests.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine
+
+    class FailingScorer:
+        last_error_samples = ["accuracy on response 0: error: TypeError: float() argument must be ... not 'NoneType'"]
+
+        def score(self, *, responses, data_sources, ground_truths, extra_infos):
+            n = len(responses)
+            return RewardOutput(scores=[0.0] * n, per_function={"accuracy": [0.0] * n}, extra={}, num_errors=n, num_timeouts=0,
+                                num_failed_responses=n)
+
+    cfg = load_config(None, ["model.path=unused", "data.train_files=[unused.parquet]", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=3",
+                             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"])
+    with pytest.raises(step.RunAborted, match="100% of responses could not be scored") as info:
+        step.collect_rollouts(cfg, FakeEngine(), FailingScorer(), FakeData(), CyclingSampler(), step=1, world_size=1, rank=0,
+                              timings={})
+    assert info.value.exit_code == 3

@@ -141,8 +141,10 @@ def _die_with_trainer(trainer_pid: int) -> None:
 def _worker_main(conn, trainer_pid: int, factory: Callable[..., dict], factory_args: tuple) -> None:
     """A worker's life: build the functions, say ready, then run one call per message until told to stop."""
     _die_with_trainer(trainer_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the trainer's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C and a scheduler's SIGTERM (often sent to the whole process group) are the trainer's to handle: it
+    # finishes its step, so its reward calls must still be answered. Workers end by SIGKILL (close(), PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watchdog, functions = _Watchdog(), factory(*factory_args)
     conn.send("ready")
     outbox = _Outbox(conn)
