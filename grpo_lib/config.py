@@ -448,6 +448,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None, *, world_size: int = 1) -> Config:
     """Read a recipe, apply overrides, check types and batch arithmetic; raise ConfigError with every problem."""
     tree: dict = {}
+    lines: dict[str, int] = {}  # canonical key -> its line in the recipe, to point at it in a problem
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
@@ -458,8 +459,10 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             raise ConfigError([f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(exc)}"]) from None
         if not isinstance(tree, dict):
             raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
+        lines = {_canonical(k): line for k, line in _key_lines(yaml.compose(path.read_text())).items()}
     raw = {_canonical(k): v for k, v in _flatten(tree).items()}
-    raw.update({_canonical(k): v for k, v in parse_overrides(overrides or []).items()})
+    overridden = {_canonical(k): v for k, v in parse_overrides(overrides or []).items()}
+    raw.update(overridden)
 
     known = _all_leaf_keys(Config)
     problems, values = [], {}
@@ -476,8 +479,31 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     config = _build(Config, values)  # keys with problems keep their defaults, so every problem is reported at once
     problems += validate(config, world_size=world_size)
     if problems:
-        raise ConfigError(problems)
+        from_recipe = {k: line for k, line in lines.items() if k not in overridden}
+        raise ConfigError([_with_line(problem, from_recipe, recipe) for problem in problems])
     return config
+
+
+def _key_lines(node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line of its value in a composed YAML mapping (same leaves as `_flatten`)."""
+    found: dict[str, int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return found
+    for key_node, value_node in node.value:
+        dotted = f"{prefix}{key_node.value}"
+        if isinstance(value_node, yaml.MappingNode) and value_node.value:
+            found.update(_key_lines(value_node, dotted + "."))
+        else:
+            found[dotted] = key_node.start_mark.line + 1
+    return found
+
+
+def _with_line(problem: str, lines: dict[str, int], recipe) -> str:
+    """Append where the recipe sets the key a problem names: "actor.lr=-1.0: ..." -> "... (recipe.yaml line 18)"."""
+    for key in sorted(lines, key=len, reverse=True):
+        if problem.startswith((f"{key}=", f"{key}:", f"wrong type: {key}:", f"unknown key {key!r}")):
+            return f"{problem} ({recipe} line {lines[key]})"
+    return problem
 
 
 def validate(cfg: Config, *, world_size: int = 1) -> list[str]:

@@ -76,6 +76,17 @@ def test_yaml_syntax_error_in_recipe_names_file_and_line(tmp_path):
     assert_fails_early(proc, elapsed_s, f"recipe {str(recipe)!r} is not valid YAML: line 5")
 
 
+def test_value_set_in_a_recipe_names_its_line(tmp_path):
+    """A value out of range in the recipe points at the recipe's line; the same key overridden points at nothing."""
+    recipe = tmp_path / "mine.yaml"
+    text = (REPO / "recipes" / "tiny_cpu.yaml").read_text().replace("  use_kl_loss: true\n", "  use_kl_loss: true\n  clip_ratio_low: 5\n")
+    recipe.write_text(text)
+    line = text.splitlines().index("  clip_ratio_low: 5") + 1
+    proc, cpu_s = run_cli(str(recipe))
+    assert_fails_early(proc, cpu_s, f"actor.clip_ratio_low=5.0: a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28) "
+                                    f"({recipe} line {line})")
+
+
 def test_yaml_syntax_error_in_override_names_the_override():
     proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", "data.train_files=[a.parquet")
     assert_fails_early(proc, elapsed_s, "override 'data.train_files=[a.parquet': the value is not valid YAML")
