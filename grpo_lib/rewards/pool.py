@@ -12,11 +12,12 @@ the parent knows which call runs and since when (to 10 ms). Time limits:
 2. hard, per call (in the parent): a call still running `timeout_s + HARD_GRACE_S` after it started (a hang
    in C code that ignores signals) gets its worker killed and replaced; the call scores as a timeout.
 3. per batch: a worker busy on one call for more than `STALL_S` may be hung: the rest of its chunk goes back
-   to the queue and a helper process takes its place (at most `MAX_HELPERS` extra), so the other calls keep
-   running in parallel. The first call that runs
-   past `timeout_s / 2` starts the batch's deadline: every call must end by that call's start + `timeout_s` +
-   `HARD_GRACE_S`; calls still running then are killed, calls not started are not run, both count as
-   timeouts. So 112 hung responses cost about one `timeout_s`, not 112 of them (verified in tests/test_rewards.py).
+   to the queue and helper processes (at most `MAX_HELPERS` extra) take over the queue, so the other calls
+   keep running in parallel. The first call that runs past `timeout_s / 2` sets the batch's deadline: every
+   call must end by that call's start + `timeout_s` + `HARD_GRACE_S`; calls still running then are killed,
+   calls not started are not run, both count as timeouts. So 56 hung responses cost about one `timeout_s`
+   (4 s with timeout_s=2), not 56 of them (tests/test_rewards.py). The price: a batch of legitimately slow
+   calls (over timeout_s / 2 each) is also cut at that deadline; raise reward.timeout_s for such rewards.
 A worker that dies (segfault, os._exit) costs only the call it was running (an error); a fresh one replaces it.
 
 Workers never outlive the trainer: each asks Linux to SIGKILL it when its parent (the forkserver, which exits
@@ -249,10 +250,6 @@ class TimeoutPool:
         worker.process.join(timeout=5)
         worker.conn.close()
         self._workers.remove(worker)
-
-    def worker_pids(self) -> list[int]:
-        """Pids of the live worker processes (for tests and diagnostics)."""
-        return [w.process.pid for w in self._workers if w.process.is_alive()]
 
     def run(self, calls: list[Call]) -> dict[int, Result]:
         """Run every call; returns {call_id: (status, value, message)}. Never raises for a call's failure."""
