@@ -15,6 +15,9 @@ Metric names are namespaced and documented once here:
 | `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |
 | `rollout/logprob_abs_diff_mean` | mean over response tokens of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
+| `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
+| `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
+| `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `val/<data_source>/acc`, `val/reward_mean` | validation accuracy per source |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.
@@ -30,11 +33,13 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor
 
 
 class MetricLogger:
-    def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None):
+    def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
+                 project_name: str = "grpo", experiment_name: str = "run"):
         self.enabled = enabled
         self.sinks = set(sinks)
         self.log_dir = Path(log_dir)
         self.writer = None
+        self.wandb = None  # the wandb run when "wandb" is a sink (optional package, checked at config time)
         self.jsonl = None
         self.bar = None
         if not enabled:
@@ -44,6 +49,11 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+            self.writer.add_text("run/name", f"{project_name}/{experiment_name}", 0)
+        if "wandb" in self.sinks:
+            import wandb
+
+            self.wandb = wandb.init(project=project_name, name=experiment_name, dir=str(self.log_dir))
         if "jsonl" in self.sinks:
             self.jsonl = open(self.log_dir / "metrics.jsonl", "a")
         if total_steps:
@@ -58,6 +68,8 @@ class MetricLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
@@ -77,6 +89,8 @@ class MetricLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.bar is not None:
