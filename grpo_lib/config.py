@@ -89,9 +89,9 @@ class ActorFSDPConfig:
     optimizer_offload: bool = False
     """Move AdamW's state shards to CPU between optimizer steps (verl)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype of the actor's forward/backward; master weights and AdamW state stay float32. GPU (and any
-    sharded run): each FSDP2 unit is gathered and cast to it (MixedPrecisionPolicy); CPU: torch.autocast with it when
-    lower than float32. auto: bfloat16 on GPU, float32 on CPU (exact) (verl's mixed_precision.param_dtype)."""
+    """Compute dtype: each FSDP2 unit is gathered and cast to it for forward/backward; master weights stay float32.
+    auto: bfloat16 on GPU, float32 on CPU (verl's mixed_precision.param_dtype). On CPU a lower dtype runs the actor's
+    passes under torch.autocast (grpo_lib/perf.py); it pays only on CPUs with AMX / AVX512-BF16."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
 
