@@ -3,9 +3,9 @@
 Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
 colocated vLLM engine and the actor; the step order follows DESIGN.md:
 
-    prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
+    prompts -> generate (vLLM or hf, rollout.n per prompt) -> reward -> engine sleeps -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
-    -> push weights to the engine -> log / validate / checkpoint
+    -> engine wakes with the pushed weights -> log / validate / checkpoint
 
 Config problems exit with code 2 before anything heavy loads.
 """
@@ -44,7 +44,7 @@ def setup(cfg, world_size: int, rank: int):
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.metrics import MetricLogger
     from grpo_lib.rewards import RewardScorer, registered_sources
-    from grpo_lib.rollout import VLLMEngine
+    from grpo_lib.rollout import build_engine
 
     torch.manual_seed(cfg.trainer.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
@@ -67,8 +67,7 @@ def setup(cfg, world_size: int, rank: int):
             raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
                                    f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
-    engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                        seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
+    engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=world_size)  # starts awake, holding model.path's weights
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     reference = Reference(cfg, device=device) if need_ref else None
@@ -102,7 +101,7 @@ def main(argv: list[str]) -> int:
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
     out_dir = Path(cfg.trainer.default_local_dir)
     if cfg.trainer.val_before_train and parts["val"] is not None:
-        logger.log(0, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
+        logger.log(0, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank, step=0))
 
     for step in range(1, parts["total_steps"] + 1):
         timings: dict[str, float] = {}
@@ -110,6 +109,7 @@ def main(argv: list[str]) -> int:
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
             batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
                                                     world_size=world_size, rank=rank, timings=timings)
+            engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             # 5. reference logprobs (only with a KL term)
@@ -125,17 +125,17 @@ def main(argv: list[str]) -> int:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
-            # push the new weights: the engine serves the actor's current weights from here on
+            # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> wake KV cache: the engine
+            # serves the actor's current weights from here on (check, validation and the next step's generation)
             with timed(timings, "push"):
-                engine.wake_up(tags=["weights"])
-                engine.push_weights(actor.named_weights())
+                engine.prepare_for_generation(actor.named_weights())
             if cfg.trainer.check_weight_sync:
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
         # 8. log / validate / checkpoint
-        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
+        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()})
         logger.advance()
         if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
-            logger.log(step, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
+            logger.log(step, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank, step=step))
         if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"]:
             S.save_checkpoint(actor, parts["tokenizer"], out_dir / f"global_step_{step}" / "actor", rank=rank)
     scorer.close()

@@ -47,3 +47,12 @@ def all_reduce_min(value: float) -> float:
 def barrier() -> None:
     if is_on():
         dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Process `src`'s picklable `obj` on every process (identity with one process)."""
+    if not is_on():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
