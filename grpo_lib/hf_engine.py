@@ -104,8 +104,7 @@ class HFEngine:
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the actor's full weights into this engine's own copy of the model, in place."""
         with self.lifecycle.transition("push"):
-            own = dict(self.model.named_parameters())
-            own.update(self.model.named_buffers())
+            own = self.model.state_dict(keep_vars=True)  # tied lm_head.weight included, aliasing the embedding
             for name, tensor in named_tensors:
                 if name not in own:
                     raise KeyError(f"HF engine: pushed weight {name!r} is not a parameter of the engine's model "
