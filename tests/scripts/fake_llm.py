@@ -7,8 +7,8 @@ is NOT faked: `VLLMEngine` runs as is, only its `llm` is this fake, and its life
 (as on a GPU with rollout.free_cache_engine).
 
 Generation is deterministic per sample seed (the seed of sample k is the request's seed + k, vLLM's rule).
-Training requests (n > 1) alternate: odd calls give every sample of a prompt the same text (all groups
-uninformative), even calls give varied text, so a DAPO run takes exactly 2 rounds per step.
+Training requests (n > 1; validation in these tests has n = 1) alternate: odd calls give every sample of a prompt the same text (all groups
+uninformative), even calls make sample 0 of each prompt differ, so a DAPO run takes exactly 2 rounds per step.
 
 Run under a launcher: `python tests/scripts/fake_llm.py OUT_DIR RECIPE key=value ...` writes OUT_DIR/rank{r}.json.
 """
@@ -68,7 +68,10 @@ class FakeLLM:
             for k in range(p.n):
                 rng = random.Random(p.seed + k if p.seed is not None else 0)
                 tokens = [rng.randrange(10, 60) for _ in range(rng.randrange(2, 6))]
-                text = "same" if train and self.train_calls % 2 == 1 else str(rng.randrange(3))
+                if train:  # odd calls: every sample alike (uninformative group); even calls: sample 0 differs
+                    text = "same" if self.train_calls % 2 == 1 else ("0" if k == 0 else "1")
+                else:
+                    text = str(rng.randrange(3))
                 completions.append(SimpleNamespace(token_ids=tokens, text=text, finish_reason="length",
                                                    logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in tokens] if p.logprobs == 0 else None))
             outputs.append(SimpleNamespace(outputs=completions))
