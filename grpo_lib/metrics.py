@@ -14,6 +14,7 @@ Metric names are namespaced and documented once here:
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
 | `val/<data_source>/acc`, `val/reward_mean` | validation accuracy per source |
+| `memory/sleep_freed_mb`, `memory/wake_regained_mb`, ... | device MiB freed / taken by engine transitions (CUDA only; process 0) |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.
 """
