@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo_lib.rollout import Lifecycle, prepare_for_generation
+from grpo_lib.rollout import Lifecycle, prepare_for_generation, wake_transition
 from grpo_lib.types import Generation
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
@@ -79,7 +79,7 @@ class HFEngine:
                 torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        name = {None: "wake_all", ("weights",): "wake_weights", ("kv_cache",): "wake_kv_cache"}[tuple(tags) if tags else None]
+        name = wake_transition(tags)
         with self.lifecycle.transition(name):
             if self.lifecycle.raw_sleep and name != "wake_kv_cache":  # the KV cache exists only inside generate
                 self.model.to(self.device)

@@ -207,6 +207,15 @@ class Lifecycle:
         self.record("empty_cache", before)
 
 
+def wake_transition(tags: list[str] | None) -> str:
+    """vLLM's wake_up tags -> the lifecycle transition: ["weights"], ["kv_cache"], or None / both (a full wake)."""
+    key = tuple(sorted(tags)) if tags else ("kv_cache", "weights")
+    names = {("weights",): "wake_weights", ("kv_cache",): "wake_kv_cache", ("kv_cache", "weights"): "wake_all"}
+    if key not in names:
+        raise LifecycleError(f"wake_up tags {tags!r}: use ['weights'], ['kv_cache'] or None")
+    return names[key]
+
+
 def prepare_for_generation(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
     """asleep -> awake with the actor's weights: empty the trainer's cache, wake weights, push, reset prefix cache,
     wake KV cache. `weights` None (nothing changed since the last push) is refused after a level-2 sleep."""
@@ -268,7 +277,7 @@ class VLLMEngine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """["weights"]: asleep -> weights; ["kv_cache"]: weights -> awake; None: asleep -> awake (level 1 only)."""
-        name = {None: "wake_all", ("weights",): "wake_weights", ("kv_cache",): "wake_kv_cache"}[tuple(tags) if tags else None]
+        name = wake_transition(tags)
         with self.lifecycle.transition(name):
             if self.lifecycle.raw_sleep:
                 self.llm.wake_up(tags=tags)
