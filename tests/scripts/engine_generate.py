@@ -51,8 +51,7 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     noise = torch.Generator().manual_seed(1)
-    weights = [(name, t + 0.05 * torch.randn(t.shape, generator=noise)) for name, t in model.state_dict().items()
-               if name != "lm_head.weight"]
+    weights = [(name, t + 0.05 * torch.randn(t.shape, generator=noise)) for name, t in model.state_dict().items()]
     engine.release()
     engine.prepare_for_generation(weights)
     out["greedy_after_push"] = [group[0].token_ids for group in engine.generate(prompts, n=1, temperature=0.0, max_tokens=20)]

@@ -36,6 +36,9 @@ class FakeLLM:
         self.kwargs = kwargs
         self.tokenizer = AutoTokenizer.from_pretrained(kwargs["model"])
         self.train_calls = 0
+        import torch
+
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))  # read by push_weights
         self.events.append(("start", kwargs["tensor_parallel_size"], kwargs["seed"]))
 
     def get_tokenizer(self):
@@ -48,7 +51,7 @@ class FakeLLM:
         self.events.append(("wake_up", tuple(tags) if tags else None))
 
     def collective_rpc(self, method, kwargs=None):
-        self.events.append((method, len(kwargs["weights_iterator"])))
+        self.events.append((method, sum(1 for _ in kwargs["weights_iterator"])))  # consumes the streamed buckets
 
     def reset_prefix_cache(self):
         self.events.append(("reset_prefix_cache",))
