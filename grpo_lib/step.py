@@ -14,8 +14,9 @@ import torch
 
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
-from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier, is_on
+from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier, broadcast_object, is_on
 from grpo_lib.perf import engine_logprobs_needed
+from grpo_lib.rollout import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 
 
@@ -108,8 +109,41 @@ def informative_groups(batch: RolloutBatch) -> list[str]:
     return [g for g, values in by_group.items() if len(values) > 1]
 
 
+def train_sampling(cfg) -> dict:
+    """Engine keyword arguments of training rollouts (rollout.*)."""
+    r = cfg.rollout
+    return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_response_length,
+                logprobs=engine_logprobs_needed(cfg))
+
+
+def val_sampling(cfg) -> dict:
+    """Engine keyword arguments of validation (rollout.val_kwargs); do_sample false is greedy whatever the temperature."""
+    vk = cfg.rollout.val_kwargs
+    if not vk.do_sample:
+        return dict(n=vk.n, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=cfg.data.max_response_length, logprobs=False)
+    return dict(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k, max_tokens=cfg.data.max_response_length,
+                logprobs=False)
+
+
+def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: int, rank: int, purpose: str, step: int,
+                   round: int, sampling: dict) -> tuple[PromptBatch, list[list[Generation]]]:
+    """This process's strided share of `global_idx` (positions rank, rank + W, ...) and its generations.
+
+    The ranks of a tensor-parallel group submit one identical request list (the union of their shares, same
+    seeds, same sampling) and each keeps its part; seeds depend on the prompt's position in `global_idx`, never on
+    the process count or TP size. Example: W=2, TP=2, global_idx [7, 3, 9, 4] -> both ranks submit all four;
+    rank 0 keeps dataset rows [7, 9], rank 1 keeps [3, 4] (as with TP=1).
+    """
+    submit, keep = tp_group_share(len(global_idx), world_size=world_size, rank=rank, tp_size=cfg.rollout.tensor_model_parallel_size)
+    group = dataset.batch([global_idx[i] for i in submit])
+    seeds = [sample_seed(cfg.trainer.seed, purpose=purpose, step=step, round=round, prompt_index=i, n=sampling["n"]) for i in submit]
+    generations = engine.generate(group.prompt_ids, seeds=seeds, **sampling)
+    return dataset.batch([global_idx[submit[j]] for j in keep]), [generations[j] for j in keep]
+
+
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict):
-    """Prompts -> vLLM generation -> rewards; with filter_groups, repeat until enough informative groups.
+    """Prompts -> generation (engine awake; the caller releases it afterwards) -> rewards; with filter_groups, repeat
+    until enough informative groups.
 
     Returns the batch of this process and the step's generation / reward metrics (reduced over processes).
     With `algorithm.filter_groups.enable` (DAPO dynamic sampling) each round draws the next train_batch_size
@@ -128,14 +162,9 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         global_idx = sampler.next_batch()
         # Strided share: local prompt j is global prompt rank + j * world_size, so the local mini-batch m of every
         # process together hold exactly the global mini-batch m (process count never changes the update).
-        prompts = dataset.batch(global_idx[rank::world_size])
-        seeds = [cfg.trainer.seed * 1_000_003 + step * 100_003 + rounds * 10_007 + rank + j * world_size for j in range(len(prompts))]
         start = time.perf_counter()
-        engine.wake_up()
-        generations = engine.generate(prompts.prompt_ids, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-                                      max_tokens=cfg.data.max_response_length, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seeds=seeds,
-                                      logprobs=engine_logprobs_needed(cfg))
-        engine.sleep()
+        prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
+                                              step=step, round=rounds, sampling=train_sampling(cfg))
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
         sums["rollout/preemptions"] = sums.get("rollout/preemptions", 0.0) + getattr(engine, "last_preemptions", 0)
         batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
@@ -221,19 +250,17 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
-def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, tokenizer=None) -> tuple[dict[str, float], list[dict]]:
-    """rollout.val_kwargs generation over this process's share of the validation set -> (metrics, logged rows).
+def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: int = 0,
+             tokenizer=None) -> tuple[dict[str, float], list[dict]]:
+    """rollout.val_kwargs generation (greedy unless do_sample) over this process's share of the validation set
+    -> (metrics, logged rows). The engine must be awake; seeds are the "val" purpose's, at `step`.
 
     Metrics per data source (grpo_lib.validation): reward_mean, acc, and mean@n / pass@n when val_kwargs.n > 1.
     Rows: the first trainer.val_generations_to_log (prompt, response, score) rows (prompts decoded with `tokenizer`).
     """
-    idx = list(range(rank, len(dataset), world_size))
-    prompts = dataset.batch(idx)
     vk = cfg.rollout.val_kwargs
-    engine.wake_up()
-    generations = engine.generate(prompts.prompt_ids, n=vk.n, temperature=vk.temperature, max_tokens=cfg.data.max_response_length,
-                                  seeds=[cfg.trainer.seed + i for i in idx])
-    engine.sleep()
+    prompts, generations = generate_share(cfg, engine, dataset, list(range(len(dataset))), world_size=world_size, rank=rank,
+                                          purpose="val", step=step, round=0, sampling=val_sampling(cfg))
     batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
     from grpo_lib.validation import generation_rows, val_metrics
 
@@ -245,13 +272,14 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, tokeni
 
 
 def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
-    """Largest |engine - actor| logprob over the first trajectory of `batch`, at temperature 1 (invariant 3).
+    """Largest |engine - actor| logprob over process 0's first trajectory, at temperature 1 (invariant 3).
 
-    Every process scores its own first trajectory on its own engine (the actor forward is an FSDP2 collective);
-    the result is the largest error over all engines.
+    Every process scores the same sequence (broadcast from process 0), so the ranks of a TP group submit the
+    identical request; the actor forward is an FSDP2 collective. The engine must be fully awake (after
+    prepare_for_generation); the result is the largest error over all engines.
     """
     length = int(batch.attention_mask[0].sum())
-    seq = batch.input_ids[0, :length]  # [L]
+    seq = torch.tensor(broadcast_object(batch.input_ids[0, :length].tolist()))  # [L]
     engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
     actor.policy.eval()
     with torch.no_grad():

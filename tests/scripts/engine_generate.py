@@ -1,0 +1,63 @@
+"""Build one engine (vllm or hf) on the tiny model and write what it generates: rank{r}.json in OUT_DIR.
+
+    python tests/scripts/engine_generate.py ENGINE MODEL_DIR OUT_DIR [TP]
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/engine_generate.py vllm MODEL_DIR OUT_DIR 2
+
+Prompts are fixed random token ids (a random tiny model answers a chat prompt with one repeated token; random
+prompts give varied greedy continuations). Written: greedy tokens, seeded samples (n=3) with their logprobs,
+the engine's logprobs of one sequence, the n-children seed rule (vLLM), the Protocol check, and greedy tokens
+again after pushing perturbed weights (the same perturbation in every engine, seeded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+
+from grpo_lib.config import RolloutConfig  # noqa: E402
+from grpo_lib.distributed import init_distributed  # noqa: E402
+from grpo_lib.rollout import RolloutEngine, VLLMEngine  # noqa: E402
+
+
+def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
+    init_distributed()
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20, tensor_model_parallel_size=tp, max_num_seqs=8)
+    if engine_name == "hf":
+        from grpo_lib.hf_engine import HFEngine
+
+        engine = HFEngine(model_path=model_dir, cfg=cfg, on_cpu=True)
+    else:
+        engine = VLLMEngine(model_path=model_dir, cfg=cfg, max_model_len=96, seed=0, on_cpu=True, world_size=world_size)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 250, (int(length),), generator=g).tolist() for length in (5, 9, 12, 7, 16, 3)]
+    out = {"protocol": isinstance(engine, RolloutEngine)}
+    greedy = engine.generate(prompts, n=1, temperature=0.0, max_tokens=20)
+    out["greedy"] = [group[0].token_ids for group in greedy]
+    sampled = engine.generate(prompts[:3], n=3, temperature=1.0, max_tokens=12, seeds=[101, 202, 303])
+    out["sampled"] = [[s.token_ids for s in group] for group in sampled]
+    out["sampled_logprobs"] = [[s.logprobs for s in group] for group in sampled]
+    out["sampled_rescored"] = engine.score_logprobs([prompts[0] + sampled[0][0].token_ids])[0][len(prompts[0]):]
+    child = engine.generate(prompts[:1], n=1, temperature=1.0, max_tokens=12, seeds=[102])
+    out["child_rule"] = child[0][0].token_ids == sampled[0][1].token_ids
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(1)
+    weights = [(name, t + 0.05 * torch.randn(t.shape, generator=noise)) for name, t in model.state_dict().items()]
+    engine.release()
+    engine.prepare_for_generation(weights)
+    out["greedy_after_push"] = [group[0].token_ids for group in engine.generate(prompts, n=1, temperature=0.0, max_tokens=20)]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 1)

@@ -1,0 +1,160 @@
+"""Whole runs of train_grpo with a recording fake vLLM (tests/scripts/fake_llm.py): the order of engine calls a GPU
+would see, engine starts, and the seeds and requests of every sample.
+
+Only `vllm.LLM` is faked; `VLLMEngine` and its lifecycle state machine run as they are, told that sleep is real
+(as on a GPU with rollout.free_cache_engine). The recorder checks the order with its own model of the GPU
+memory state, so a wrong order in train_grpo.py / step.py fails here even if the state machine were wrong too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.conftest import REPO, read_metrics, tiny_overrides
+from tests.scripts.fake_llm import install
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == "0")
+'''
+
+
+def names(events) -> list[str]:
+    """Raw calls as short names: generate:train (n > 1), generate:val, score, wake_up:weights, ..."""
+    out = []
+    for e in events:
+        if e[0] == "generate":
+            out.append("generate:train" if e[2][0][0] > 1 else "generate:val")
+        elif e[0] == "wake_up":
+            out.append("wake_up:" + (",".join(e[1]) if e[1] else "ALL"))
+        else:
+            out.append(e[0])
+    return out
+
+
+def check_gpu_order(calls: list[str]) -> None:
+    """An independent model of the device: what each raw call needs mapped."""
+    state = "awake"
+    for i, c in enumerate(calls):
+        where = f"call {i} ({c}) in {calls}"
+        if c == "sleep":
+            assert state == "awake", where
+            state = "asleep"
+        elif c == "wake_up:weights":
+            assert state == "asleep", where
+            state = "weights"
+        elif c == "wake_up:kv_cache":
+            assert state == "weights", where
+            state = "awake"
+        elif c == "wake_up:ALL":
+            raise AssertionError(f"untagged wake: {where}")
+        elif c in ("reload_weights", "reset_prefix_cache"):
+            assert state == "weights", f"push / reset outside the weights-only state: {where}"
+        elif c.startswith("generate") or c == "score":
+            assert state == "awake", f"generation while not fully awake: {where}"
+        elif c == "empty_cache":
+            assert state == "asleep", where
+
+
+def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    fake = install(monkeypatch)
+    import train_grpo
+
+    out = tmp_path / "run"
+    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(tiny_model_dir, arith_data, out),
+                            "rollout.free_cache_engine=true", "trainer.val_before_train=true", "trainer.test_freq=1",
+                            "trainer.check_weight_sync=true", "reward.num_workers=0", "trainer.logger=[jsonl]"])
+    assert code == 0
+    assert fake.starts == 1, f"{fake.starts} engine starts in one run"
+    calls = names(fake.events)
+    check_gpu_order(calls)
+    step = ["generate:train", "sleep", "empty_cache", "wake_up:weights", "reload_weights", "reset_prefix_cache", "wake_up:kv_cache",
+            "score", "generate:val"]
+    assert calls == ["start", "generate:val"] + step * 3, calls
+    assert [e[1] for e in fake.events if e[0] == "sleep"] == [1, 1, 1], "rollout.sleep_level 1 expected"
+    assert len(read_metrics(out)) == 3
+
+
+def test_level2_sleep_pushes_before_every_wake(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    fake = install(monkeypatch)
+    import train_grpo
+
+    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run"),
+                            "rollout.sleep_level=2", "trainer.total_training_steps=2", "reward.num_workers=0", "trainer.logger=[jsonl]"])
+    assert code == 0
+    calls = names(fake.events)
+    check_gpu_order(calls)
+    assert [e[1] for e in fake.events if e[0] == "sleep"] == [2, 2]
+    for i, c in enumerate(calls):
+        if c == "wake_up:kv_cache":
+            assert calls[i - 2:i] == ["reload_weights", "reset_prefix_cache"], calls
+
+
+def launch_fake(tmp_path, tiny_model_dir, arith_data, name: str, tp: int):
+    """2 processes, DAPO with exactly 2 generation rounds per step (the fake alternates uninformative / varied)."""
+    from tests.test_multiprocess import _free_port
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    out = tmp_path / name
+    overrides = tiny_overrides(tiny_model_dir, arith_data, out / "run") + [
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4", f"reward.custom.path={reward}",
+        "trainer.total_training_steps=2", "actor.ppo_mini_batch_size=2", f"rollout.tensor_model_parallel_size={tp}",
+        "trainer.val_before_train=true", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
+        "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+                str(REPO / "tests/scripts/fake_llm.py"), str(out)]
+    proc = subprocess.run(launcher + [str(REPO / "recipes/tiny_cpu.yaml"), *overrides], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        pytest.fail(f"fake 2-process run exited {proc.returncode}\n{proc.stderr[-5000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return ranks, read_metrics(out / "run")
+
+
+def sample_seeds(events, purpose_n_gt_1: bool = True) -> list[tuple[tuple, int]]:
+    """(prompt token ids, seed) of every training sample in the recorded generate calls."""
+    seeds = []
+    for e in events:
+        if e[0] == "generate" and (e[2][0][0] > 1) == purpose_n_gt_1:
+            for prompt, (n, _, _, _, seed) in zip(e[1], e[2]):
+                seeds += [(tuple(prompt), seed + k) for k in range(n)]
+    return seeds
+
+
+@pytest.fixture(scope="module")
+def fake_runs(tiny_model_dir, arith_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_runs")
+    return {tp: launch_fake(root, tiny_model_dir, arith_data, f"tp{tp}", tp) for tp in (1, 2)}
+
+
+def test_dapo_two_rounds_two_processes_no_seed_shared(fake_runs):
+    ranks, metrics = fake_runs[1]
+    assert [m["batch/gen_rounds"] for m in metrics] == [2.0, 2.0], "the run must take 2 rounds per step to test round seeds"
+    train = [s for r in ranks for _, s in sample_seeds(r["events"])]
+    val = [s for r in ranks for _, s in sample_seeds(r["events"], purpose_n_gt_1=False)]
+    # 2 steps x 2 rounds x 4 prompts x 4 samples, split over 2 processes; validation: 8 prompts x 1 sample
+    assert len(train) == 2 * 2 * 4 * 4 and len(val) == 8
+    duplicates = [s for s, c in Counter(train + val).items() if c > 1]
+    assert not duplicates, f"samples share seeds: {duplicates}"
+    for r in ranks:
+        assert r["starts"] == 1 and [e for e in r["events"] if e[0] == "start"] == [["start", 1, 1]]
+
+
+def test_tp2_group_identical_requests_same_samples_as_tp1(fake_runs):
+    (tp1, m1), (tp2, m2) = fake_runs[1], fake_runs[2]
+    gen = [[e for e in r["events"] if e[0] in ("generate", "score")] for r in tp2]
+    assert gen[0] == gen[1], "the two ranks of a TP group submitted different requests"
+    assert [e[1:] for e in tp2[0]["events"] if e[0] == "start"] == [[2, 1]], "engine TP size / seed"
+    # the group generates what the two TP-1 processes generated together: same prompts, same seeds
+    assert sorted(sample_seeds(tp2[0]["events"])) == sorted(s for r in tp1 for s in sample_seeds(r["events"]))
+    for a, b in zip(m1, m2):
+        for key in ("reward/mean", "batch/kept_groups", "response/length_mean", "actor/pg_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), f"step {a['step']} {key}: TP 1 {a[key]} vs TP 2 {b[key]}"

@@ -1,0 +1,188 @@
+"""grpo_lib.rollout without an engine: the lifecycle state machine, seeds, TP shares, validation sampling, config.
+
+Each test would fail if the behaviour broke: an illegal order must raise (it would hang or re-map memory on a
+GPU), seeds must be unique per sample and independent of the topology, the ranks of a TP group must submit
+identical requests and keep disjoint slices that equal the TP-1 shares.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_lib.config import ConfigError, load_config
+from grpo_lib.hf_engine import process_logits
+from grpo_lib.rollout import Lifecycle, LifecycleError, sample_seed, tp_group_share
+from grpo_lib.step import generate_share, val_sampling
+from grpo_lib.types import Generation, PromptBatch
+from tests.conftest import REPO
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+def walk(lifecycle: Lifecycle, names: list[str]) -> None:
+    for name in names:
+        with lifecycle.transition(name):
+            pass
+
+
+def test_lifecycle_legal_cycle():
+    life = Lifecycle(raw_sleep=True, sleep_level=1)
+    cycle = ["generate", "sleep", "wake_weights", "push", "reset_prefix_cache", "wake_kv_cache", "generate"]
+    walk(life, cycle + cycle[1:])
+    assert life.state == "awake"
+
+
+@pytest.mark.parametrize("names,message", [
+    (["sleep", "generate"], "generate while asleep"),
+    (["sleep", "wake_weights", "generate"], "generate while weights"),  # no generation while partly awake
+    (["sleep", "wake_weights", "wake_all"], "wake_all while weights"),  # no untagged wake after a partial wake
+    (["sleep", "wake_kv_cache"], "wake_kv_cache while asleep"),
+    (["sleep", "push"], "push while asleep"),
+    (["wake_weights"], "wake_weights while awake"),
+    (["sleep", "sleep"], "sleep while asleep"),
+])
+def test_lifecycle_refuses_illegal_order(names, message):
+    life = Lifecycle(raw_sleep=False, sleep_level=1)  # checked on CPU too, where the raw calls are no-ops
+    with pytest.raises(LifecycleError, match=message):
+        walk(life, names)
+
+
+def test_level2_sleep_needs_a_push_before_the_kv_cache():
+    life = Lifecycle(raw_sleep=True, sleep_level=2)
+    walk(life, ["sleep", "wake_weights"])
+    with pytest.raises(LifecycleError, match="level-2 sleep discarded the weights"):
+        walk(life, ["wake_kv_cache"])
+    walk(life, ["push", "reset_prefix_cache", "wake_kv_cache", "generate"])
+
+
+# ------------------------------------------------------------------------------------------------ seeds
+def test_sample_seeds_unique_across_steps_rounds_prompts_samples_and_purposes():
+    n, seen = 4, {}
+    for purpose in ("train", "val"):
+        for step in range(4):
+            for rnd in range(1, 4):
+                for prompt in range(16):
+                    base = sample_seed(7, purpose=purpose, step=step, round=rnd, prompt_index=prompt, n=n)
+                    for k in range(n):  # vLLM seeds the n children of a request base, base + 1, ...
+                        key = (purpose, step, rnd, prompt, k)
+                        assert base + k not in seen, f"{key} shares seed {base + k} with {seen[base + k]}"
+                        seen[base + k] = key
+    assert sample_seed(8, purpose="train", step=1, round=1, prompt_index=0, n=4) != sample_seed(7, purpose="train", step=1, round=1,
+                                                                                               prompt_index=0, n=4)
+
+
+# ------------------------------------------------------------------------------------------------ TP shares
+class RecordingEngine:
+    """Answers each sample with [seed of that sample] and records what it was asked."""
+
+    pad_id = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, *, n, seeds, **sampling):
+        self.calls.append((prompt_ids, seeds, n, sampling))
+        return [[Generation(token_ids=[s + k], logprobs=[0.0], text="", finish_reason="length") for k in range(n)] for s in seeds]
+
+
+class Rows:
+    """A dataset whose prompt i is [i]."""
+
+    def batch(self, idx):
+        return PromptBatch(prompt_ids=[[i] for i in idx], group_ids=[str(i) for i in idx], data_sources=["s"] * len(idx),
+                           ground_truths=[None] * len(idx), extra_infos=[{}] * len(idx))
+
+
+def share(world_size: int, rank: int, tp: int, global_idx: list[int]):
+    cfg = SimpleNamespace(rollout=SimpleNamespace(tensor_model_parallel_size=tp), trainer=SimpleNamespace(seed=3))
+    engine = RecordingEngine()
+    prompts, gens = generate_share(cfg, engine, Rows(), global_idx, world_size=world_size, rank=rank, purpose="train", step=2,
+                                   round=1, sampling=dict(n=2, temperature=1.0))
+    kept = {p[0]: [g.token_ids[0] for g in group] for p, group in zip(prompts.prompt_ids, gens)}  # prompt -> its sample seeds
+    return engine.calls[0], kept
+
+
+@pytest.mark.parametrize("world_size,tp", [(2, 2), (4, 2), (4, 4), (4, 1)])
+def test_tp_group_submits_identical_requests_and_keeps_disjoint_slices(world_size, tp):
+    global_idx = [50 + 3 * i for i in range(8)]
+    single = {r: share(world_size, r, 1, global_idx)[1] for r in range(world_size)}  # the TP-1 shares
+    for first in range(0, world_size, tp):
+        calls = [share(world_size, r, tp, global_idx) for r in range(first, first + tp)]
+        assert all(c == calls[0][0] for c, _ in calls), "ranks of one TP group submitted different requests"
+        kept = [k for _, k in calls]
+        for r, k in zip(range(first, first + tp), kept):
+            assert k == single[r], f"rank {r} with TP={tp} keeps {k}, with TP=1 {single[r]}"
+        assert sum(len(k) for k in kept) == len(set().union(*kept)), "slices of one group overlap"
+    assert sorted(p for k in single.values() for p in k) == sorted(global_idx)
+
+
+def test_tp_group_share_example():
+    assert tp_group_share(8, world_size=4, rank=1, tp_size=2) == ([0, 1, 4, 5], [1, 3])
+    assert tp_group_share(8, world_size=4, rank=2, tp_size=2) == ([2, 3, 6, 7], [0, 2])
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def test_val_kwargs_do_sample_false_is_greedy_whatever_the_temperature(tmp_path):
+    base = ["model.path=m", "data.train_files=[a]", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.n=2", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4", "data.max_response_length=9"]
+    greedy = val_sampling(load_config(None, base + ["rollout.val_kwargs.temperature=0.7"]))
+    assert greedy == dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=9, logprobs=False)  # validation reads no engine logprobs
+    sampled = val_sampling(load_config(None, base + ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.7",
+                                                     "rollout.val_kwargs.top_p=0.9", "rollout.val_kwargs.n=3"]))
+    assert sampled == dict(n=3, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=9, logprobs=False)
+    with pytest.raises(ConfigError, match="do_sample"):  # n greedy responses would be identical: pass@n == mean@n
+        load_config(None, base + ["rollout.val_kwargs.temperature=0.7", "rollout.val_kwargs.n=3"])
+
+
+def test_process_logits_matches_vllm_semantics():
+    # temperature 1: top_k 2 keeps the two largest; top_p 0.5 keeps the top token alone (p = e^2 / (e^2 + e + 1) = 0.67)
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    assert torch.equal(process_logits(logits, temperature=1.0, top_k=2, top_p=1.0), torch.tensor([[2.0, 1.0, float("-inf")]]))
+    assert torch.equal(process_logits(logits, temperature=1.0, top_k=-1, top_p=0.5), torch.tensor([[2.0, float("-inf"), float("-inf")]]))
+    # top_p 0.9: the top two hold 0.91 >= 0.9, the last token (0.09) is dropped; temperature 2 halves the logits first
+    assert torch.equal(process_logits(logits, temperature=1.0, top_k=-1, top_p=0.9), torch.tensor([[2.0, 1.0, float("-inf")]]))
+    assert torch.equal(process_logits(logits, temperature=2.0, top_k=-1, top_p=1.0), torch.tensor([[1.0, 0.5, 0.0]]))
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_tp_size_must_divide_process_count_and_hf_has_no_tp():
+    base = ["model.path=m", "data.train_files=[a]", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.n=2", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4"]
+    load_config(None, base + ["rollout.tensor_model_parallel_size=2"], world_size=4)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=3 must divide the process count 4"):
+        load_config(None, base + ["rollout.tensor_model_parallel_size=3"], world_size=4)
+    with pytest.raises(ConfigError, match="rollout.name=hf with rollout.tensor_model_parallel_size=2"):
+        load_config(None, base + ["rollout.tensor_model_parallel_size=2", "rollout.name=hf"], world_size=2)
+
+
+def test_cli_tp_size_not_dividing_exits_2():
+    proc = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), "recipes/tiny_cpu.yaml", "rollout.tensor_model_parallel_size=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rollout.tensor_model_parallel_size=2 must divide the process count 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path):
+    """data.apply_chat_template_kwargs (Qwen3's enable_thinking) is passed to apply_chat_template, leaf overrides too."""
+    from transformers import AutoTokenizer
+
+    from grpo_lib.data import load_prompts, render_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                               "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+                               "<think>\n\n</think>\n\n{% endif %}")
+    msgs = [{"role": "user", "content": "What is 3 + 4?"}]
+    assert "<think>" not in render_text(msgs, tokenizer, apply_chat_template=True, system_prompt=None)
+    cfg = load_config(None, ["model.path=m", "data.train_files=[a]", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.n=2",
+                             "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                             "+data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"data_source": "s", "prompt": [{"role": "user", "content": "What is 3 + 4?"}], "reward_model": {"ground_truth": "7"}}\n')
+    data = load_prompts([str(path)], tokenizer, cfg.data)
+    assert tokenizer.decode(data.prompt_ids[0]).endswith("<think>\n\n</think>\n\n"), tokenizer.decode(data.prompt_ids[0])
