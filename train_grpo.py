@@ -5,9 +5,12 @@ colocated vLLM engine and the actor; the step order follows DESIGN.md:
 
     prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
-    -> push weights to the engine -> log / validate / checkpoint
+    -> push weights to the engine -> log / validate / checkpoint / stop?
 
-Config problems exit with code 2 before anything heavy loads.
+Config problems, and a run folder that holds another run, exit with code 2 before anything heavy loads.
+A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
+step, save and exit 0; trainer.max_bad_steps consecutive non-finite steps exit 3 (grpo_lib/checkpoint.py,
+grpo_lib/stopping.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,7 +37,7 @@ def timed(timings: dict, name: str):
     timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def setup(cfg, world_size: int, rank: int):
+def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
     """Tokenizer, data, engine, actor, reference, reward scorer, metric logger."""
     import torch
     from transformers import AutoTokenizer
@@ -72,8 +74,10 @@ def setup(cfg, world_size: int, rank: int):
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     reference = Reference(cfg, device=device) if need_ref else None
-    logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps)
-    logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
+    logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
+                          resume_step=resume_step)
+    if resume_step == 0:  # a resumed run's metrics.jsonl has this line already
+        logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
 
@@ -89,22 +93,43 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    from grpo_lib import checkpoint
     from grpo_lib import step as S
     from grpo_lib.data import DataError
-    from grpo_lib.distributed import init_distributed
+    from grpo_lib.distributed import barrier, init_distributed
+    from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point
 
+    try:  # a folder holding another run, or a resume whose config changes what a step computes: exit 2 now
+        plan = checkpoint.plan_resume(cfg)
+    except checkpoint.ResumeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     init_distributed()
+    if rank == 0:
+        checkpoint.prepare_run_folder(cfg, plan)
+    barrier()
     try:
-        parts = setup(cfg, world_size, rank)
+        parts = setup(cfg, world_size, rank, resume_step=plan.step)
+        if plan.path is not None:
+            checkpoint.load(plan.path, actor=parts["actor"], sampler=parts["sampler"], rank=rank)
     except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
-    out_dir = Path(cfg.trainer.default_local_dir)
-    if cfg.trainer.val_before_train and parts["val"] is not None:
+    if plan.path is not None:  # the engine started from model.path: serve the resumed weights
+        print(f"resumed from {plan.path} (step {plan.step})", file=sys.stderr)
+        engine.wake_up(tags=["weights"])
+        engine.push_weights(actor.named_weights())
+    if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:
         logger.log(0, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
 
-    for step in range(1, parts["total_steps"] + 1):
+    def save(step: int) -> None:
+        checkpoint.save(cfg, step=step, actor=actor, sampler=parts["sampler"], rank=rank, world_size=world_size,
+                        export_hf=lambda path: S.save_checkpoint(actor, parts["tokenizer"], path, rank=rank))
+
+    install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
+    bad_steps = 0  # consecutive steps with a skipped (non-finite) update
+    for step in range(plan.step + 1, parts["total_steps"] + 1):
         timings: dict[str, float] = {}
         with timed(timings, "step"):
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
@@ -125,19 +150,32 @@ def main(argv: list[str]) -> int:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
+            test_signal_point("update", step)  # test hook (grpo_lib/stopping.py)
             # push the new weights: the engine serves the actor's current weights from here on
             with timed(timings, "push"):
                 engine.wake_up(tags=["weights"])
                 engine.push_weights(actor.named_weights())
             if cfg.trainer.check_weight_sync:
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
-        # 8. log / validate / checkpoint
+        # 8. log / validate / checkpoint / stop
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
         logger.advance()
+        bad_steps = bad_steps + 1 if train_metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
+        if bad_steps >= cfg.trainer.max_bad_steps:
+            print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                  f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. The last checkpoint is intact: lower "
+                  "actor.lr or check the data, then resume", file=sys.stderr)
+            scorer.close()
+            logger.close()
+            return 3
         if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
             logger.log(step, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
-        if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"]:
-            S.save_checkpoint(actor, parts["tokenizer"], out_dir / f"global_step_{step}" / "actor", rank=rank)
+        stopping = stop_requested()  # agreed by all processes
+        if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"] or stopping:
+            save(step)
+        if stopping:
+            print(f"stopped after step {step}; resume with the same command", file=sys.stderr)
+            break
     scorer.close()
     logger.close()
     return 0

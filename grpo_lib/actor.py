@@ -31,6 +31,7 @@ from grpo_lib import algorithms
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
 from grpo_lib.logprobs import token_logprobs
+from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
 
 
@@ -109,6 +110,7 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = dist.get_world_size() if _dist_on() else 1
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
+        self.nan_steps = test_nan_steps()  # test hook: steps whose loss is corrupted (empty outside tests)
 
     # -- logprobs --------------------------------------------------------------------------------------
 
@@ -170,6 +172,8 @@ class Actor:
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
+        if self.steps_done + 1 in self.nan_steps:
+            loss = loss * float("nan")  # test hook GRPO_TEST_NAN_STEPS (grpo_lib/stopping.py)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
@@ -208,7 +212,9 @@ class Actor:
                     summed[k] += v
                 num_updates += 1
         self.steps_done += 1
-        return {k: v / num_updates for k, v in summed.items()}
+        out = {k: v / num_updates for k, v in summed.items()}
+        out["actor/skipped_nonfinite_steps"] = summed["actor/skipped_nonfinite_steps"]  # a count, not a mean
+        return out
 
     def _shuffle_generator(self) -> torch.Generator:
         """Mini-batch shuffle order of the current step (a new permutation every step, reproducible)."""
@@ -221,10 +227,11 @@ class Actor:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip if a.grad_clip > 0 else float("inf"))
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        if math.isfinite(float(grad_norm)):
+        finite = math.isfinite(float(grad_norm)) and all(math.isfinite(v) for v in metrics.values())
+        skip = all_reduce_sum(0.0 if finite else 1.0) > 0  # every process skips the same updates
+        metrics["actor/skipped_nonfinite_steps"] = float(skip)
+        if not skip:
             self.optimizer.step()
-        else:
-            metrics["actor/skipped_nonfinite_steps"] = 1.0
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
