@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,6 +45,15 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
     return overrides
 
 
+def run_killed(args: list[str], env: dict[str, str], log: Path) -> subprocess.CompletedProcess:
+    """A run that the test hook SIGKILLs: output goes to files, not pipes (a pipe stays open while any reward
+    worker it leaves behind lives, and run_train would wait for it)."""
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), log.read_text())
+
+
 def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "actor" / "model.safetensors")
 
@@ -74,8 +84,8 @@ def test_sigkill_between_checkpoint_files_then_resume_is_exact(base, straight_ru
     """Run B is SIGKILLed during step 4, in the middle of writing its checkpoint (weights + optimizer written, the
     rest not); the step-3 checkpoint stays loadable and resume_mode=auto continues from it to the same results."""
     out = tmp_path / "b"
-    killed = run_train(base(out, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2"), check=False,
-                       env={"GRPO_TEST_SIGNAL": "KILL save 4"})
+    killed = run_killed(base(out, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2"), {"GRPO_TEST_SIGNAL": "KILL save 4"},
+                        tmp_path / "killed.log")
     assert killed.returncode == -9, f"the test hook did not kill the run: exit {killed.returncode}\n{killed.stderr[-3000:]}"
     assert not (out / "global_step_4").exists(), "a checkpoint cut short by a kill must not look like a checkpoint"
     partial = out / ".tmp_global_step_4"
