@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
         return 2
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
     if plan.path is not None:  # the engine started from model.path: serve the resumed weights
-        print(f"resumed from {plan.path} (step {plan.step})", file=sys.stderr)
+        print(f"resumed from {plan.path} (step {plan.step} of {parts['total_steps']})", file=sys.stderr)
         engine.wake_up(tags=["weights"])
         engine.push_weights(actor.named_weights())
     if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:

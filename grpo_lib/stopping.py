@@ -9,8 +9,8 @@ the signal.
 
 Test hooks (environment variables, read only here; nothing else in the code looks at them):
 
-- `GRPO_TEST_SIGNAL="<SIGNAL> <point> <step>"`: send SIGNAL (KILL, TERM, INT) to this process when the run
-  reaches `point` of `step`. Points: `update` (right after the actor update of that step, before its metrics
+- `GRPO_TEST_SIGNAL="<SIGNAL> <point> <step> [rank]"`: send SIGNAL (KILL, TERM, INT) to this process when the
+  run reaches `point` of `step` (on every process, or only on process `rank`). Points: `update` (right after the actor update of that step, before its metrics
   are logged), `save` (in the middle of that step's checkpoint: the sharded weights and optimizer are
   written, the rest is not). Example: `GRPO_TEST_SIGNAL="KILL save 4"`.
 - `GRPO_TEST_NAN_STEPS="2,3"`: the actor's loss is multiplied by NaN on those steps (counted by
@@ -65,8 +65,8 @@ def test_signal_point(point: str, step: int) -> None:
     spec = os.environ.get("GRPO_TEST_SIGNAL")
     if not spec:
         return
-    name, where, at_step = spec.split()
-    if where == point and int(at_step) == step:
+    name, where, at_step, *only_rank = spec.split()
+    if where == point and int(at_step) == step and (not only_rank or int(only_rank[0]) == int(os.environ.get("RANK", "0"))):
         print(f"test hook: SIG{name} at {point} of step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 

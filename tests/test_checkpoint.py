@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -45,11 +46,17 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
     return overrides
 
 
-def run_killed(args: list[str], env: dict[str, str], log: Path) -> subprocess.CompletedProcess:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_killed(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """A run that the test hook SIGKILLs: output goes to files, not pipes (a pipe stays open while any reward
     worker it leaves behind lives, and run_train would wait for it)."""
     with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+        proc = subprocess.run([*(launcher or [sys.executable]), str(REPO / "train_grpo.py"), *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, timeout=600)
     return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), log.read_text())
 
@@ -165,7 +172,7 @@ def test_nonfinite_updates_skipped_counted_then_exit_3(base, tmp_path):
     assert proc.returncode == 3, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "trainer.max_bad_steps=2" in proc.stderr
     rows = read_metrics(out)
-    assert [r["actor/skipped_nonfinite_steps"] for r in rows] == [0, 1, 0, 1, 1]
+    assert [r["actor/skipped_nonfinite_steps"] for r in rows] == [0, 2, 0, 2, 2]  # two updates per step (2 mini-batches)
     w1, w2, w3 = (hf_weights(out / f"global_step_{s}") for s in (1, 2, 3))
     assert all(torch.equal(w1[k], w2[k]) for k in w1), "the NaN step changed the weights"
     assert not all(torch.equal(w2[k], w3[k]) for k in w2), "the step after a skipped one must train"
@@ -202,3 +209,38 @@ def test_jsonl_cut_at_resume_step(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2]
     open_jsonl_at(path, 0).close()
     assert path.read_text() == ""
+
+
+def test_all_processes_agree_to_stop_when_one_gets_sigterm(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(REPO / "tests" / "scripts" / "stop_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"before": False, "after": True}, f"rank {rank}"
+
+
+def two_processes() -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+
+
+def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
+    """2 processes (gloo): a straight 6-step run, and one where both processes are SIGKILLed right after step 4's
+    update, resumed from the step-2 checkpoint (each process's shard and RNG file); same metrics, same final weights."""
+    straight, out = tmp_path / "a", tmp_path / "b"
+    run_train(base(straight, "trainer.save_freq=-1"), launcher=two_processes())
+    killed = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "KILL update 4"}, tmp_path / "killed.log",
+                        launcher=two_processes())
+    assert killed.returncode != 0, "the test hook did not kill the run"
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"], killed.stdout[-3000:]
+    assert sorted(p.name for p in (out / "global_step_2" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    resumed = run_train(base(out, "trainer.save_freq=2"), launcher=two_processes())
+    assert "resumed from" in resumed.stderr, resumed.stderr[-2000:]
+    a_rows, b_rows = read_metrics(straight), read_metrics(out)
+    assert [r["step"] for r in b_rows] == [1, 2, 3, 4, 5, 6]
+    assert_same_steps(a_rows, b_rows, [1, 2, 3, 4, 5, 6])
+    a_final, b_final = hf_weights(straight / f"global_step_{STEPS}"), hf_weights(out / f"global_step_{STEPS}")
+    assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "final exports differ after kill + resume (2 processes)"
