@@ -163,8 +163,8 @@ def main(argv: list[str]) -> int:
         bad_steps = bad_steps + 1 if train_metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
         if bad_steps >= cfg.trainer.max_bad_steps:
             print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
-                  f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. The last checkpoint is intact: lower "
-                  "actor.lr or check the data, then resume", file=sys.stderr)
+                  f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
+                  "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
             scorer.close()
             logger.close()
             return 3

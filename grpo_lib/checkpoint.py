@@ -8,7 +8,9 @@ A run folder (`trainer.default_local_dir`) holds one run:
                                            (every process writes its own shard; FSDP2 DTensors stay sharded)
         rng/rank_R.pt                      each process's RNG states (torch, CUDA, python, numpy)
         trainer_state.json                 step, Actor.steps_done, LR scheduler, prompt sampler position,
-                                           the process count and the resolved config
+                                           the process count and the resolved config (DAPO's generation
+                                           rounds live inside one step; the sampler position covers
+                                           the prompts they drew)
         actor/                             Hugging Face export (trainer.save_hf): loads in transformers / vLLM
         COMPLETE                           written last: a folder without it is never loaded
     latest_checkpointed_iteration.txt      the newest complete step (verl's name), updated after the rename

@@ -244,3 +244,21 @@ def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
     assert_same_steps(a_rows, b_rows, [1, 2, 3, 4, 5, 6])
     a_final, b_final = hf_weights(straight / f"global_step_{STEPS}"), hf_weights(out / f"global_step_{STEPS}")
     assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "final exports differ after kill + resume (2 processes)"
+
+
+def test_plan_resume_without_checkpoint_and_incomplete_paths(tmp_path):
+    from grpo_lib.checkpoint import ResumeError, plan_resume
+    from grpo_lib.config import Config
+
+    cfg = Config()
+    cfg.trainer.default_local_dir = str(tmp_path)
+    assert plan_resume(cfg).step == 0, "an empty folder starts fresh"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "global_step_1").mkdir()  # cut short: no COMPLETE marker
+    assert plan_resume(cfg).path is None, "auto never resumes from an incomplete checkpoint"
+    cfg.trainer.resume_mode = "disable"
+    with pytest.raises(ResumeError, match="already holds a run"):
+        plan_resume(cfg)
+    cfg.trainer.resume_mode, cfg.trainer.resume_from_path = "resume_path", str(tmp_path / "global_step_1")
+    with pytest.raises(ResumeError, match="not a complete checkpoint"):
+        plan_resume(cfg)
