@@ -94,7 +94,7 @@ def _previous_run_files(run_dir: Path) -> list[str]:
     if not run_dir.is_dir():
         return []
     names = [c.name for c in sorted(run_dir.iterdir())
-             if c.name in ("metrics.jsonl", "tensorboard", POINTER) or _STEP_DIR.match(c.name) or c.name.startswith(".tmp_global_step_")]
+             if c.name in ("metrics.jsonl", "val_generations.jsonl", "tensorboard", POINTER) or _STEP_DIR.match(c.name) or c.name.startswith(".tmp_global_step_")]
     return names
 
 

@@ -52,6 +52,8 @@ class MetricLogger:
             self.writer = SummaryWriter(log_dir=str(tb_dir), purge_step=(resume_step + 1 if resume_step else 0) if tb_dir.exists() else None)
         if "jsonl" in self.sinks:
             self.jsonl = open_jsonl_at(self.log_dir / "metrics.jsonl", resume_step)
+        if (self.log_dir / "val_generations.jsonl").exists():  # validation samples: cut at the same step
+            open_jsonl_at(self.log_dir / "val_generations.jsonl", resume_step).close()
         if total_steps:
             from tqdm import tqdm
 
