@@ -130,6 +130,11 @@ def plan_resume(cfg) -> ResumePlan:
     else:  # auto
         found = complete_checkpoints(run_dir)
         if not found:
+            foreign = [n for n in previous if _STEP_DIR.match(n)]  # never written by save(): an older format or another tool
+            if foreign:
+                raise ResumeError(f"trainer.default_local_dir={str(run_dir)!r} holds {', '.join(foreign)} without a {MARKER} "
+                                  "marker (not a checkpoint this trainer can resume, and not overwritten): move them away "
+                                  "or choose another folder")
             if previous:
                 print(f"warning: {run_dir} holds files of a run without a complete checkpoint ({', '.join(previous)}); "
                       "resume_mode=auto starts from step 0 and replaces its metrics", file=sys.stderr)
@@ -183,9 +188,6 @@ def prepare_run_folder(cfg, plan: ResumePlan) -> None:
         if step > plan.step:
             print(f"removing {folder}: it comes after the resumed step {plan.step}", file=sys.stderr)
             shutil.rmtree(folder)
-    for child in run_dir.iterdir():  # incomplete global_step_N (not written by this code's atomic rename)
-        if _STEP_DIR.match(child.name) and not (child / MARKER).is_file() and checkpoint_step(child) > plan.step:
-            shutil.rmtree(child)
     if plan.step > 0:
         _write_pointer(run_dir, plan.step)
 

@@ -254,8 +254,11 @@ def test_plan_resume_without_checkpoint_and_incomplete_paths(tmp_path):
     cfg.trainer.default_local_dir = str(tmp_path)
     assert plan_resume(cfg).step == 0, "an empty folder starts fresh"
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    (tmp_path / "global_step_1").mkdir()  # cut short: no COMPLETE marker
-    assert plan_resume(cfg).path is None, "auto never resumes from an incomplete checkpoint"
+    (tmp_path / ".tmp_global_step_1").mkdir()  # a save cut short by a kill
+    assert plan_resume(cfg).step == 0, "a run killed before its first checkpoint starts again"
+    (tmp_path / "global_step_1").mkdir()  # no COMPLETE marker: an older format, never resumed nor overwritten
+    with pytest.raises(ResumeError, match="without a COMPLETE marker"):
+        plan_resume(cfg)
     cfg.trainer.resume_mode = "disable"
     with pytest.raises(ResumeError, match="already holds a run"):
         plan_resume(cfg)
