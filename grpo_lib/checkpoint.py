@@ -63,6 +63,7 @@ MAY_CHANGE_ON_RESUME = (
     "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes", "rollout.free_cache_engine", "rollout.enforce_eager",
     "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
     "data.val_files", "reward.num_workers", "reward.timeout_s",
+    "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
 )
 
 

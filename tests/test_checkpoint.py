@@ -68,8 +68,8 @@ def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 def assert_same_steps(a_rows: list[dict], b_rows: list[dict], steps: list[int]) -> None:
     a_by, b_by = {r["step"]: r for r in a_rows}, {r["step"]: r for r in b_rows}
     for step in steps:
-        keys = sorted(k for k in a_by[step] if not k.startswith("timing_s/"))
-        assert keys == sorted(k for k in b_by[step] if not k.startswith("timing_s/")), f"step {step}: different metric keys"
+        keys = sorted(k for k in a_by[step] if not k.startswith(("timing_s/", "memory/")))
+        assert keys == sorted(k for k in b_by[step] if not k.startswith(("timing_s/", "memory/"))), f"step {step}: different metric keys"
         for k in keys:
             assert b_by[step][k] == pytest.approx(a_by[step][k], rel=1e-6, abs=1e-6), \
                 f"step {step} {k}: straight run {a_by[step][k]} vs killed + resumed {b_by[step][k]}"
