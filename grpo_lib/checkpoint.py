@@ -64,6 +64,10 @@ MAY_CHANGE_ON_RESUME = (
     "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
     "data.val_files", "reward.num_workers", "reward.timeout_s",
     "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
+    "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
+    "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
+    "trainer.val_only", "trainer.val_generations_to_log", "reward.max_error_fraction",
+    "ignored.",  # verl keys accepted without effect
 )
 
 
