@@ -1,7 +1,7 @@
 """GRPO training, top to bottom: `python train_grpo.py RECIPE.yaml [key=value ...]`.
 
 Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
-colocated vLLM engine and the actor; the step order follows DESIGN.md:
+colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
 
     prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
@@ -11,6 +11,8 @@ Config problems, and a run folder that holds another run, exit with code 2 befor
 A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
 step, save and exit 0; trainer.max_bad_steps consecutive non-finite steps exit 3 (grpo_lib/checkpoint.py,
 grpo_lib/stopping.py).
+`--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
+model (grpo_lib/plan.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from contextlib import contextmanager
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
+from grpo_lib.config import ConfigError, environment_problems, load_config  # noqa: E402  (light imports first: config errors exit fast)
 
 
 class SetupError(RuntimeError):
@@ -75,6 +77,7 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     reference = Reference(cfg, device=device) if need_ref else None
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
+                          project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
                           resume_step=resume_step)
     if resume_step == 0:  # a resumed run's metrics.jsonl has this line already
         logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
@@ -86,12 +89,21 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if "--print-plan" in argv:
+        from grpo_lib.plan import print_plan
+
+        return print_plan(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)
+        if environment_problems(cfg):
+            raise ConfigError(environment_problems(cfg))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.ignored and rank == 0:  # once, at start
+        print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
+              flush=True)
 
     from grpo_lib import checkpoint
     from grpo_lib import step as S

@@ -35,11 +35,12 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor
 
 class MetricLogger:
     def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
-                 resume_step: int = 0):
+                 project_name: str = "grpo", experiment_name: str = "run", resume_step: int = 0):
         self.enabled = enabled
         self.sinks = set(sinks)
         self.log_dir = Path(log_dir)
         self.writer = None
+        self.wandb = None  # the wandb run when "wandb" is a sink (optional package, checked at config time)
         self.jsonl = None
         self.bar = None
         if not enabled:
@@ -50,6 +51,12 @@ class MetricLogger:
 
             tb_dir = self.log_dir / "tensorboard"
             self.writer = SummaryWriter(log_dir=str(tb_dir), purge_step=(resume_step + 1 if resume_step else 0) if tb_dir.exists() else None)
+            if not resume_step:
+                self.writer.add_text("run/name", f"{project_name}/{experiment_name}", 0)
+        if "wandb" in self.sinks:
+            import wandb
+
+            self.wandb = wandb.init(project=project_name, name=experiment_name, dir=str(self.log_dir))
         if "jsonl" in self.sinks:
             self.jsonl = open_jsonl_at(self.log_dir / "metrics.jsonl", resume_step)
         if (self.log_dir / "val_generations.jsonl").exists():  # validation samples: cut at the same step
@@ -66,6 +73,8 @@ class MetricLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
@@ -85,6 +94,8 @@ class MetricLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.bar is not None:
