@@ -132,6 +132,7 @@ def main(argv: list[str]) -> int:
         print(f"resumed from {plan.path} (step {plan.step} of {parts['total_steps']})", file=sys.stderr)
         engine.wake_up(tags=["weights"])
         engine.push_weights(actor.named_weights())
+        actor.offload()
     if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:
         logger.log(0, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
 
@@ -169,6 +170,7 @@ def main(argv: list[str]) -> int:
                 engine.push_weights(actor.named_weights())
             if cfg.trainer.check_weight_sync:
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
+            actor.offload()  # actor.fsdp_config.param_offload: shards leave the device while vLLM generates
         # 8. log / validate / checkpoint / stop
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
         logger.advance()
