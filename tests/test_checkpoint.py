@@ -227,8 +227,9 @@ def two_processes() -> list[str]:
 
 
 def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
-    """2 processes (gloo): a straight 6-step run, and one where both processes are SIGKILLed right after step 4's
-    update, resumed from the step-2 checkpoint (each process's shard and RNG file); same metrics, same final weights."""
+    """2 processes (gloo, FSDP2-sharded actor): a straight 6-step run, and one where both processes are SIGKILLed right
+    after step 4's update, resumed from the step-2 checkpoint (each process's DCP shard and RNG file); same metrics,
+    same final weights."""
     straight, out = tmp_path / "a", tmp_path / "b"
     run_train(base(straight, "trainer.save_freq=-1"), launcher=two_processes())
     killed = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "KILL update 4"}, tmp_path / "killed.log",
