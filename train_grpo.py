@@ -5,12 +5,16 @@ colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
 
     prompts -> generate (vLLM or hf, rollout.n per prompt) -> reward -> engine sleeps -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
-    -> engine wakes with the pushed weights -> log / validate / checkpoint
+    -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
-Config problems exit with code 2 before anything heavy loads. `--print-plan` prints the batch arithmetic, the resolved
-defaults and a memory plan per GPU without loading a model (grpo_lib/plan.py).
-Exit codes: 0 done; 2 a config, data, model or run-folder problem, found before anything heavy loads;
-3 the run stopped because its results could not be trusted (rewards failing, see `stop_run`).
+Config problems, and a run folder that holds another run, exit with code 2 before anything heavy loads.
+A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
+step, save and exit 0 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
+`--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
+model (grpo_lib/plan.py).
+Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
+loads; 3 the run stopped because its results could not be trusted (rewards failing, see `stop_run`; or
+trainer.max_bad_steps consecutive non-finite updates).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,7 +41,7 @@ def timed(timings: dict, name: str):
     timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def setup(cfg, world_size: int, rank: int):
+def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
     """Tokenizer, data, engine, actor, reference, reward scorer, metric logger."""
     import torch
     from transformers import AutoTokenizer
@@ -80,9 +83,11 @@ def setup(cfg, world_size: int, rank: int):
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     reference = Reference(cfg, device=device) if need_ref else None
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
-                          project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name)
-    logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated,
-                   "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
+                          project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
+                          resume_step=resume_step)
+    if resume_step == 0:  # a resumed run's metrics.jsonl has this line already
+        logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated,
+                        "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
     freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
@@ -98,20 +103,18 @@ def run_validation(cfg, parts, step: int, *, world_size: int, rank: int) -> None
     parts["logger"].log_generations(step, rows)
 
 
-def stop_run(cfg, parts, error, *, last_step: int, rank: int) -> int:
-    """Stop a run whose results cannot be trusted: report, save the last completed step, return the exit code.
+def stop_run(cfg, parts, error, *, last_step: int, save) -> int:
+    """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
 
-    The save is the hook of the checkpoint code (issue 11): it writes step `last_step` unless that step was
-    already saved by trainer.save_freq; nothing is saved before the first completed step.
+    `save(step)` writes a resumable checkpoint (grpo_lib/checkpoint.py) of step `last_step` unless trainer.save_freq
+    already did; nothing is saved before the first completed step. The aborted step's prompts were already drawn,
+    so a resume from this checkpoint continues with the prompts after them.
     """
-    from grpo_lib import step as S
-
     print(f"error: {error}", file=sys.stderr)
     saved_already = cfg.trainer.save_freq > 0 and last_step % cfg.trainer.save_freq == 0
     if last_step >= 1 and not saved_already:
-        path = Path(cfg.trainer.default_local_dir) / f"global_step_{last_step}" / "actor"
-        S.save_checkpoint(parts["actor"], parts["tokenizer"], path, rank=rank)
-        print(f"saved the last completed step to {path}", file=sys.stderr)
+        save(last_step)
+        print(f"saved the last completed step to {Path(cfg.trainer.default_local_dir) / f'global_step_{last_step}'}", file=sys.stderr)
     parts["scorer"].close()
     parts["logger"].close()
     return error.exit_code
@@ -143,6 +146,7 @@ def main(argv: list[str]) -> int:
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
               flush=True)
 
+    from grpo_lib import checkpoint
     from grpo_lib import step as S
     from grpo_lib.perf import capture_torch_threads, tune_allocator
 
@@ -150,25 +154,46 @@ def main(argv: list[str]) -> int:
         tune_allocator()
     capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
-    from grpo_lib.distributed import init_distributed
+    from grpo_lib.distributed import barrier, init_distributed
+    from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point
 
+    try:  # a folder holding another run, or a resume whose config changes what a step computes: exit 2 now
+        plan = checkpoint.plan_resume(cfg)
+    except checkpoint.ResumeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     init_distributed()
+    if rank == 0:
+        checkpoint.prepare_run_folder(cfg, plan)
+    barrier()
     try:
-        parts = setup(cfg, world_size, rank)
+        parts = setup(cfg, world_size, rank, resume_step=plan.step)
+        if plan.path is not None:
+            checkpoint.load(plan.path, actor=parts["actor"], sampler=parts["sampler"], rank=rank)
     except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
-    out_dir = Path(cfg.trainer.default_local_dir)
+    if plan.path is not None:  # the engine started from model.path: serve the resumed weights
+        print(f"resumed from {plan.path} (step {plan.step} of {parts['total_steps']})", file=sys.stderr)
+        engine.release()
+        engine.prepare_for_generation(actor.named_weights())
+        actor.offload()
     if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
-        run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
+        run_validation(cfg, parts, plan.step, world_size=world_size, rank=rank)
         scorer.close()
         logger.close()
         return 0
-    if cfg.trainer.val_before_train and parts["val"] is not None:
+    if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:
         run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
 
-    for step in range(1, parts["total_steps"] + 1):
+    def save(step: int) -> None:
+        checkpoint.save(cfg, step=step, actor=actor, sampler=parts["sampler"], rank=rank, world_size=world_size,
+                        export_hf=lambda path: S.save_checkpoint(actor, parts["tokenizer"], path, rank=rank))
+
+    install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
+    bad_steps = 0  # consecutive steps with a skipped (non-finite) update
+    for step in range(plan.step + 1, parts["total_steps"] + 1):
         timings: dict[str, float] = {}
         with timed(timings, "step"):
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
@@ -179,7 +204,7 @@ def main(argv: list[str]) -> int:
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=scorer.last_error_samples)
             except S.RunAborted as error:
                 logger.log(step, gen_metrics)
-                return stop_run(cfg, parts, error, last_step=step - 1, rank=rank)
+                return stop_run(cfg, parts, error, last_step=step - 1, save=save)
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             # 5. reference logprobs (only with a KL term)
@@ -195,6 +220,7 @@ def main(argv: list[str]) -> int:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
+            test_signal_point("update", step)  # test hook (grpo_lib/stopping.py)
             # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
             with timed(timings, "push"):
@@ -202,13 +228,25 @@ def main(argv: list[str]) -> int:
             if cfg.trainer.check_weight_sync:
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
             actor.offload()  # actor.fsdp_config.param_offload: shards leave the device while vLLM generates
-        # 8. log / validate / checkpoint
+        # 8. log / validate / checkpoint / stop
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()})
         logger.advance()
+        bad_steps = bad_steps + 1 if train_metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
+        if bad_steps >= cfg.trainer.max_bad_steps:
+            print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                  f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
+                  "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
+            scorer.close()
+            logger.close()
+            return 3
         if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
             run_validation(cfg, parts, step, world_size=world_size, rank=rank)
-        if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"]:
-            S.save_checkpoint(actor, parts["tokenizer"], out_dir / f"global_step_{step}" / "actor", rank=rank)
+        stopping = stop_requested()  # agreed by all processes
+        if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"] or stopping:
+            save(step)
+        if stopping:
+            print(f"stopped after step {step}; resume with the same command", file=sys.stderr)
+            break
     scorer.close()
     logger.close()
     return 0

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from grpo_lib import algorithms, fsdp, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
+from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
 
 
@@ -146,6 +147,7 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = _world_size()
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
+        self.nan_steps = test_nan_steps()  # test hook: steps whose loss is corrupted (empty outside tests)
         self.offload_device = torch.device("cpu")
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
 
@@ -238,6 +240,8 @@ class Actor:
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
+        if self.steps_done + 1 in self.nan_steps:
+            loss = loss * float("nan")  # test hook GRPO_TEST_NAN_STEPS (grpo_lib/stopping.py)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
@@ -285,6 +289,7 @@ class Actor:
         metrics = {k: v / num_updates for k, v in summed.items()}
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
         metrics["memory/peak_mb"] = all_reduce_max(fsdp.peak_memory_mb(self.device))  # the largest process
+        metrics["actor/skipped_nonfinite_steps"] = summed["actor/skipped_nonfinite_steps"]  # a count, not a mean
         return metrics
 
     def _shuffle_generator(self) -> torch.Generator:
@@ -302,10 +307,11 @@ class Actor:
             torch.nn.utils.clip_grads_with_norm_(params, a.grad_clip, grad_norm)
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        if math.isfinite(float(grad_norm)):
+        finite = math.isfinite(float(grad_norm)) and all(math.isfinite(v) for v in metrics.values())
+        skip = all_reduce_sum(0.0 if finite else 1.0) > 0  # every process skips the same updates
+        metrics["actor/skipped_nonfinite_steps"] = float(skip)
+        if not skip:
             self.optimizer.step()
-        else:
-            metrics["actor/skipped_nonfinite_steps"] = 1.0
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return metrics

@@ -310,7 +310,21 @@ class TrainerConfig:
     total_training_steps: int | None = None
     """Steps to run; None: total_epochs x steps per epoch."""
     save_freq: int = -1
-    """Save an HF checkpoint every this many steps (-1: only at the end)."""
+    """Save a checkpoint (weights, optimizer, sampler, RNG: everything to resume) every this many steps
+    (-1: only at the end, and on SIGTERM / SIGINT)."""
+    save_hf: bool = True
+    """Also write a Hugging Face export into each checkpoint (global_step_N/actor), loadable by transformers and vLLM."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only the newest this many checkpoints (the oldest is deleted after the new one is complete); None: keep all.
+    verl: max_actor_ckpt_to_keep."""
+    resume_mode: str = "auto"
+    """auto: continue from the newest complete checkpoint in default_local_dir (or start fresh if it has none);
+    disable: refuse a folder that already holds a run (exit 2); resume_path: continue from resume_from_path. verl's names."""
+    resume_from_path: str | None = None
+    """A global_step_N checkpoint folder, used with resume_mode=resume_path."""
+    max_bad_steps: int = 5
+    """Stop with exit code 3 after this many consecutive steps with an update skipped for a non-finite loss or
+    gradient norm (one such step is skipped and counted; a run that keeps producing them has diverged)."""
     test_freq: int = -1
     """Validate every this many steps (-1: never, except val_before_train)."""
     val_before_train: bool = False
@@ -388,6 +402,7 @@ ALIASES: dict[str, str] = {
     "actor.optim.clip_grad": "actor.grad_clip",
     "trainer.log_val_generations": "trainer.val_generations_to_log",
     "custom_reward_function.": "reward.custom.",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     # Earlier spelling of the old-logprob pass's knobs; verl names them under rollout.
     "actor.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
     "actor.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
@@ -810,6 +825,15 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
             p.append(f"trainer.logger: unknown sink {sink!r}; use console, tensorboard, jsonl, wandb")
     if r.update_weights_bucket_megabytes < 1:
         p.append(f"rollout.update_weights_bucket_megabytes={r.update_weights_bucket_megabytes}: must be >= 1 (MiB; default 512)")
+    t = cfg.trainer
+    if t.resume_mode not in ("auto", "disable", "resume_path"):
+        p.append(f"trainer.resume_mode={t.resume_mode!r} is not supported: use auto, disable or resume_path")
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        p.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N checkpoint folder)")
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        p.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: must be >= 1 (or null to keep every checkpoint)")
+    if t.max_bad_steps < 1:
+        p.append(f"trainer.max_bad_steps={t.max_bad_steps}: must be >= 1")
     if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
         p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
                  f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")

@@ -13,6 +13,7 @@ Metric names are namespaced and documented once here:
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
 | `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (token-weighted) |
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
+| `actor/skipped_nonfinite_steps` | optimizer updates of the step skipped on every process (non-finite loss or grad norm) |
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |
 | `rollout/logprob_abs_diff_mean` | mean over response tokens of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
@@ -26,6 +27,11 @@ Metric names are namespaced and documented once here:
 | `memory/sleep_freed_mb`, `memory/wake_regained_mb`, ... | device MiB freed / taken by engine transitions (CUDA only; process 0) |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.
+
+A resumed run (`resume_step` > 0) continues the same files: metrics.jsonl keeps the lines up to the resumed
+step and drops the rest (they came from steps that are computed again), and TensorBoard is opened with
+`purge_step = resume_step + 1`, which hides the old events of the steps run again. A fresh run in a folder
+that held an unfinished run without checkpoint (resume_mode=auto) replaces both.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor
 
 class MetricLogger:
     def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
-                 project_name: str = "grpo", experiment_name: str = "run"):
+                 project_name: str = "grpo", experiment_name: str = "run", resume_step: int = 0):
         self.enabled = enabled
         self.sinks = set(sinks)
         self.log_dir = Path(log_dir)
@@ -53,18 +59,22 @@ class MetricLogger:
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
-            self.writer.add_text("run/name", f"{project_name}/{experiment_name}", 0)
+            tb_dir = self.log_dir / "tensorboard"
+            self.writer = SummaryWriter(log_dir=str(tb_dir), purge_step=(resume_step + 1 if resume_step else 0) if tb_dir.exists() else None)
+            if not resume_step:
+                self.writer.add_text("run/name", f"{project_name}/{experiment_name}", 0)
         if "wandb" in self.sinks:
             import wandb
 
             self.wandb = wandb.init(project=project_name, name=experiment_name, dir=str(self.log_dir))
         if "jsonl" in self.sinks:
-            self.jsonl = open(self.log_dir / "metrics.jsonl", "a")
+            self.jsonl = open_jsonl_at(self.log_dir / "metrics.jsonl", resume_step)
+        if (self.log_dir / "val_generations.jsonl").exists():  # validation samples: cut at the same step
+            open_jsonl_at(self.log_dir / "val_generations.jsonl", resume_step).close()
         if total_steps:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="steps", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc="steps", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -118,3 +128,24 @@ class MetricLogger:
             self.jsonl.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def open_jsonl_at(path: Path, resume_step: int):
+    """Open metrics.jsonl for appending after the lines of steps <= resume_step (all lines dropped when 0).
+
+    The kept lines are written to a temporary file that replaces the old one, so a kill here loses nothing; a
+    last line cut short by a kill is dropped.
+    """
+    kept = []
+    if path.exists() and resume_step > 0:
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if row["step"] <= resume_step:
+                kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+    return open(path, "a")

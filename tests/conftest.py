@@ -45,10 +45,11 @@ def tiny_overrides(model_dir: Path, data: dict[str, Path], out_dir: Path) -> lis
     ]
 
 
-def run_train(args: list[str], *, launcher: list[str] | None = None, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run train_grpo.py (or `launcher + [train_grpo.py, ...]`) from the repo root; fail with its output."""
+def run_train(args: list[str], *, launcher: list[str] | None = None, timeout: int = 600, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run train_grpo.py (or `launcher + [train_grpo.py, ...]`) from the repo root, with extra `env`; fail with its output."""
     cmd = (launcher or [sys.executable]) + [str(REPO / "train_grpo.py"), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-3000:]}")

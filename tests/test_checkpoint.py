@@ -1,0 +1,268 @@
+"""Never lose a run: atomic checkpoints, exact resume after SIGKILL, clean stops, run folders that never mix,
+non-finite steps skipped and counted (grpo_lib/checkpoint.py, grpo_lib/stopping.py, train_grpo.py).
+
+Faults are injected with the test hooks documented in grpo_lib/stopping.py: GRPO_TEST_SIGNAL sends a real
+signal to the trainer at a chosen point of a chosen step, GRPO_TEST_NAN_STEPS corrupts the loss of some steps.
+Each run is the tiny model with real vLLM on CPU (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_lib.checkpoint import MARKER, POINTER, config_differences
+from grpo_lib.metrics import open_jsonl_at
+from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # varied, deterministic reward so advantages and the policy gradient are non-zero on a random model
+    return float(len(solution_str) % 3 == 0) + 0.1 * solution_str.count("1")
+'''
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir, arith_data, tmp_path_factory):
+    """Overrides of a 6-step run (without the run folder)."""
+    reward = tmp_path_factory.mktemp("reward") / "reward.py"
+    reward.write_text(REWARD)
+
+    def overrides(out: Path, *extra: str) -> list[str]:
+        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), f"reward.custom.path={reward}",
+                "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", f"trainer.total_training_steps={STEPS}",
+                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra]
+    return overrides
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_killed(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """A run that the test hook SIGKILLs: output goes to files, not pipes (a pipe stays open while any reward
+    worker it leaves behind lives, and run_train would wait for it)."""
+    with open(log, "w") as fh:
+        proc = subprocess.run([*(launcher or [sys.executable]), str(REPO / "train_grpo.py"), *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), log.read_text())
+
+
+def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "actor" / "model.safetensors")
+
+
+def assert_same_steps(a_rows: list[dict], b_rows: list[dict], steps: list[int]) -> None:
+    a_by, b_by = {r["step"]: r for r in a_rows}, {r["step"]: r for r in b_rows}
+    for step in steps:
+        keys = sorted(k for k in a_by[step] if not k.startswith(("timing_s/", "memory/")))
+        assert keys == sorted(k for k in b_by[step] if not k.startswith(("timing_s/", "memory/"))), f"step {step}: different metric keys"
+        for k in keys:
+            assert b_by[step][k] == pytest.approx(a_by[step][k], rel=1e-6, abs=1e-6), \
+                f"step {step} {k}: straight run {a_by[step][k]} vs killed + resumed {b_by[step][k]}"
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------ exact resume after SIGKILL
+@pytest.fixture(scope="module")
+def straight_run(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run_train(base(out, "trainer.save_freq=-1"))
+    return out
+
+
+def test_sigkill_between_checkpoint_files_then_resume_is_exact(base, straight_run, tmp_path):
+    """Run B is SIGKILLed during step 4, in the middle of writing its checkpoint (weights + optimizer written, the
+    rest not); the step-3 checkpoint stays loadable and resume_mode=auto continues from it to the same results."""
+    out = tmp_path / "b"
+    killed = run_killed(base(out, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2"), {"GRPO_TEST_SIGNAL": "KILL save 4"},
+                        tmp_path / "killed.log")
+    assert killed.returncode == -9, f"the test hook did not kill the run: exit {killed.returncode}\n{killed.stderr[-3000:]}"
+    assert not (out / "global_step_4").exists(), "a checkpoint cut short by a kill must not look like a checkpoint"
+    partial = out / ".tmp_global_step_4"
+    assert (partial / "dcp").is_dir() and not (partial / MARKER).exists(), sorted(p.name for p in partial.iterdir())
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2", "global_step_3"], "max_ckpt_to_keep=2"
+    assert all((out / f"global_step_{s}" / MARKER).is_file() for s in (2, 3))
+    assert (out / POINTER).read_text().strip() == "3"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "step 4 was logged before its save was killed"
+
+    resumed = run_train(base(out, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2"))
+    assert "resumed from" in resumed.stderr and "global_step_3" in resumed.stderr, resumed.stderr[-2000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 5, 6], "metrics.jsonl must continue without duplicate steps"
+    a_rows, b_rows = read_metrics(straight_run), read_metrics(out)
+    assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in a_rows), "the policy never moved: the test would prove nothing"
+    assert_same_steps(a_rows, b_rows, [1, 2, 3, 4, 5, 6])
+    a_final, b_final = hf_weights(straight_run / f"global_step_{STEPS}"), hf_weights(out / f"global_step_{STEPS}")
+    assert a_final.keys() == b_final.keys()
+    assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "final exports differ after kill + resume"
+    assert not partial.exists(), "the leftover temporary checkpoint was not cleaned"
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_5", "global_step_6"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3, 4, 5, 6], "TensorBoard repeats the re-run steps"
+
+
+# ------------------------------------------------------------------------------------ SIGTERM, used folders
+@pytest.fixture(scope="module")
+def sigterm_run(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sigterm")
+    proc = run_train(base(out, "trainer.save_freq=-1"), check=False, env={"GRPO_TEST_SIGNAL": "TERM update 2"})
+    return out, proc
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(sigterm_run):
+    out, proc = sigterm_run
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "SIGTERM received" in proc.stderr
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]  # every line parses
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"]
+    assert (out / "global_step_2" / MARKER).is_file() and (out / "global_step_2" / "actor" / "tokenizer.json").is_file()
+    state = json.loads((out / "global_step_2" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["actor_steps_done"] == 2 and state["sampler"]["position"] == 8
+
+
+def test_used_folder_with_resume_disabled_exits_2_untouched(base, sigterm_run):
+    out, _ = sigterm_run
+    before = folder_digest(out)
+    start = time.perf_counter()
+    proc = run_train(base(out, "trainer.resume_mode=disable"), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "already holds a run" in proc.stderr and "metrics.jsonl" in proc.stderr, proc.stderr
+    assert time.perf_counter() - start < 60, "the refusal must come before the engine starts"
+    assert folder_digest(out) == before, "a refused run changed the old run's files"
+
+
+def test_resume_with_a_changed_step_exits_2_listing_it(base, sigterm_run):
+    out, _ = sigterm_run
+    before = folder_digest(out)
+    proc = run_train(base(out, "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.save_freq=3"), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.train_batch_size: 4 -> 8" in proc.stderr and "actor.ppo_mini_batch_size: 2 -> 4" in proc.stderr, proc.stderr
+    assert "save_freq" not in proc.stderr, "a logging/saving key must be allowed to change"
+    assert folder_digest(out) == before
+
+
+# ------------------------------------------------------------------------------------ non-finite steps
+def test_nonfinite_updates_skipped_counted_then_exit_3(base, tmp_path):
+    """NaN loss at steps 2, 4, 5 with max_bad_steps=2: 2 is skipped (weights unchanged), 3 trains, 4 and 5 in a row
+    stop the run with exit 3; the step-4 checkpoint (saved after a skipped update) is the last and it loads."""
+    out = tmp_path / "nan"
+    proc = run_train(base(out, "trainer.save_freq=1", "trainer.max_bad_steps=2"), check=False, env={"GRPO_TEST_NAN_STEPS": "2,4,5"})
+    assert proc.returncode == 3, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "trainer.max_bad_steps=2" in proc.stderr
+    rows = read_metrics(out)
+    assert [r["actor/skipped_nonfinite_steps"] for r in rows] == [0, 2, 0, 2, 2]  # two updates per step (2 mini-batches)
+    w1, w2, w3 = (hf_weights(out / f"global_step_{s}") for s in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1), "the NaN step changed the weights"
+    assert not all(torch.equal(w2[k], w3[k]) for k in w2), "the step after a skipped one must train"
+    assert sorted(p.name for p in out.glob("global_step_*")) == [f"global_step_{s}" for s in (1, 2, 3, 4)]
+    assert (out / POINTER).read_text().strip() == "4"
+    # the last checkpoint loads: its DCP weights are finite and equal its HF export
+    import torch.distributed.checkpoint as dcp
+    w4 = hf_weights(out / "global_step_4")
+    loaded = {f"model.{k}": torch.empty_like(v) for k, v in w4.items()}
+    dcp.load({"model": {k.removeprefix("model."): v for k, v in loaded.items()}}, checkpoint_id=str(out / "global_step_4" / "dcp"))
+    for k, v in loaded.items():
+        assert torch.isfinite(v).all() and torch.equal(v, w4[k.removeprefix("model.")]), k
+
+
+# ------------------------------------------------------------------------------------ cheap unit checks
+def test_second_signal_aborts_at_once():
+    script = ("import os, signal, time\nfrom grpo_lib.stopping import install_stop_handlers, stop_requested\n"
+              "install_stop_handlers()\nos.kill(os.getpid(), signal.SIGTERM)\nassert stop_requested()\nprint('FIRST OK', flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('STILL ALIVE')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "FIRST OK" in proc.stdout and "STILL ALIVE" not in proc.stdout and proc.returncode == -15, (proc.stdout, proc.stderr)
+
+
+def test_config_differences_lists_step_keys_only():
+    saved = {"data": {"train_batch_size": 8, "val_files": ["a"]}, "trainer": {"save_freq": 1, "seed": 1}}
+    now = {"data": {"train_batch_size": 16, "val_files": ["b"]}, "trainer": {"save_freq": 5, "seed": 2, "new_key": 1}}
+    assert config_differences(saved, now) == ["data.train_batch_size: 8 -> 16", "trainer.seed: 1 -> 2"]
+
+
+def test_jsonl_cut_at_resume_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 3, "val/acc": 1}\n{"st')
+    open_jsonl_at(path, 2).close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2]
+    open_jsonl_at(path, 0).close()
+    assert path.read_text() == ""
+
+
+def test_all_processes_agree_to_stop_when_one_gets_sigterm(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(REPO / "tests" / "scripts" / "stop_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"before": False, "after": True}, f"rank {rank}"
+
+
+def two_processes() -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+
+
+def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
+    """2 processes (gloo, FSDP2-sharded actor): a straight 6-step run, and one where both processes are SIGKILLed right
+    after step 4's update, resumed from the step-2 checkpoint (each process's DCP shard and RNG file); same metrics,
+    same final weights."""
+    straight, out = tmp_path / "a", tmp_path / "b"
+    run_train(base(straight, "trainer.save_freq=-1"), launcher=two_processes())
+    killed = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "KILL update 4"}, tmp_path / "killed.log",
+                        launcher=two_processes())
+    assert killed.returncode != 0, "the test hook did not kill the run"
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"], killed.stdout[-3000:]
+    assert sorted(p.name for p in (out / "global_step_2" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    resumed = run_train(base(out, "trainer.save_freq=2"), launcher=two_processes())
+    assert "resumed from" in resumed.stderr, resumed.stderr[-2000:]
+    a_rows, b_rows = read_metrics(straight), read_metrics(out)
+    assert [r["step"] for r in b_rows] == [1, 2, 3, 4, 5, 6]
+    assert_same_steps(a_rows, b_rows, [1, 2, 3, 4, 5, 6])
+    a_final, b_final = hf_weights(straight / f"global_step_{STEPS}"), hf_weights(out / f"global_step_{STEPS}")
+    assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "final exports differ after kill + resume (2 processes)"
+
+
+def test_plan_resume_without_checkpoint_and_incomplete_paths(tmp_path):
+    from grpo_lib.checkpoint import ResumeError, plan_resume
+    from grpo_lib.config import Config
+
+    cfg = Config()
+    cfg.trainer.default_local_dir = str(tmp_path)
+    assert plan_resume(cfg).step == 0, "an empty folder starts fresh"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / ".tmp_global_step_1").mkdir()  # a save cut short by a kill
+    assert plan_resume(cfg).step == 0, "a run killed before its first checkpoint starts again"
+    (tmp_path / "global_step_1").mkdir()  # no COMPLETE marker: an older format, never resumed nor overwritten
+    with pytest.raises(ResumeError, match="without a COMPLETE marker"):
+        plan_resume(cfg)
+    cfg.trainer.resume_mode = "disable"
+    with pytest.raises(ResumeError, match="already holds a run"):
+        plan_resume(cfg)
+    cfg.trainer.resume_mode, cfg.trainer.resume_from_path = "resume_path", str(tmp_path / "global_step_1")
+    with pytest.raises(ResumeError, match="not a complete checkpoint"):
+        plan_resume(cfg)
