@@ -42,6 +42,7 @@ def setup(cfg, world_size: int, rank: int):
 
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
+    from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
     from grpo_lib.metrics import MetricLogger
     from grpo_lib.rewards import RewardScorer, registered_sources
     from grpo_lib.rollout import VLLMEngine
@@ -66,12 +67,20 @@ def setup(cfg, world_size: int, rank: int):
         if unknown:
             raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
                                    f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
+    lora_problems = check_lora_setup(cfg)  # needs the model's structure (meta build), before the engine
+    if lora_problems:
+        raise SetupError("; ".join(lora_problems))
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                         seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    reference = Reference(cfg, device=device) if need_ref else None
+    if need_ref and lora_on(cfg):  # the same model with adapters disabled: no second copy
+        reference = AdapterDisabledReference(actor, cfg)
+        if rank == 0:
+            print(reference_note(cfg), file=sys.stderr)
+    else:
+        reference = Reference(cfg, device=device) if need_ref else None
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps)
     logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms
+from grpo_lib import algorithms, lora
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
 from grpo_lib.logprobs import token_logprobs
@@ -103,8 +103,10 @@ class Actor:
         self.model.config.use_cache = False
         if cfg.model.use_remove_padding:
             check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
+        if lora.lora_on(cfg):  # base frozen; only the adapters train (grpo_lib/lora.py)
+            self.model = lora.apply_lora(self.model, cfg.model)
         a = cfg.actor
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
+        self.optimizer = torch.optim.AdamW(lora.adapter_parameters(self.model), lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = dist.get_world_size() if _dist_on() else 1
@@ -134,6 +136,9 @@ class Actor:
 
     def named_weights(self):
         """(name, full tensor) pairs in Hugging Face naming, for the engine push and checkpoints."""
+        if lora.lora_on(self.cfg):  # base + scaled adapters, new tensors (the base is not modified)
+            yield from lora.merged_named_weights(self.model)
+            return
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
@@ -218,7 +223,7 @@ class Actor:
         """Backward over the micro-batches of one mini-batch, then one optimizer step."""
         a = self.cfg.actor
         metrics = self.accumulate_gradients(mini)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip if a.grad_clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora.adapter_parameters(self.model), a.grad_clip if a.grad_clip > 0 else float("inf"))
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if math.isfinite(float(grad_norm)):
@@ -268,7 +273,7 @@ class Actor:
     def _average_gradients(self) -> None:
         if not _dist_on():
             return
-        for p in self.model.parameters():
+        for p in lora.adapter_parameters(self.model):  # frozen (LoRA base) parameters have no gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)

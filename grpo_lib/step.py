@@ -225,8 +225,14 @@ def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
 
 
 def save_checkpoint(actor, tokenizer, path: Path, *, rank: int) -> None:
-    """Hugging Face export of the actor (process 0 writes; everybody waits)."""
+    """Hugging Face export of the actor (process 0 writes; everybody waits). With LoRA: path/adapter (peft) and,
+    with trainer.save_merged, path/merged (full HF folder)."""
+    from grpo_lib import lora
+
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-        actor.save_hf(path, tokenizer)
+        if lora.lora_on(actor.cfg):
+            lora.save_lora_checkpoint(actor, tokenizer, path, save_merged_folder=actor.cfg.trainer.save_merged)
+        else:
+            actor.save_hf(path, tokenizer)
     barrier()
