@@ -10,8 +10,8 @@ gradients and are averaged over processes. What follows from that:
 - Push: the engine serves plain Hugging Face weights. `merged_named_weights` yields, per parameter, W + scale * B A
   computed into a new tensor (the actor's W is never modified in place) under the base model's HF names, streamed
   like the full push. Pushing the base (`merge=False`) restores the base model in the engine.
-- Checkpoints: `save_adapter` writes the adapter in peft format (`PeftModel.from_pretrained` loads it);
-  `save_merged` writes a full HF folder (transformers and vLLM load it).
+- Checkpoints: `save_lora_checkpoint` writes the adapter in peft format (`PeftModel.from_pretrained` loads it) and,
+  with trainer.save_merged, a full HF folder (transformers and vLLM load it).
 
 Departure from verl: verl can also push the adapter through vLLM's LoRA path (patching vLLM to take tensors); here
 `rollout.lora_mode=adapter` is refused by config validation with the reason: merged pushes are exact
@@ -21,9 +21,8 @@ Run the tests: `python -m pytest tests/test_lora.py`.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -107,39 +106,44 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @torch.no_grad()
 def merged_named_weights(model: torch.nn.Module, *, merge: bool = True,
-                         state_dict: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of the base model with the adapters merged in (merge=True) or left out (merge=False).
+                         gather: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of the base model with the adapters merged in (merge=True) or left out (merge=False).
 
-    Per LoRA layer: W + (lora_alpha / r) * B @ A, summed in float32 into a NEW tensor of W's dtype (W itself is
-    never touched). `state_dict` (peft names, full tensors) replaces `model.state_dict()` when the caller
-    gathered it from shards. Adapter tensors are not yielded. Streams: one merged tensor alive at a time.
+    Per LoRA layer: W + (lora_alpha / r) * B @ A, summed in float32 into a NEW tensor of W's dtype (W itself is never
+    touched). `gather` turns a stored tensor into the full one (FSDP2: `DTensor.full_tensor`, a collective: every
+    process must consume the iterator to its end, in step). Adapter tensors are not yielded. Streams: one merged
+    tensor alive at a time; a tensor shared by two names (tied embeddings) is gathered once.
     """
     from peft.tuners.lora import LoraLayer
 
-    lora_layers = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            lora_layers[f"{name}.base_layer.weight"] = module
-    states = state_dict if state_dict is not None else model.state_dict()
+    lora_layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    states = model.state_dict()
+    last_id, last_full = None, None
     for name, tensor in states.items():
         if _ADAPTER_PARAM.search(name):
             continue
-        tensor = tensor.detach()
+        if id(tensor) != last_id:
+            last_id, last_full = id(tensor), gather(tensor.detach())
+        full = last_full
         module = lora_layers.get(name)
         if merge and module is not None:
-            tensor = (tensor.float() + _delta_weight(module, states, name).float()).to(tensor.dtype)  # [out, in]
-        yield hf_name(name), tensor
+            full = (full.float() + _delta_weight(module, states, name, gather)).to(full.dtype)  # [out, in]
+        yield hf_name(name), full
 
 
-def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str) -> torch.Tensor:
-    """scale * B @ A of one LoRA linear layer (sum over its active adapters), [out, in], read from `states`."""
+def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str, gather) -> torch.Tensor:
+    """scale * B @ A of one LoRA linear layer (sum over its active adapters), float32 [out, in]."""
     prefix = weight_name.removesuffix("base_layer.weight")
     delta = None
     for adapter in module.active_adapters:
-        a = states[f"{prefix}lora_A.{adapter}.weight"].float()  # [r, in]
-        b = states[f"{prefix}lora_B.{adapter}.weight"].float()  # [out, r]
+        a = gather(states[f"{prefix}lora_A.{adapter}.weight"].detach()).float()  # [r, in]
+        b = gather(states[f"{prefix}lora_B.{adapter}.weight"].detach()).float()  # [out, r]
         d = module.scaling[adapter] * (b @ a)  # [out, in]
         if getattr(module, "fan_in_fan_out", False):
             d = d.T
@@ -177,33 +181,33 @@ def reference_note(cfg) -> str:
             f"ref.param_offload={cfg.ref.param_offload} has nothing to do")
 
 
-def save_adapter(actor, path: Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """The adapter in peft format (adapter_config.json + adapter_model.safetensors) at `path`.
-
-    `state_dict`: the full peft state dict when the caller gathered it from shards (None: the model's own).
-    Reload: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model.path), path)`.
-    """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    kwargs = {} if state_dict is None else {"state_dict": state_dict}
-    actor.model.save_pretrained(path, **kwargs)
-    meta = {"base_model": actor.cfg.model.path, "lora_rank": actor.cfg.model.lora_rank, "lora_alpha": actor.cfg.model.lora_alpha}
-    (path / "grpo_lora.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def save_merged(actor, tokenizer, path: Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """A full Hugging Face folder of base + adapters (transformers and vLLM load it directly)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    merged = {name: t.cpu() for name, t in merged_named_weights(actor.model, state_dict=state_dict)}
-    actor.model.get_base_model().save_pretrained(path, state_dict=merged)
-    tokenizer.save_pretrained(path)
+def adapter_state(model: torch.nn.Module, *, gather: Callable[[torch.Tensor], torch.Tensor] = _identity) -> dict[str, torch.Tensor]:
+    """The adapter tensors only (peft names, full, on CPU); a collective under FSDP2 like `merged_named_weights`."""
+    return {name: gather(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
 
 
 def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bool,
-                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """A LoRA actor checkpoint: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF)."""
-    save_adapter(actor, Path(path) / "adapter", state_dict=state_dict)
-    tokenizer.save_pretrained(Path(path) / "adapter")
-    if save_merged_folder:
-        save_merged(actor, tokenizer, Path(path) / "merged", state_dict=state_dict)
+                         gather: Callable[[torch.Tensor], torch.Tensor] = _identity, write: bool = True) -> None:
+    """A LoRA actor checkpoint: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF folder).
+
+    Every process calls it (under FSDP2 the tensors are gathered from the shards, `gather`); the process with
+    `write` (process 0) writes. Reload the adapter with
+    `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model.path), path / "adapter")`;
+    start a run from it with `model.lora_adapter_path=path/adapter`.
+    """
+    adapter_dir, merged_dir = Path(path) / "adapter", Path(path) / "merged"
+    state = adapter_state(actor.model, gather=gather)
+    if write:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
+        tokenizer.save_pretrained(adapter_dir)
+    if not save_merged_folder:
+        return
+    merged = {}
+    for name, tensor in merged_named_weights(actor.model, gather=gather):
+        if write:
+            merged[name] = tensor.to("cpu", copy=True)
+    if write:
+        merged_dir.mkdir(parents=True, exist_ok=True)
+        actor.model.get_base_model().save_pretrained(merged_dir, state_dict=merged)
+        tokenizer.save_pretrained(merged_dir)

@@ -23,6 +23,13 @@ def lora_config(model_dir, *, extra=(), **kwargs):
     return case.make_config(model_dir, extra=LORA + tuple(extra), **kwargs)
 
 
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>")))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     torch.set_num_threads(1)  # the machine is shared; the model is tiny
@@ -113,11 +120,10 @@ def test_merged_weights_score_like_the_actor_and_leave_the_base_alone(trained, m
 
 def test_saved_adapter_and_merged_folder_reload(trained, model_dir, tmp_path):
     from peft import PeftModel
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     cfg, actor, batch = trained["cfg"], trained["actor"], trained["batch"]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer(
-        __import__("tokenizers").models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>")))
+    tokenizer = tiny_tokenizer()
     lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=True)
     expected = actor.compute_logprobs(batch)  # [B, T]
     kw = dict(temperature=cfg.rollout.temperature, remove_padding=False, max_tokens=None, micro_batch_size=8, device=torch.device("cpu"))
@@ -131,8 +137,10 @@ def test_saved_adapter_and_merged_folder_reload(trained, model_dir, tmp_path):
 def test_start_from_saved_adapter(trained, model_dir, tmp_path):
     """model.lora_adapter_path: the new actor starts where the saved one was, and keeps training its adapters."""
     actor, batch = trained["actor"], trained["batch"]
-    lora.save_adapter(actor, tmp_path)
-    cfg = lora_config(model_dir, extra=(f"model.lora_adapter_path={tmp_path}",))
+    tokenizer = tiny_tokenizer()
+    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=False)
+    assert not (tmp_path / "merged").exists()
+    cfg = lora_config(model_dir, extra=(f"model.lora_adapter_path={tmp_path / 'adapter'}",))
     resumed = Actor(cfg, device=torch.device("cpu"))
     torch.testing.assert_close(resumed.compute_logprobs(batch), actor.compute_logprobs(batch), rtol=0, atol=1e-6)
     assert len(lora.adapter_parameters(resumed.model)) == len(lora.adapter_parameters(actor.model))
