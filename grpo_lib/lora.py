@@ -106,18 +106,21 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: all-gathered from its shards when FSDP2 sharded it (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
 def merged_named_weights(model: torch.nn.Module, *, merge: bool = True,
-                         gather: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Iterator[tuple[str, torch.Tensor]]:
+                         gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the base model with the adapters merged in (merge=True) or left out (merge=False).
 
     Per LoRA layer: W + (lora_alpha / r) * B @ A, summed in float32 into a NEW tensor of W's dtype (W itself is never
-    touched). `gather` turns a stored tensor into the full one (FSDP2: `DTensor.full_tensor`, a collective: every
-    process must consume the iterator to its end, in step). Adapter tensors are not yielded. Streams: one merged
+    touched). `gather` turns a stored tensor into the full one (default: all-gathered from FSDP2 shards, a collective:
+    every process must consume the iterator to its end, in step). Adapter tensors are not yielded. Streams: one merged
     tensor alive at a time; a tensor shared by two names (tied embeddings) is gathered once.
     """
     from peft.tuners.lora import LoraLayer
@@ -181,13 +184,13 @@ def reference_note(cfg) -> str:
             f"ref.param_offload={cfg.ref.param_offload} has nothing to do")
 
 
-def adapter_state(model: torch.nn.Module, *, gather: Callable[[torch.Tensor], torch.Tensor] = _identity) -> dict[str, torch.Tensor]:
+def adapter_state(model: torch.nn.Module, *, gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> dict[str, torch.Tensor]:
     """The adapter tensors only (peft names, full, on CPU); a collective under FSDP2 like `merged_named_weights`."""
     return {name: gather(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
 
 
 def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bool,
-                         gather: Callable[[torch.Tensor], torch.Tensor] = _identity, write: bool = True) -> None:
+                         gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor, write: bool = True) -> None:
     """A LoRA actor checkpoint: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF folder).
 
     Every process calls it (under FSDP2 the tensors are gathered from the shards, `gather`); the process with

@@ -144,3 +144,50 @@ def test_start_from_saved_adapter(trained, model_dir, tmp_path):
     resumed = Actor(cfg, device=torch.device("cpu"))
     torch.testing.assert_close(resumed.compute_logprobs(batch), actor.compute_logprobs(batch), rtol=0, atol=1e-6)
     assert len(lora.adapter_parameters(resumed.model)) == len(lora.adapter_parameters(actor.model))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(model_dir, tmp_path):
+    """2 gloo processes (FSDP2 when the actor shards), half the groups each: the same metrics (rtol 1e-4), adapters
+    and merged weights as 1 process on the whole mini-batch; base weights bit-identical with no gradient."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.scripts import lora_worker
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = case.make_batch(model)
+    torch.save(batch, tmp_path / "batch.pt")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(REPO / "tests" / "scripts" / "lora_worker.py"), str(model_dir), str(tmp_path / "batch.pt"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, f"--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}"
+    two = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    one = lora_worker.run(model_dir, batch, world_size=1, rank=0)
+    assert one["base_unchanged"] and one["base_grads_none"]
+    for r, got in enumerate(two):
+        assert got["base_unchanged"], f"process {r}: a base weight shard changed"
+        assert got["base_grads_none"], f"process {r}: a frozen base weight got a gradient"
+        for step, (m1, m2) in enumerate(zip(one["metrics"], got["metrics"])):
+            for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), f"update {step} {key}: 1 process {m1[key]}, 2: {m2[key]}"
+        assert got["adapter"].keys() == one["adapter"].keys()
+        for name, t in one["adapter"].items():
+            torch.testing.assert_close(got["adapter"][name], t, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for name, t in one["merged"].items():
+            torch.testing.assert_close(got["merged"][name], t, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for r, share in enumerate(lora_worker.SHARES):
+        mine = [i for i, g in enumerate(batch.group_ids) if g in share]
+        width = two[r]["ref"].shape[1]
+        torch.testing.assert_close(two[r]["ref"], one["ref"][mine][:, :width], rtol=0, atol=1e-5)
