@@ -40,7 +40,10 @@ def run(model_dir: Path, batch, world_size: int, rank: int) -> dict:
     start = {n: local(p).detach().clone() for n, p in actor.model.named_parameters() if not p.requires_grad}
     metrics = [actor.update(batch) for _ in range(3)]
     frozen = [(n, p) for n, p in actor.model.named_parameters() if not p.requires_grad]
+    from torch.distributed.tensor import DTensor
+
     return dict(
+        sharded=any(isinstance(p, DTensor) for p in actor.model.parameters()),
         metrics=metrics,
         adapter=lora.adapter_state(actor.model),
         merged={n: t.clone() for n, t in lora.merged_named_weights(actor.model)},
