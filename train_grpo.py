@@ -1,13 +1,14 @@
 """GRPO training, top to bottom: `python train_grpo.py RECIPE.yaml [key=value ...]`.
 
 Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
-colocated vLLM engine and the actor; the step order follows DESIGN.md:
+colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
 
     prompts -> generate (vLLM, rollout.n per prompt) -> reward -> advantages (group-relative)
     -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
     -> push weights to the engine -> log / validate / checkpoint
 
-Config problems exit with code 2 before anything heavy loads.
+Config problems exit with code 2 before anything heavy loads. `--print-plan` prints the batch arithmetic, the resolved
+defaults and a memory plan per GPU without loading a model (grpo_lib/plan.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
+from grpo_lib.config import ConfigError, environment_problems, load_config  # noqa: E402  (light imports first: config errors exit fast)
 
 
 class SetupError(RuntimeError):
@@ -81,7 +82,8 @@ def setup(cfg, world_size: int, rank: int):
             print(reference_note(cfg), file=sys.stderr)
     else:
         reference = Reference(cfg, device=device) if need_ref else None
-    logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps)
+    logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
+                          project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name)
     logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
@@ -91,12 +93,21 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if "--print-plan" in argv:
+        from grpo_lib.plan import print_plan
+
+        return print_plan(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)
+        if environment_problems(cfg):
+            raise ConfigError(environment_problems(cfg))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.ignored and rank == 0:  # once, at start
+        print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
+              flush=True)
 
     from grpo_lib import step as S
     from grpo_lib.data import DataError

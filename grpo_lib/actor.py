@@ -121,7 +121,7 @@ class Actor:
         does: the first update then sees every row in the same micro-batch at the same padded / packed width, so
         its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2; tests/test_ratio.py).
         """
-        a = self.cfg.actor
+        r = self.cfg.rollout  # verl's home of the old-logprob pass's knobs (resolved in config validation)
         self.model.eval()
         index_lists = self.mini_batch_rows(batch, self._shuffle_generator())
         chunks = []
@@ -129,8 +129,8 @@ class Actor:
             lp = logprobs_over_batch(
                 self.model, batch.select(rows), temperature=self.cfg.rollout.temperature,
                 remove_padding=self.cfg.model.use_remove_padding,
-                max_tokens=(a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
-                micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+                max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)
             chunks.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - lp.shape[1])))  # [b, T]
         return restore_order(chunks, index_lists)  # [B, T]
 
@@ -156,11 +156,10 @@ class Actor:
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
                                                    mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)  # [b, T]
         counts = dict(num_tokens=num_tokens, num_seqs=num_seqs,
-                      loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length)
+                      loss_scale_factor=a.loss_scale_factor)
         pg_loss, metrics = algorithms.policy_loss(
             lp, old, mb.advantages.to(self.device), mask, loss_mode=a.policy_loss.loss_mode,
-            clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
-            clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
             clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, is_weights=is_weights, **counts)
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
@@ -298,14 +297,14 @@ class Reference:
         self.model.eval().requires_grad_(False)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        a, r = self.cfg.actor, self.cfg.ref
+        r = self.cfg.ref
         if self.offload:
             self.model.to(self.device)
         try:
             return logprobs_over_batch(
                 self.model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                max_tokens=(r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
-                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu, device=self.device)
+                max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)
         finally:
             if self.offload:
                 self.model.to("cpu")

@@ -3,7 +3,7 @@
 Everything here is torch-only and stateless; the training loop picks behaviour by *name* through the
 small registries below (``ADV_ESTIMATORS``, ``KL_TYPES``, ``LOSS_AGG_MODES``, ``POLICY_LOSSES``,
 ``ROLLOUT_IS_MODES``) and never branches on a loss name itself. An unknown name raises ``ValueError``
-listing the supported names. Formulas follow /work/shared/ALGORITHMS.md (DeepSeekMath GRPO, Dr. GRPO,
+listing the supported names. Formulas follow docs/ALGORITHMS.md (DeepSeekMath GRPO, Dr. GRPO,
 DAPO, GSPO, verl's ``core_algos.py``).
 
 Departures from the papers / verl, on purpose:

@@ -1,6 +1,6 @@
 """Micro-batches under a token budget, work balancing, and padding-free packing.
 
-Everything here is a memory knob only (DESIGN.md invariant 1): how a mini-batch is cut into micro-batches,
+Everything here is a memory knob only (docs/DESIGN.md invariant 1): how a mini-batch is cut into micro-batches,
 and whether a micro-batch is packed, never changes the gradient, because the loss of every micro-batch is
 divided by the mini-batch's global counts elsewhere (`algorithms`).
 

@@ -8,7 +8,7 @@ verl's full spelling is accepted as an alias, so a verl user's override lines wo
 `load_config` checks everything before anything heavy loads (DESIGN invariant 4) and raises `ConfigError`
 listing every problem with its key and fix; `train_grpo.py` turns that into exit code 2.
 
-Units (DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
+Units (docs/DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
 `actor.ppo_micro_batch_size_per_gpu` counts *trajectories* per process; token budgets count prompt +
 response tokens per process.
 """
@@ -108,26 +108,25 @@ class ActorConfig:
     """Shuffle trajectories (whole groups) between mini-batches each epoch."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Trajectories per forward/backward per process (memory only; None with use_dynamic_bsz)."""
+    ppo_micro_batch_size: int | None = None
+    """verl's older global spelling: trajectories per forward/backward summed over all processes. When set (and the
+    per-GPU key is not), ppo_micro_batch_size_per_gpu = this / processes (resolved at load)."""
     use_dynamic_bsz: bool = False
     """Build micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
     ppo_max_token_len_per_gpu: int = 16384
     """Tokens (prompt + response) per forward/backward per process when use_dynamic_bsz."""
-    log_prob_micro_batch_size_per_gpu: int | None = None
-    """Trajectories per no-grad old-logprob forward (None: ppo_micro_batch_size_per_gpu)."""
-    log_prob_max_token_len_per_gpu: int | None = None
-    """Token budget of the old-logprob pass (None: ppo_max_token_len_per_gpu)."""
     clip_ratio: float = 0.2
     """PPO clip range epsilon; default of clip_ratio_low / clip_ratio_high."""
     clip_ratio_low: float | None = None
-    """Lower clip epsilon (ratio >= 1 - low). None: clip_ratio."""
+    """Lower clip epsilon (ratio >= 1 - low). None: clip_ratio (resolved at load; --print-plan shows it)."""
     clip_ratio_high: float | None = None
-    """Upper clip epsilon (ratio <= 1 + high); DAPO's clip-higher uses 0.28. None: clip_ratio."""
+    """Upper clip epsilon (ratio <= 1 + high); DAPO's clip-higher uses 0.28. None: clip_ratio (resolved at load)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (ALGORITHMS.md)."""
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (docs/ALGORITHMS.md)."""
     loss_scale_factor: float | None = None
-    """Divisor of seq-mean-token-sum-norm (Dr. GRPO). None: data.max_response_length."""
+    """Divisor of seq-mean-token-sum-norm (Dr. GRPO). None: data.max_response_length (resolved at load)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     use_kl_loss: bool = False
     """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO's form)."""
@@ -174,6 +173,16 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine dtype. auto: float32 on CPU (exact match with the trainer), bfloat16 on GPU."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per no-grad old-logprob forward per process (verl's name for that pass). None:
+    actor.ppo_micro_batch_size_per_gpu (resolved at load; --print-plan shows it)."""
+    log_prob_micro_batch_size: int | None = None
+    """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Old-logprob pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget (prompt + response) of the old-logprob pass per process. None: actor.ppo_max_token_len_per_gpu
+    (resolved at load)."""
     lora_mode: Literal["merged", "adapter"] = "merged"
     """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
     like full weights (exact, any engine)."""
@@ -184,9 +193,14 @@ class RefConfig:
     param_offload: bool = True
     """Keep the reference model on CPU between uses (moved to the accelerator only for its forward)."""
     log_prob_micro_batch_size_per_gpu: int | None = None
-    """Trajectories per reference forward (None: actor.ppo_micro_batch_size_per_gpu)."""
+    """Trajectories per reference forward per process. None: actor.ppo_micro_batch_size_per_gpu (resolved at load)."""
+    log_prob_micro_batch_size: int | None = None
+    """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Reference pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
     log_prob_max_token_len_per_gpu: int | None = None
-    """Token budget of the reference pass (None: actor.ppo_max_token_len_per_gpu)."""
+    """Token budget (prompt + response) of the reference pass per process. None: actor.ppo_max_token_len_per_gpu
+    (resolved at load)."""
 
 
 @dataclass
@@ -267,7 +281,8 @@ class TrainerConfig:
     val_before_train: bool = False
     """Validate once before the first step."""
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
-    """Metric sinks: console, tensorboard, jsonl."""
+    """Metric sinks: console, tensorboard, jsonl, wandb (optional: `pip install wandb`; the run is named
+    project_name / experiment_name)."""
     default_local_dir: str = "outputs/run"
     """Run folder: metrics.jsonl, TensorBoard events, checkpoints."""
     seed: int = 1
@@ -278,9 +293,16 @@ class TrainerConfig:
     """After every push, compare the engine's logprobs of one trajectory with the actor's (temperature 1) and
     log the largest difference as `debug/weight_sync_max_abs_diff` (costs one tiny forward each)."""
     project_name: str = "grpo"
-    """Free-form name shown in logs."""
+    """Project of the run in wandb; with experiment_name, the run's name in TensorBoard (text `run/name`)."""
     experiment_name: str = "run"
-    """Free-form name shown in logs."""
+    """Name of the run in wandb and TensorBoard."""
+    n_gpus_per_node: int | None = None
+    """verl launch key: processes per machine. When given, n_gpus_per_node x nnodes must equal the launched process
+    count (checked; exit 2). None: taken from the launch. --print-plan plans for this many processes."""
+    nnodes: int | None = None
+    """verl launch key: machines. None: 1 when n_gpus_per_node is given (verl's default), else from the launch."""
+    critic_warmup: int = 0
+    """verl key: steps that train only the critic. GRPO has no critic, so it must be 0."""
     save_merged: bool = False
     """With model.lora_rank > 0: each checkpoint also holds `merged/`, a full Hugging Face folder (base + adapters)
     that transformers and vLLM load directly; the adapter itself (peft format) is always saved."""
@@ -296,6 +318,8 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ignored: dict[str, str] = field(default_factory=dict, metadata={"runtime": True})
+    """Runtime value, not a key: verl keys accepted without effect (key=value -> reason), printed once at start."""
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -321,15 +345,75 @@ ALIASES: dict[str, str] = {
     "actor.optim.lr_warmup_steps": "actor.lr_warmup_steps",
     "actor.optim.weight_decay": "actor.weight_decay",
     "actor.optim.lr": "actor.lr",
+    "actor.optim.clip_grad": "actor.grad_clip",
+    "trainer.log_val_generations": "trainer.val_generations_to_log",
     "custom_reward_function.": "reward.custom.",
+    # Earlier spelling of the old-logprob pass's knobs; verl names them under rollout.
+    "actor.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
+    "actor.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
+    "actor.log_prob_max_token_len_per_gpu": "rollout.log_prob_max_token_len_per_gpu",
+}
+
+# verl keys that select kernels, loaders or schedulers this trainer does not have. They never change the math, so
+# they are accepted and listed once at start as ignored. key (or prefix ending in ".") -> (reason, values accepted;
+# None: any). A value outside the accepted ones would change what is computed and is refused.
+IGNORED: dict[str, tuple[str, tuple | None]] = {
+    "model.use_liger": ("Liger kernels: the output head here is chunked instead (same logprobs, bounded memory)", None),
+    "model.use_fused_kernels": ("fused logprob/entropy kernels: the chunked output head computes the same values", None),
+    "model.fused_kernel_options.": ("options of model.use_fused_kernels", None),
+    "model.use_shm": ("copies the model to /dev/shm before loading: load speed only", None),
+    "rollout.layered_summon": ("gathers LoRA weights layer by layer for verl's sync: the push here is its own", None),
+    "rollout.load_format": ("how verl's engine reads its first weights: the engine here always loads model.path", None),
+    "rollout.mode": ("verl's sync/async rollout workers: single-turn generation is the same, the engine runs in-process",
+                     ("sync", "async")),
+    "rollout.multi_turn.enable": ("multi-turn tool use is not supported", (False,)),
+    "rollout.multi_turn.format": ("tool-call format of multi-turn rollouts (off here)", None),
+    "rollout.enable_chunked_prefill": ("vLLM scheduling knob (off on CPU, vLLM's default on GPU)", None),
+    "rollout.max_num_batched_tokens": ("vLLM scheduling knob: tokens per engine step", None),
+    "rollout.disable_log_stats": ("vLLM logging", None),
+    "actor.ulysses_sequence_parallel_size": ("sequence parallelism (memory): each process holds whole sequences here", None),
+    "ref.ulysses_sequence_parallel_size": ("sequence parallelism (memory): each process holds whole sequences here", None),
+    "actor.fsdp_config.fsdp_size": ("FSDP group size: the actor is sharded over all processes", None),
+    "actor.fsdp_config.wrap_policy.": ("FSDP wrapping: every decoder layer is its own unit here", None),
+    "ref.fsdp_config.wrap_policy.": ("FSDP wrapping: every decoder layer is its own unit here", None),
+    "data.return_raw_chat": ("prompts keep their chat messages here in any case", None),
+    "data.val_batch_size": ("deprecated in verl too: validation sends all its prompts to the engine at once", None),
+    "rollout.max_model_len": ("the engine's context is data.max_prompt_length + data.max_response_length", None),
+    "rollout.calculate_log_probs": ("the engine's sampled-token logprobs are always recorded here", None),
+    "trainer.default_hdfs_dir": ("no HDFS copy: checkpoints go to trainer.default_local_dir", (None,)),
+    "ray_init.": ("there is no Ray: accelerate launches the processes", None),
+    "trainer.device": ("the device follows the launch (CUDA when available)", ("cuda", "cpu")),
+    "reward_model.enable": ("no learned reward model: rewards are rules by data_source", (False,)),
+    "reward_model.reward_manager": ("verl's naive manager is this trainer's rule reward by data_source", ("naive",)),
+    "actor.optim.warmup_style": ("the schedule here is linear warm-up then constant", ("constant",)),
+}
+
+# verl keys that would change the math and are not implemented: refused with the reason (never ignored).
+REFUSED: dict[str, str] = {
+    "model.override_config.": "overrides the model's config (changes the model): edit a copy of the model's config.json instead",
+    "reward_model.reward_kwargs.": "DAPO's overlong reward shaping is not implemented (it changes the rewards): drop these lines",
+    "reward_model.overlong_buffer.": "DAPO's overlong reward shaping is not implemented (it changes the rewards): drop these lines",
+    "critic.": "GRPO has no critic: drop the critic.* lines",
 }
 
 
 def _canonical(key: str) -> str:
-    for prefix in sorted(ALIASES, key=len, reverse=True):
-        if key == prefix or key.startswith(prefix) and prefix.endswith("."):
-            return ALIASES[prefix] + key[len(prefix):] if prefix.endswith(".") else ALIASES[prefix]
+    for _ in range(3):  # verl's long prefix, then an alias of the shortened key
+        for prefix in sorted(ALIASES, key=len, reverse=True):
+            if key == prefix or key.startswith(prefix) and prefix.endswith("."):
+                key = ALIASES[prefix] + key[len(prefix):] if prefix.endswith(".") else ALIASES[prefix]
+                break
+        else:
+            return key
     return key
+
+
+def _match(key: str, table: dict):
+    """The entry of `table` for `key`: an exact key or the longest prefix ending in '.'; None if none."""
+    if key in table:
+        return table[key]
+    prefixes = [k for k in table if k.endswith(".") and key.startswith(k)]
+    return table[max(prefixes, key=len)] if prefixes else None
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -350,6 +434,8 @@ def _all_leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
+        if f.metadata.get("runtime"):
+            continue  # set by load_config, not by the user
         if dataclasses.is_dataclass(hint):
             keys.update(_all_leaf_keys(hint, f"{prefix}{f.name}."))
         else:
@@ -438,8 +524,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return parsed
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None, *, world_size: int = 1) -> Config:
-    """Read a recipe, apply overrides, check types and batch arithmetic; raise ConfigError with every problem."""
+def read_raw(recipe: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The recipe's keys and the overrides, flattened, in our spelling (verl's aliases applied), not yet checked."""
     tree: dict = {}
     if recipe is not None:
         path = Path(recipe)
@@ -450,10 +536,33 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
     raw = {_canonical(k): v for k, v in _flatten(tree).items()}
     raw.update({_canonical(k): v for k, v in parse_overrides(overrides or []).items()})
+    return raw
 
+
+def launch_world_size(raw: dict[str, Any]) -> int | None:
+    """trainer.n_gpus_per_node x trainer.nnodes from raw keys (nnodes defaults to 1), or None when not given."""
+    per_node, nodes = raw.get("trainer.n_gpus_per_node"), raw.get("trainer.nnodes")
+    if isinstance(per_node, int) and not isinstance(per_node, bool) and per_node >= 1:
+        return per_node * (nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else 1)
+    return None
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None, *, world_size: int = 1) -> Config:
+    """Read a recipe, apply overrides, check types and batch arithmetic; raise ConfigError with every problem."""
+    raw = read_raw(recipe, overrides)
     known = _all_leaf_keys(Config)
-    problems, values = [], {}
+    problems, values, ignored = [], {}, {}
     for key, value in raw.items():
+        if key not in known and _match(key, REFUSED) is not None:
+            problems.append(f"{key}={value!r} is not supported: {_match(key, REFUSED)}")
+            continue
+        if key not in known and _match(key, IGNORED) is not None:
+            reason, accepted = _match(key, IGNORED)
+            if accepted is not None and value not in accepted:
+                problems.append(f"{key}={value!r} is not supported ({reason}): only {list(accepted)} is accepted; drop the line")
+            else:
+                ignored[f"{key}={value!r}"] = reason
+            continue
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else "; see the config reference in README.md"
@@ -464,17 +573,72 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         except TypeError as exc:
             problems.append(f"wrong type: {exc}")
     config = _build(Config, values)  # keys with problems keep their defaults, so every problem is reported at once
+    config.ignored = ignored
     problems += validate(config, world_size=world_size)
     if problems:
         raise ConfigError(problems)
     return config
 
 
+def _per_process(global_count: int | None, world_size: int) -> int | None:
+    """verl's older global micro-batch size -> per process (verl divides it the same way)."""
+    return None if global_count is None else max(1, global_count // world_size)
+
+
+def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
+    """Fill every derived default in place, once (a None field means "derive it"); the code then reads the fields.
+
+    >>> c = Config(); c.actor.clip_ratio = 0.3; resolve_defaults(c); (c.actor.clip_ratio_high, c.rollout.log_prob_max_token_len_per_gpu)
+    (0.3, 16384)
+    """
+    a, d, t = cfg.actor, cfg.data, cfg.trainer
+    if a.ppo_micro_batch_size_per_gpu is None:
+        a.ppo_micro_batch_size_per_gpu = _per_process(a.ppo_micro_batch_size, world_size)
+    a.ppo_micro_batch_size = None  # consumed: the per-process value is the one the code reads
+    for logprob_pass in (cfg.rollout, cfg.ref):
+        if logprob_pass.log_prob_micro_batch_size_per_gpu is None:
+            logprob_pass.log_prob_micro_batch_size_per_gpu = _per_process(logprob_pass.log_prob_micro_batch_size, world_size)
+        logprob_pass.log_prob_micro_batch_size = None
+    if a.clip_ratio_low is None:
+        a.clip_ratio_low = a.clip_ratio
+    if a.clip_ratio_high is None:
+        a.clip_ratio_high = a.clip_ratio
+    if a.loss_scale_factor is None:
+        a.loss_scale_factor = float(d.max_response_length)
+    for logprob_pass in (cfg.rollout, cfg.ref):  # the old-logprob pass and the reference pass
+        if logprob_pass.log_prob_use_dynamic_bsz is None:
+            logprob_pass.log_prob_use_dynamic_bsz = a.use_dynamic_bsz
+        if logprob_pass.log_prob_max_token_len_per_gpu is None:
+            logprob_pass.log_prob_max_token_len_per_gpu = a.ppo_max_token_len_per_gpu
+        if logprob_pass.log_prob_micro_batch_size_per_gpu is None:
+            logprob_pass.log_prob_micro_batch_size_per_gpu = a.ppo_micro_batch_size_per_gpu
+    if t.n_gpus_per_node is not None and t.nnodes is None:
+        t.nnodes = 1  # verl's default
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """What the config asks of the installation (optional packages); checked by train_grpo.py before loading."""
+    import importlib.util
+
+    p = []
+    if "wandb" in cfg.trainer.logger and importlib.util.find_spec("wandb") is None:
+        kept = [s for s in cfg.trainer.logger if s != "wandb"]
+        p.append(f"trainer.logger={cfg.trainer.logger} asks for wandb, which is not installed: `pip install wandb`, "
+                 f"or drop it: trainer.logger=[{','.join(kept)}]")
+    return p
+
+
 def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
-    """Cross-field checks; returns every problem (empty list: valid)."""
+    """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
     from grpo_lib import algorithms  # registries of the supported names
 
     p: list[str] = []
+    for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
+                          (cfg.ref, "log_prob_micro_batch_size")):
+        if getattr(section, name) is not None and getattr(section, name + "_per_gpu") is not None:
+            key = f"{'actor' if section is cfg.actor else 'rollout' if section is cfg.rollout else 'ref'}.{name}"
+            p.append(f"{key} (global, verl's older spelling) and {key}_per_gpu are both set: keep only {key}_per_gpu")
+    resolve_defaults(cfg, world_size)
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if not cfg.model.path:
         p.append("model.path is empty: set it to a Hugging Face model folder (model.path=artifacts/tiny_qwen3)")
@@ -497,19 +661,31 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
         p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
                  "need at least 2 responses per prompt; set rollout.n=5 (or more)")
-    if a.use_dynamic_bsz:
-        need = d.max_prompt_length + d.max_response_length
-        for key, budget in (("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
-                            ("actor.log_prob_max_token_len_per_gpu", a.log_prob_max_token_len_per_gpu),
-                            ("ref.log_prob_max_token_len_per_gpu", cfg.ref.log_prob_max_token_len_per_gpu)):
-            if budget is not None and budget < need:
-                p.append(f"{key}={budget} is smaller than one sequence (data.max_prompt_length + data.max_response_length = {need}): "
-                         f"raise it to at least {need}")
-    elif a.ppo_micro_batch_size_per_gpu is None:
-        p.append("actor.ppo_micro_batch_size_per_gpu is not set: set it (trajectories per forward/backward per process) "
-                 "or use actor.use_dynamic_bsz=true")
-    elif a.ppo_micro_batch_size_per_gpu < 1:
-        p.append(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: must be >= 1")
+    need = d.max_prompt_length + d.max_response_length
+    # (name, dynamic?, token budget, micro-batch size) of the update, the old-logprob pass and the reference pass
+    for name, dynamic, budget, micro in (
+            ("actor.ppo", a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu),
+            ("rollout.log_prob", r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu),
+            ("ref.log_prob", cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu,
+             cfg.ref.log_prob_micro_batch_size_per_gpu)):
+        dynamic_key = "actor.use_dynamic_bsz" if name == "actor.ppo" else f"{name}_use_dynamic_bsz"
+        if dynamic and budget < need:
+            p.append(f"{name}_max_token_len_per_gpu={budget} is smaller than one sequence (data.max_prompt_length + "
+                     f"data.max_response_length = {need}): raise it to at least {need}")
+        elif not dynamic and micro is None:
+            p.append(f"{name}_micro_batch_size_per_gpu is not set: set it (trajectories per forward per process) "
+                     f"or use {dynamic_key}=true")
+        elif not dynamic and micro < 1:
+            p.append(f"{name}_micro_batch_size_per_gpu={micro}: must be >= 1")
+    t = cfg.trainer
+    if t.n_gpus_per_node is not None:
+        planned = t.n_gpus_per_node * t.nnodes
+        if planned != world_size:
+            p.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} = {planned} processes, but this "
+                     f"launch has {world_size}: launch {planned} (accelerate launch --num_processes {planned}, or a config in "
+                     f"recipes/accelerate/) or set trainer.n_gpus_per_node={world_size} trainer.nnodes=1")
+    if t.critic_warmup != 0:
+        p.append(f"trainer.critic_warmup={t.critic_warmup}: GRPO has no critic; set it to 0 (or drop the line)")
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (default 3.0)")
     checks = (
@@ -526,8 +702,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         if not isinstance(fn, dict) or "name" not in fn:
             p.append(f"reward.functions[{i}]={fn!r}: each entry needs a name (and optional weight), e.g. {{name: accuracy, weight: 1.0}}")
     for sink in cfg.trainer.logger:
-        if sink not in ("console", "tensorboard", "jsonl"):
-            p.append(f"trainer.logger: unknown sink {sink!r}; use console, tensorboard, jsonl")
+        if sink not in ("console", "tensorboard", "jsonl", "wandb"):
+            p.append(f"trainer.logger: unknown sink {sink!r}; use console, tensorboard, jsonl, wandb")
     m = cfg.model
     if m.lora_rank < 0:
         p.append(f"model.lora_rank={m.lora_rank}: must be >= 0 (0 turns LoRA off; 8-64 is usual)")
@@ -568,6 +744,8 @@ def reference_markdown() -> str:
     def walk(cls, prefix: str):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("runtime"):
+                continue
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], f"{prefix}{f.name}.")
                 continue
@@ -575,6 +753,8 @@ def reference_markdown() -> str:
             lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {docs.get(cls.__name__, {}).get(f.name, '')} |")
 
     for f in dataclasses.fields(Config):
+        if f.metadata.get("runtime"):
+            continue
         lines.append(f"\n**{f.name}**\n\n| key | default | meaning |\n|---|---|---|")
         walk(typing.get_type_hints(Config)[f.name], f"{f.name}.")
     return "\n".join(lines).strip() + "\n"

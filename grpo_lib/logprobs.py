@@ -1,4 +1,4 @@
-"""The one token log-probability function (DESIGN.md invariant 2).
+"""The one token log-probability function (docs/DESIGN.md invariant 2).
 
 The actor update, the reference pass and the old-logprob pass all call `token_logprobs`, so the forward path
 (packing, temperature scaling of logits exactly as the sampler did, float32 log-softmax) is identical and the

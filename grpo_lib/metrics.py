@@ -28,11 +28,13 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor
 
 
 class MetricLogger:
-    def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None):
+    def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
+                 project_name: str = "grpo", experiment_name: str = "run"):
         self.enabled = enabled
         self.sinks = set(sinks)
         self.log_dir = Path(log_dir)
         self.writer = None
+        self.wandb = None  # the wandb run when "wandb" is a sink (optional package, checked at config time)
         self.jsonl = None
         self.bar = None
         if not enabled:
@@ -42,6 +44,11 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+            self.writer.add_text("run/name", f"{project_name}/{experiment_name}", 0)
+        if "wandb" in self.sinks:
+            import wandb
+
+            self.wandb = wandb.init(project=project_name, name=experiment_name, dir=str(self.log_dir))
         if "jsonl" in self.sinks:
             self.jsonl = open(self.log_dir / "metrics.jsonl", "a")
         if total_steps:
@@ -56,6 +63,8 @@ class MetricLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
@@ -75,6 +84,8 @@ class MetricLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.bar is not None:

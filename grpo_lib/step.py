@@ -1,6 +1,6 @@
 """The phases of one training step that sit between the engine, the rewards and the actor.
 
-`train_grpo.py` calls these by name in DESIGN.md's order. Each is a function over the typed containers
+`train_grpo.py` calls these by name in docs/DESIGN.md's order. Each is a function over the typed containers
 of `grpo_lib.types`; none branches on a loss or estimator name (the math lives in `algorithms`).
 """
 

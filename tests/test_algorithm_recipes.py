@@ -52,7 +52,7 @@ def hand_advantages(estimator: str, norm_by_std: bool) -> torch.Tensor:
 
 
 def aggregate(v: torch.Tensor, m: torch.Tensor, mode: str, scale: float) -> torch.Tensor:
-    """ALGORITHMS.md's table; every row has >= 1 response token."""
+    """docs/ALGORITHMS.md's table; every row has >= 1 response token."""
     row_sums = (v * m).sum(-1)  # [B]
     return {"token-mean": (v * m).sum() / m.sum(),
             "seq-mean-token-sum": row_sums.mean(),

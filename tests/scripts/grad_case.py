@@ -101,7 +101,7 @@ def make_batch(model, *, seed: int = 0) -> RolloutBatch:
 
 
 def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
-    """The mini-batch loss written plainly (ALGORITHMS.md), all rows in one padded forward, counts from the batch."""
+    """The mini-batch loss written plainly (docs/ALGORITHMS.md), all rows in one padded forward, counts from the batch."""
     a = cfg.actor
     lp, entropy = naive_logprobs(model, batch)  # [B, T] each
     mask = batch.response_mask  # [B, T]

@@ -1,0 +1,75 @@
+"""wandb as a metric sink: optional; asked for without the package, the run exits 2 before loading anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from grpo_lib.config import environment_problems, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_WANDB = '''
+import json, os
+class _Run:
+    def __init__(self, path): self.path = path
+    def log(self, metrics, step=None):
+        with open(self.path, "a") as f: f.write(json.dumps({"step": step, **metrics}) + "\\n")
+    def finish(self):
+        with open(self.path, "a") as f: f.write("FINISH\\n")
+def init(project=None, name=None, dir=None, **kwargs):
+    with open(os.path.join(dir, "fake_wandb_init.json"), "w") as f: json.dump({"project": project, "name": name}, f)
+    return _Run(os.path.join(dir, "fake_wandb_log.jsonl"))
+'''
+
+
+def test_missing_wandb_is_a_config_problem(monkeypatch):
+    cfg = load_config(REPO / "recipes/tiny_cpu.yaml", ["trainer.logger=['console','wandb']"])
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    (problem,) = environment_problems(cfg)
+    assert "pip install wandb" in problem and "trainer.logger=[console]" in problem
+
+
+def test_cli_without_wandb_exits_2_before_loading(tmp_path):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here; test_missing_wandb_is_a_config_problem covers the check in-process")
+    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", "trainer.logger=['console','wandb']",
+                           f"model.path={tmp_path / 'no_model'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "pip install wandb" in proc.stderr and "no_model" not in proc.stderr, proc.stderr  # stopped before the model
+
+
+def test_cli_with_wandb_passes_the_check(tmp_path):
+    """With a wandb module importable (a fake on PYTHONPATH) the run gets past the check: here to the missing model."""
+    (tmp_path / "wandb.py").write_text(FAKE_WANDB)
+    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", "trainer.logger=['console','wandb']",
+                           f"model.path={tmp_path / 'no_model'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 2 and "pip install wandb" not in proc.stderr and "no_model" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_metric_logger_names_the_run_in_wandb_and_tensorboard(tmp_path, monkeypatch):
+    fake = types.ModuleType("wandb")
+    exec(FAKE_WANDB, fake.__dict__)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    from grpo_lib.metrics import MetricLogger
+
+    logger = MetricLogger(sinks=["wandb", "tensorboard"], log_dir=tmp_path, project_name="proj", experiment_name="exp1")
+    logger.log(3, {"reward/mean": 0.5})
+    logger.close()
+    assert json.loads((tmp_path / "fake_wandb_init.json").read_text()) == {"project": "proj", "name": "exp1"}
+    rows = (tmp_path / "fake_wandb_log.jsonl").read_text().splitlines()
+    assert json.loads(rows[0]) == {"step": 3, "reward/mean": 0.5} and rows[-1] == "FINISH"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [t.tensor_proto.string_val[0].decode() for t in events.Tensors("run/name/text_summary")]
+    assert texts == ["proj/exp1"]
