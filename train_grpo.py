@@ -151,6 +151,7 @@ def main(argv: list[str]) -> int:
                 engine.push_weights(actor.named_weights())
             if cfg.trainer.check_weight_sync:
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
+            actor.offload()  # actor.fsdp_config.param_offload: shards leave the device while vLLM generates
         # 8. log / validate / checkpoint
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
         logger.advance()

@@ -1,19 +1,21 @@
-"""The trained policy: model load, optimizer, the shared logprob pass over micro-batches, and the update.
+"""The trained policy: model load, FSDP2 sharding, optimizer, the shared logprob pass over micro-batches, the update.
 
-Every forward of the actor, the reference and the old-logprob pass goes through `logprobs_over_batch`,
-which calls the one logprob function (`grpo_lib.logprobs.token_logprobs`) on token-budgeted micro-batches
-built by `grpo_lib.batching` and returns results in the original row order (DESIGN invariant 2).
+Every forward of the actor, the reference and the old-logprob pass goes through `logprobs_over_batch`, which
+calls the FSDP2 root `policy` (`grpo_lib.fsdp.LogprobModel`), whose forward is the one logprob function
+(`grpo_lib.logprobs.token_logprobs`), on token-budgeted micro-batches built by `grpo_lib.batching`, and returns
+results in the original row order (DESIGN invariant 2).
 
-The update divides every micro-batch loss by the mini-batch's *global* token / sequence counts
-(all-reduced over processes) and multiplies by the world size before the gradients are averaged over
-processes, so micro-batching and the process count never change the gradient (DESIGN invariant 1).
+Sharding, mixed precision and offload live in `grpo_lib.fsdp` (read its docstring): the actor is loaded in
+float32 (master weights; AdamW state float32 too) and computes in `actor.fsdp_config.param_dtype`.
 
-Multi-process: gradients are all-reduced explicitly after the micro-batches of a mini-batch (no DDP
-wrapper: DDP needs every forward to go through its own `forward`, and the chunked logprob path calls the
-decoder and the output head separately). FSDP2 sharding (its own issue) plugs in right after `load_model` in `Actor.__init__`.
+The update divides every micro-batch loss by the mini-batch's *global* token / sequence counts (all-reduced
+over processes) and multiplies it by the world size; FSDP2's reduce-scatter then AVERAGES the gradients over
+processes (it divides by the world size), so `.grad` is the gradient of the whole mini-batch's loss for any
+micro-batching and process count (DESIGN invariant 1). There is no manual all-reduce: frozen parameters get
+no gradient at all (never a zero gradient that AdamW would decay).
 Every process runs the same number of forward (and backward) passes: the micro-batch count is agreed
 across processes (`batching.agree_num_micro_batches`), and a process with fewer rows than micro-batches
-runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so per-module collectives
+runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so the per-unit collectives
 (FSDP all-gathers / reduce-scatters) always pair up.
 """
 
@@ -24,17 +26,17 @@ from collections import defaultdict
 from dataclasses import fields
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms, lora
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
-from grpo_lib.distributed import all_reduce_sum, is_on as _dist_on
-from grpo_lib.logprobs import token_logprobs
+from grpo_lib import fsdp
+from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.types import RolloutBatch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" -> float32 on CPU, bfloat16 on GPU; otherwise the named torch dtype."""
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return getattr(torch, name)
@@ -74,9 +76,9 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
 
 
 @torch.no_grad()
-def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
+def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
                         micro_batch_size: int | None, device: torch.device) -> torch.Tensor:
-    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches.
+    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel.
 
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
     """
@@ -85,32 +87,56 @@ def logprobs_over_batch(model, batch: RolloutBatch, *, temperature: float, remov
     chunks = []
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
-        lp, _ = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                               remove_padding=remove_padding)  # [b, t]
+        lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
+                       remove_padding=remove_padding)  # [b, t]
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
 
 
 class Actor:
-    """Owns the policy model, its optimizer and LR schedule."""
+    """Owns the policy model (sharded with FSDP2 when a process group exists), its optimizer and LR schedule.
+
+    `model`: the Hugging Face model, whose parameters are the float32 master shards (DTensors under FSDP2);
+    `policy`: the FSDP2 root that every forward goes through; `optimizer` (AdamW, float32 state), `scheduler`.
+    """
 
     def __init__(self, cfg, *, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+        fc = cfg.actor.fsdp_config
+        self.param_dtype, reduce_dtype = resolve_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
+        # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
+        # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
+        self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         if cfg.model.use_remove_padding:
             check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
-        if lora.lora_on(cfg):  # base frozen; only the adapters train (grpo_lib/lora.py)
+        if lora.lora_on(cfg):  # base frozen; only the adapters train (grpo_lib/lora.py); sharded like the full model
             self.model = lora.apply_lora(self.model, cfg.model)
+        self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         a = cfg.actor
-        self.optimizer = torch.optim.AdamW(lora.adapter_parameters(self.model), lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.world_size = dist.get_world_size() if _dist_on() else 1
+        self.world_size = _world_size()
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
+        self.offload_device = torch.device("cpu")
+        print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
+
+    # -- offload (actor.fsdp_config.param_offload / optimizer_offload; no-ops on CPU) -----------------------
+
+    def load_params(self) -> None:
+        """Parameter shards back on the device (before a logprob pass, the update, the push)."""
+        if self.cfg.actor.fsdp_config.param_offload and fsdp.params_device(self.model) != self.device:
+            fsdp.move_params(self.policy, self.device)
+
+    def offload(self) -> None:
+        """Parameter shards to CPU while vLLM generates (called after the push); no-op without param_offload."""
+        if self.cfg.actor.fsdp_config.param_offload:
+            fsdp.move_params(self.policy, self.offload_device)
 
     # -- logprobs --------------------------------------------------------------------------------------
 
@@ -122,12 +148,13 @@ class Actor:
         its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2; tests/test_ratio.py).
         """
         r = self.cfg.rollout  # verl's home of the old-logprob pass's knobs (resolved in config validation)
-        self.model.eval()
+        self.load_params()
+        self.policy.eval()
         index_lists = self.mini_batch_rows(batch, self._shuffle_generator())
         chunks = []
         for rows in index_lists:
             lp = logprobs_over_batch(
-                self.model, batch.select(rows), temperature=self.cfg.rollout.temperature,
+                self.policy, batch.select(rows), temperature=self.cfg.rollout.temperature,
                 remove_padding=self.cfg.model.use_remove_padding,
                 max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
                 micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)
@@ -135,12 +162,16 @@ class Actor:
         return restore_order(chunks, index_lists)  # [B, T]
 
     def named_weights(self):
-        """(name, full tensor) pairs in Hugging Face naming, for the engine push and checkpoints."""
+        """(Hugging Face name, full tensor) pairs for the engine push and the export, gathered one at a time.
+
+        A collective under FSDP2: every process must consume the iterator to its end, in the same order. With tied
+        embeddings `lm_head.weight` is included (`fsdp.gathered_state`).
+        """
+        self.load_params()
         if lora.lora_on(self.cfg):  # base + scaled adapters, new tensors (the base is not modified)
             yield from lora.merged_named_weights(self.model)
             return
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        yield from fsdp.gathered_state(self.model)
 
     # -- update ----------------------------------------------------------------------------------------
 
@@ -148,9 +179,9 @@ class Actor:
         """Loss of one micro-batch normalised by the mini-batch's global counts, and its metrics."""
         a, alg = self.cfg.actor, self.cfg.algorithm
         mask = mb.response_mask.to(self.device)  # [b, T]
-        lp, entropy = token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                     temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                                     compute_entropy=compute_entropy)
+        lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                  temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                                  compute_entropy=compute_entropy)
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -201,7 +232,10 @@ class Actor:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
         a = self.cfg.actor
-        self.model.train()
+        self.load_params()
+        if a.fsdp_config.optimizer_offload:
+            fsdp.move_optimizer_state(self.optimizer, self.device)
+        self.policy.train()
         summed: dict[str, float] = defaultdict(float)
         num_updates = 0
         generator = self._shuffle_generator()  # compute_logprobs replayed this step's first epoch with the same seed
@@ -212,7 +246,12 @@ class Actor:
                     summed[k] += v
                 num_updates += 1
         self.steps_done += 1
-        return {k: v / num_updates for k, v in summed.items()}
+        if a.fsdp_config.optimizer_offload:
+            fsdp.move_optimizer_state(self.optimizer, self.offload_device)
+        metrics = {k: v / num_updates for k, v in summed.items()}
+        metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
+        metrics["memory/peak_mb"] = all_reduce_max(fsdp.peak_memory_mb(self.device))  # the largest process
+        return metrics
 
     def _shuffle_generator(self) -> torch.Generator:
         """Mini-batch shuffle order of the current step (a new permutation every step, reproducible)."""
@@ -222,7 +261,11 @@ class Actor:
         """Backward over the micro-batches of one mini-batch, then one optimizer step."""
         a = self.cfg.actor
         metrics = self.accumulate_gradients(mini)
-        grad_norm = torch.nn.utils.clip_grad_norm_(lora.adapter_parameters(self.model), a.grad_clip if a.grad_clip > 0 else float("inf"))
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        # Norm of the sharded gradients: each DTensor norm is a partial result; full_tensor() reduces it over processes.
+        grad_norm = fsdp.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
+        if a.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, a.grad_clip, grad_norm)
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if math.isfinite(float(grad_norm)):
@@ -266,45 +309,56 @@ class Actor:
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
             if k in metrics:
                 metrics[k] = all_reduce_sum(metrics[k])
-        self._average_gradients()
-        return dict(metrics)
-
-    def _average_gradients(self) -> None:
-        if not _dist_on():
-            return
-        for p in lora.adapter_parameters(self.model):  # frozen (LoRA base) parameters have no gradient
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(self.world_size)
+        return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter in each backward
 
     # -- save ------------------------------------------------------------------------------------------
 
     def save_hf(self, path, tokenizer) -> None:
-        """Hugging Face folder loadable by AutoModelForCausalLM and vLLM."""
-        self.model.save_pretrained(path, state_dict={k: v.cpu() for k, v in self.named_weights()})
-        tokenizer.save_pretrained(path)
+        """Hugging Face folder loadable by AutoModelForCausalLM and vLLM. EVERY process calls it (the tensors are
+        gathered from the shards one by one); process 0 keeps a CPU copy of each and writes the folder.
+        With LoRA: path/adapter (peft format) and, with trainer.save_merged, path/merged (`lora.save_lora_checkpoint`)."""
+        from pathlib import Path
+
+        if lora.lora_on(self.cfg):
+            self.load_params()
+            lora.save_lora_checkpoint(self, tokenizer, path, save_merged_folder=self.cfg.trainer.save_merged, write=_rank() == 0)
+            return
+
+        state = {}
+        for name, tensor in self.named_weights():
+            tied_head = name == "lm_head.weight" and self.model.config.tie_word_embeddings  # saved as the embedding
+            if _rank() == 0 and not tied_head:
+                state[name] = tensor.detach().to("cpu", copy=True)
+        if _rank() == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)
+            tokenizer.save_pretrained(path)
 
 
 class Reference:
-    """Frozen copy of the initial policy; lives on CPU between uses when ref.param_offload."""
+    """Frozen copy of the initial policy, sharded like the actor (no optimizer).
+
+    Stored in `model.dtype` (auto: float32 on CPU, bfloat16 on GPU: it never trains), computing in the actor's
+    param_dtype. With `ref.fsdp_config.param_offload` its shards live in CPU memory (FSDP2 CPUOffloadPolicy:
+    each unit is copied to the device only for its own forward). Built only with a KL term.
+    """
 
     def __init__(self, cfg, *, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.offload = cfg.ref.param_offload and device.type != "cpu"
-        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device),
-                                device=torch.device("cpu") if self.offload else device, trust_remote_code=cfg.model.trust_remote_code)
+        fc = cfg.actor.fsdp_config
+        param_dtype = resolve_dtype(fc.param_dtype, device)
+        offload = cfg.ref.fsdp_config.param_offload
+        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
+                                trust_remote_code=cfg.model.trust_remote_code)
         self.model.eval().requires_grad_(False)
+        self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
+                                 cpu_offload=offload)
+        print(fsdp.describe(self.model, name="reference", param_dtype=param_dtype, trainable=False)
+              + (", shards in CPU memory between uses" if offload else ""), flush=True)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        r = self.cfg.ref
-        if self.offload:
-            self.model.to(self.device)
-        try:
-            return logprobs_over_batch(
-                self.model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)
-        finally:
-            if self.offload:
-                self.model.to("cpu")
+        r = self.cfg.ref  # knobs resolved in config validation
+        return logprobs_over_batch(
+            self.policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+            max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)

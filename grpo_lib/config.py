@@ -61,7 +61,8 @@ class ModelConfig:
     path: str = ""
     """Hugging Face model folder or hub name (actor, reference and vLLM all load it)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype of the trained actor. auto: float32 on CPU, bfloat16 on GPU (FSDP keeps fp32 master)."""
+    """Storage dtype of the frozen reference model. auto: float32 on CPU, bfloat16 on GPU. The trained actor
+    always keeps float32 master weights and AdamW state; its compute dtype is actor.fsdp_config.param_dtype."""
     use_remove_padding: bool = False
     """Pack each micro-batch into rows of whole sequences (>= 512 tokens each) with restarting position_ids: no pad
     tokens computed except each row's short pad segment. Checked at start-up to isolate sequences."""
@@ -88,6 +89,26 @@ class ModelConfig:
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
     """vanilla (PPO clip, dual clip) or gspo (sequence-level ratio)."""
+
+
+@dataclass
+class ActorFSDPConfig:
+    param_offload: bool = False
+    """Move the actor's parameter shards to CPU while vLLM generates; back for logprobs, update and push (verl)."""
+    optimizer_offload: bool = False
+    """Move AdamW's state shards to CPU between optimizer steps (verl)."""
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype: each FSDP2 unit is gathered and cast to it for forward/backward; master weights stay float32.
+    auto: bfloat16 on GPU, float32 on CPU (verl's mixed_precision.param_dtype)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
+
+
+@dataclass
+class RefFSDPConfig:
+    param_offload: bool = True
+    """Keep the reference's parameter shards in CPU memory; each unit is copied to the accelerator only for its
+    forward (FSDP2 CPUOffloadPolicy; no-op on CPU). Alias: ref.param_offload."""
 
 
 @dataclass
@@ -136,6 +157,7 @@ class ActorConfig:
     """kl/k1, abs, mse/k2, low_var_kl/k3, and straight-through '+' forms (k3+ ...)."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight (loss -= entropy_coeff x entropy). Entropy is logged either way."""
+    fsdp_config: ActorFSDPConfig = field(default_factory=ActorFSDPConfig)
 
 
 @dataclass
@@ -172,6 +194,9 @@ class RolloutConfig:
     """Max concurrent sequences in the engine."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine dtype. auto: float32 on CPU (exact match with the trainer), bfloat16 on GPU."""
+    update_weights_bucket_megabytes: int = 512
+    """Most MiB of gathered, engine-dtype weights held at once while pushing the actor's weights to the engine
+    (verl's key and default); the push never holds a second full copy of the model."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per no-grad old-logprob forward per process (verl's name for that pass). None:
@@ -190,8 +215,7 @@ class RolloutConfig:
 
 @dataclass
 class RefConfig:
-    param_offload: bool = True
-    """Keep the reference model on CPU between uses (moved to the accelerator only for its forward)."""
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per reference forward per process. None: actor.ppo_micro_batch_size_per_gpu (resolved at load)."""
     log_prob_micro_batch_size: int | None = None
@@ -352,6 +376,9 @@ ALIASES: dict[str, str] = {
     "actor.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
     "actor.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
     "actor.log_prob_max_token_len_per_gpu": "rollout.log_prob_max_token_len_per_gpu",
+    "ref.param_offload": "ref.fsdp_config.param_offload",
+    "actor.fsdp_config.mixed_precision.param_dtype": "actor.fsdp_config.param_dtype",
+    "actor.fsdp_config.mixed_precision.reduce_dtype": "actor.fsdp_config.reduce_dtype",
 }
 
 # verl keys that select kernels, loaders or schedulers this trainer does not have. They never change the math, so
@@ -704,6 +731,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     for sink in cfg.trainer.logger:
         if sink not in ("console", "tensorboard", "jsonl", "wandb"):
             p.append(f"trainer.logger: unknown sink {sink!r}; use console, tensorboard, jsonl, wandb")
+    if r.update_weights_bucket_megabytes < 1:
+        p.append(f"rollout.update_weights_bucket_megabytes={r.update_weights_bucket_megabytes}: must be >= 1 (MiB; default 512)")
     m = cfg.model
     if m.lora_rank < 0:
         p.append(f"model.lora_rank={m.lora_rank}: must be >= 0 (0 turns LoRA off; 8-64 is usual)")

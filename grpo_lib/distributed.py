@@ -1,47 +1,107 @@
 """Process-group helpers: start-up under `accelerate launch` / torchrun, and small reductions.
 
-With one process (plain `python train_grpo.py`) every helper is the identity. Under a launcher the
-environment carries RANK / WORLD_SIZE / MASTER_ADDR; the group uses NCCL on GPU and gloo on CPU.
+One rule for collectives: the group is created with one backend per device type, "cpu:gloo,cuda:nccl" on a
+GPU machine and "cpu:gloo" on CPU. A collective on a CPU tensor then runs over gloo and one on a CUDA tensor
+over NCCL, so every helper here reduces plain CPU tensors on either machine (an NCCL-only group rejects CPU
+tensors: `all_reduce_sum` would die at step 1 on GPU). The FSDP2 all-gathers / reduce-scatters move CUDA
+tensors over NCCL. `tests/test_distributed.py` runs every helper on 2 processes with `backend_string(False)`.
+
+Which runs get a group: a launcher run (WORLD_SIZE set, even to 1), and a single-GPU `python train_grpo.py`
+(a 1-process group so the actor takes the same FSDP2 mixed-precision path as on 4 GPUs). A plain
+`python train_grpo.py` on CPU has no group: the actor is then not sharded (float32 compute either way) and
+every helper is the identity.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 
 
+def backend_string(cuda: bool) -> str:
+    """Backend of the process group: gloo for CPU tensors always, NCCL for CUDA tensors on a GPU machine."""
+    return "cpu:gloo,cuda:nccl" if cuda else "cpu:gloo"
+
+
 def is_on() -> bool:
+    """True when several processes train together (reductions are needed)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def has_group() -> bool:
+    """True when a process group exists (also with one process): the actor is then sharded with FSDP2."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if has_group() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if has_group() else 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed() -> None:
-    """Join the process group the launcher set up (no-op for a single process)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    """Join the process group the launcher set up; on one GPU without a launcher, start a 1-process group."""
+    if dist.is_initialized():
         return
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    launched = "WORLD_SIZE" in os.environ
+    if not launched and not cuda:
+        return  # plain CPU run: no group, no sharding
+    if not launched:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    dist.init_process_group(backend_string(cuda))
+
+
+def _reduce(value: float, op) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)  # CPU tensor: gloo on every machine
+    dist.all_reduce(t, op=op)
+    return float(t.item())
 
 
 def all_reduce_sum(value: float) -> float:
     """Sum of a python number over processes (identity with one process)."""
-    if not is_on():
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
+    return _reduce(value, dist.ReduceOp.SUM) if is_on() else float(value)
 
 
 def all_reduce_min(value: float) -> float:
+    """Minimum of a python number over processes (identity with one process)."""
+    return _reduce(value, dist.ReduceOp.MIN) if is_on() else float(value)
+
+
+def all_reduce_max(value: float) -> float:
+    """Maximum of a python number over processes (identity with one process)."""
+    return _reduce(value, dist.ReduceOp.MAX) if is_on() else float(value)
+
+
+def all_gather_object(obj) -> list:
+    """Every process's `obj` in rank order (pickled, sent over the CPU backend); [obj] with one process."""
     if not is_on():
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Process `src`'s `obj` on every process; `obj` itself with one process."""
+    if not is_on():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def barrier() -> None:

@@ -163,25 +163,25 @@ class AdapterDisabledReference:
     def compute_logprobs(self, batch):
         from grpo_lib.actor import logprobs_over_batch
 
-        a, r = self.cfg.actor, self.cfg.ref
-        model = self.actor.model
-        was_training = model.training
-        model.eval()
+        r = self.cfg.ref  # knobs resolved in config validation, as for the separate Reference
+        self.actor.load_params()
+        policy = self.actor.policy  # the FSDP2 root around the PeftModel: the same forward path as the actor's
+        was_training = policy.training
+        policy.eval()
         try:
-            with model.disable_adapter():
+            with self.actor.model.disable_adapter():
                 return logprobs_over_batch(
-                    model, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                    max_tokens=(r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None,
-                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu,
-                    device=self.actor.device)  # [B, T]
+                    policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                    max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device)  # [B, T]
         finally:
-            model.train(was_training)
+            policy.train(was_training)
 
 
 def reference_note(cfg) -> str:
     """The one log line saying what the ref.* keys do with LoRA on."""
     return ("LoRA: the KL reference is the actor with its adapters disabled (no second model); "
-            f"ref.param_offload={cfg.ref.param_offload} has nothing to do")
+            f"ref.fsdp_config.param_offload={cfg.ref.fsdp_config.param_offload} has nothing to do")
 
 
 def adapter_state(model: torch.nn.Module, *, gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> dict[str, torch.Tensor]:

@@ -13,6 +13,9 @@ Metric names are namespaced and documented once here:
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
+| `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
+| `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
+| `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `val/<data_source>/acc`, `val/reward_mean` | validation accuracy per source |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.

@@ -15,7 +15,7 @@ The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everythin
     gradients              4 P / W       fp32, sharded; freed after each optimizer step (LoRA: adapter parameters only)
     AdamW state            8 P / W       fp32 exp_avg + exp_avg_sq (LoRA: adapter parameters only)
     gathered units         2 x 2 x U     bf16 all-gathered unit (largest of a decoder layer and the embedding), x2 prefetch
-    reference              2 P / W       bf16 sharded; 0 when ref.param_offload (resident between uses on CPU) or LoRA
+    reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU) or LoRA
     activations            tokens x per-token bytes of the update's micro-batch bound (checkpointing: one layer
                            input per layer kept, one layer recomputed; without: every layer's saved tensors)
     output head chunk      3 x 1024 x V x 4   float32 logits, log-softmax and its gradient of one 1024-token chunk

@@ -86,12 +86,36 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------------
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the actor's full (unsharded) weights into the engine, in place."""
-        weights = list(named_tensors)
-        names = {name for name, _ in weights}
-        if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:  # tied embeddings
-            weights.append(("lm_head.weight", dict(weights)["model.embed_tokens.weight"]))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        """Load the actor's full weights into the engine, in place, streaming from a lazy iterable.
+
+        `named_tensors` yields (Hugging Face name, full tensor) pairs, typically gathered from FSDP2 shards one at a
+        time (`Actor.named_weights`). Each is cast to the engine's dtype and copied to its device; at most
+        `rollout.update_weights_bucket_megabytes` of converted tensors are held at once (a bucket is filled, handed
+        to vLLM, released), so the push never holds a second full copy of the model.
+
+        All buckets go through ONE `reload_weights(weights_iterator=...)` call, fed by a generator (the in-process
+        executor passes it through unpickled): on vllm 0.32 every `reload_weights` call re-initialises ALL layers
+        and processes a layer whose weights were only partly in the iterator with the rest missing
+        (vllm/model_executor/model_loader/reload/layerwise.py, `finalize_layerwise_processing`), so a call per
+        bucket would corrupt layers split across buckets (q/k/v, gate/up). With tied embeddings `lm_head.weight`
+        must be in the stream (`fsdp.gathered_state` adds it).
+        """
+        dtype = self.llm.llm_engine.model_config.dtype
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        limit_bytes = self.cfg.update_weights_bucket_megabytes * 2**20
+
+        def buckets():
+            bucket, size = [], 0
+            for name, tensor in named_tensors:
+                converted = tensor.detach().to(device=device, dtype=dtype)
+                bucket.append((name, converted))
+                size += converted.numel() * converted.element_size()
+                if size >= limit_bytes:
+                    yield from bucket
+                    bucket, size = [], 0
+            yield from bucket
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets()})
         self.llm.reset_prefix_cache()
 
     # -- generation ------------------------------------------------------------------------------------

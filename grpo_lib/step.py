@@ -207,16 +207,18 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int) -> dic
 
 
 def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
-    """Largest |engine - actor| logprob over the first trajectory of `batch`, at temperature 1 (invariant 3)."""
-    from grpo_lib.logprobs import token_logprobs
+    """Largest |engine - actor| logprob over the first trajectory of `batch`, at temperature 1 (invariant 3).
 
+    Every process scores its own first trajectory on its own engine (the actor forward is an FSDP2 collective);
+    the result is the largest error over all engines.
+    """
     length = int(batch.attention_mask[0].sum())
     seq = batch.input_ids[0, :length]  # [L]
     engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
-    actor.model.eval()
+    actor.policy.eval()
     with torch.no_grad():
-        actor_lp, _ = token_logprobs(actor.model, seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))
-    return float((engine_lp - actor_lp[0].float().cpu()).abs().max())
+        actor_lp, _ = actor.policy(seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))  # [1, L]
+    return -all_reduce_min(-float((engine_lp - actor_lp[0].float().cpu()).abs().max()))
 
 
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
@@ -225,14 +227,6 @@ def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
 
 
 def save_checkpoint(actor, tokenizer, path: Path, *, rank: int) -> None:
-    """Hugging Face export of the actor (process 0 writes; everybody waits). With LoRA: path/adapter (peft) and,
-    with trainer.save_merged, path/merged (full HF folder)."""
-    from grpo_lib import lora
-
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        if lora.lora_on(actor.cfg):
-            lora.save_lora_checkpoint(actor, tokenizer, path, save_merged_folder=actor.cfg.trainer.save_merged)
-        else:
-            actor.save_hf(path, tokenizer)
+    """Hugging Face export of the actor: every process gathers the shards with it, process 0 writes; all wait."""
+    actor.save_hf(path, tokenizer)
     barrier()

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import lora
+from grpo_lib.fsdp import LogprobModel
 from grpo_lib.actor import Actor, logprobs_over_batch
 from grpo_lib.config import ConfigError
 from tests.scripts import grad_case as case
@@ -106,7 +107,7 @@ def test_merged_weights_score_like_the_actor_and_leave_the_base_alone(trained, m
     assert set(merged) == set(base.state_dict()), "merged names must be the base model's Hugging Face names"
     base.load_state_dict(merged)
     base.eval()
-    got = logprobs_over_batch(base, batch, temperature=cfg.rollout.temperature, remove_padding=False, max_tokens=None,
+    got = logprobs_over_batch(LogprobModel(base), batch, temperature=cfg.rollout.temperature, remove_padding=False, max_tokens=None,
                               micro_batch_size=8, device=torch.device("cpu"))  # [B, T]
     torch.testing.assert_close(got, actor.compute_logprobs(batch), rtol=0, atol=1e-5)
     for name, p in actor.model.named_parameters():
@@ -128,9 +129,9 @@ def test_saved_adapter_and_merged_folder_reload(trained, model_dir, tmp_path):
     expected = actor.compute_logprobs(batch)  # [B, T]
     kw = dict(temperature=cfg.rollout.temperature, remove_padding=False, max_tokens=None, micro_batch_size=8, device=torch.device("cpu"))
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tmp_path / "adapter")
-    torch.testing.assert_close(logprobs_over_batch(reloaded.eval(), batch, **kw), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logprobs_over_batch(LogprobModel(reloaded.eval()), batch, **kw), expected, rtol=0, atol=1e-6)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    torch.testing.assert_close(logprobs_over_batch(merged, batch, **kw), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logprobs_over_batch(LogprobModel(merged), batch, **kw), expected, rtol=0, atol=1e-5)
     assert AutoTokenizer.from_pretrained(tmp_path / "merged") is not None
 
 
@@ -177,6 +178,7 @@ def test_two_processes_match_one(model_dir, tmp_path):
     one = lora_worker.run(model_dir, batch, world_size=1, rank=0)
     assert one["base_unchanged"] and one["base_grads_none"]
     for r, got in enumerate(two):
+        assert got["sharded"], f"process {r}: the actor was not sharded with FSDP2"
         assert got["base_unchanged"], f"process {r}: a base weight shard changed"
         assert got["base_grads_none"], f"process {r}: a frozen base weight got a gradient"
         for step, (m1, m2) in enumerate(zip(one["metrics"], got["metrics"])):

@@ -76,6 +76,7 @@ def check_against_one_process(launched, records: list[dict], loss_agg_mode: str,
         for name, grad in record["grads"].items():
             torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m: f"{what} rank {rank}: gradient of {name}: {m}")
         assert case.metrics_loss(record["metrics"], cfg) == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), f"{what} rank {rank}"
+    assert all(r["sharded"] for r in records), f"{what}: the actor's parameters are not FSDP2 DTensors"
     for name in expected:
         assert torch.equal(records[0]["grads"][name], records[1]["grads"][name]), f"{what}: ranks disagree on {name}"
     assert records[0]["forwards"] == records[1]["forwards"], f"{what}: every process runs the same number of forwards"

@@ -1,7 +1,11 @@
-"""The number of processes is a memory knob only: 2 processes (gloo, one vLLM engine each) train exactly like 1.
+"""The number of processes is a memory knob only: 2 processes (gloo, FSDP2-sharded actor and reference, one vLLM
+engine each) train exactly like 1.
 
 Per-request sampling seeds make the samples independent of which process runs a prompt, and every loss is
-normalised by the global token / sequence counts, so the metrics of both runs agree step by step.
+normalised by the global token / sequence counts, so the metrics of both runs agree step by step, with fixed
+padded micro-batches and with packed token-budget micro-batches. Also checked on the 2-process run: the actor
+is sharded (start-up line, half the parameter bytes), both engines score like the gathered actor after every
+push, and the Hugging Face export gathered from the shards equals the 1-process one.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.conftest import read_metrics, run_train, tiny_overrides
 
@@ -18,25 +24,40 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str) % 3 == 0) + 0.1 * solution_str.count("1")
 '''
 
+SETTINGS = {
+    "fixed-padded": ["actor.ppo_micro_batch_size_per_gpu=3"],
+    "budget-packed": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=120", "model.use_remove_padding=true"],
+}
 
-def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path):
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path, setting):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    runs = {}
+    runs, logs = {}, {}
     for procs in (1, 2):
         out = tmp_path / f"p{procs}"
         overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
             f"reward.custom.path={reward}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
-            "actor.ppo_micro_batch_size_per_gpu=3", "trainer.check_weight_sync=true",
+            "trainer.check_weight_sync=true", *SETTINGS[setting],
         ]
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(procs), "--num_machines", "1",
                     "--mixed_precision", "no", "--dynamo_backend", "no"] + (["--multi_gpu"] if procs > 1 else [])
-        run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher)
+        logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher).stdout
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3
+    for r in range(2):
+        assert f"[rank {r}] actor: FSDP2 over 2 process(es)" in logs[2], f"rank {r} did not shard the actor:\n{logs[2][-3000:]}"
+        assert f"[rank {r}] reference: FSDP2 over 2 process(es)" in logs[2]
     assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in one), "the policy loss never moved: the test would prove nothing"
     for a, b in zip(one, two):
         for key in ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"step {a['step']} {key}: 1 process {a[key]} vs 2 {b[key]}"
-        assert b["debug/weight_sync_max_abs_diff"] < 1e-4
+        assert b["debug/weight_sync_max_abs_diff"] < 1e-4, "an engine does not serve the gathered actor's weights"
+        assert b["memory/actor_params_mb"] == pytest.approx(a["memory/actor_params_mb"] / 2, rel=0.05), "not half the parameters"
+        assert b["memory/peak_mb"] > 0
+    exported = {procs: load_file(tmp_path / f"p{procs}" / "global_step_3" / "actor" / "model.safetensors") for procs in (1, 2)}
+    assert exported[1].keys() == exported[2].keys()
+    for name, tensor in exported[1].items():
+        torch.testing.assert_close(exported[2][name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"export {name}: {m}")

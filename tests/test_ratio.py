@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 
-import grpo_lib.actor as actor_module
+import grpo_lib.fsdp as fsdp_module  # LogprobModel.forward calls token_logprobs from there
 from grpo_lib import step
 from grpo_lib.actor import Actor
 from grpo_lib.config import load_config
@@ -118,8 +118,8 @@ def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, r
     actor = Actor(cfg, device=torch.device("cpu"))
     batch = fake_batch(cfg)
     batch.old_logprobs = actor.compute_logprobs(batch)  # [12, T]
-    spy = FirstGradForward(actor_module.token_logprobs)
-    monkeypatch.setattr(actor_module, "token_logprobs", spy)
+    spy = FirstGradForward(fsdp_module.token_logprobs)
+    monkeypatch.setattr(fsdp_module, "token_logprobs", spy)
     metrics = actor.update(batch)
     assert spy.first is not None, "the update never ran a forward with grad on"
     input_ids, attention_mask, lp = spy.first

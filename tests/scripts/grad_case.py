@@ -119,8 +119,11 @@ def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
-    """Copies of every parameter's gradient (zeros where None), then clears them."""
-    out = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()}
+    """Full copies of every parameter's gradient (zeros where None; gathered from FSDP2 shards), then clears them."""
+    from grpo_lib.fsdp import full_tensor
+
+    out = {name: (full_tensor(p.grad.detach()).clone() if p.grad is not None else torch.zeros(p.shape))
+           for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return out
 

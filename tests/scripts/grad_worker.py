@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from grpo_lib.actor import Actor  # noqa: E402
 from grpo_lib.algorithms import LOSS_AGG_MODES  # noqa: E402
@@ -59,7 +60,8 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
         forwards[0] = 0
         metrics = actor.accumulate_gradients(batch)
         record = {"grads": case.grads_of(actor.model), "metrics": metrics, "forwards": forwards[0], "rows": len(batch),
-                  "group_ids": list(dict.fromkeys(batch.group_ids)), "tokens": sum(batch.seq_lens)}
+                  "group_ids": list(dict.fromkeys(batch.group_ids)), "tokens": sum(batch.seq_lens),
+                  "sharded": all(isinstance(p, DTensor) for p in actor.model.parameters())}
         if name == "lopsided":
             forwards[0] = 0
             record["logprobs"] = actor.compute_logprobs(batch)  # [b, T] this process's rows

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU smoke check of the sharded actor (not run in CI; needs a CUDA machine with the requirements.txt install).
+#
+#   scripts/gpu_check.sh            # N = every visible GPU
+#   N=2 scripts/gpu_check.sh        # N processes / GPUs
+#
+# What it does: builds the tiny model and synthetic data (offline), runs 3 steps of recipes/tiny_cpu.yaml under
+# `accelerate launch --num_processes N` (FSDP2 actor and reference, bf16 compute with fp32 master
+# weights, colocated engine per process, weight-sync check after every push), then prints:
+#   - peak memory per GPU (nvidia-smi, sampled every 0.5 s during the run) and each rank's start-up sharding line;
+#   - the weight-sync error of every step (largest |engine - actor| logprob over all engines);
+#   - every memory/* metric of metrics.jsonl (the actor's; the engine's sleep/wake memory where it logs it).
+# With vLLM not importable it passes rollout.name=hf (the Hugging Face fallback engine, once that exists).
+# Exit code: non-zero if training fails, or a weight-sync error exceeds WEIGHT_SYNC_TOL (default 5e-2: the engine
+# and the actor both compute in bf16 on GPU, so their logprobs agree to ~1e-2, not to CPU's 1e-5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+N=${N:-$($PY -c "import torch; print(torch.cuda.device_count())")}
+TOL=${WEIGHT_SYNC_TOL:-5e-2}
+[ "$N" -ge 1 ] || { echo "gpu_check: no CUDA device visible" >&2; exit 1; }
+WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+echo "gpu_check: $N GPU(s), work dir $WORK"
+
+$PY data_prep/tiny_model.py --out "$WORK/model" --warmup-steps 0 >/dev/null
+$PY data_prep/synthetic.py --out "$WORK/data" --train-size 256 --test-size 16 >/dev/null
+ENGINE=()
+$PY -c "import vllm" 2>/dev/null || { echo "gpu_check: vllm not importable, using rollout.name=hf"; ENGINE=(rollout.name=hf); }
+
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$WORK/smi.csv" &
+SMI=$!
+trap 'kill $SMI 2>/dev/null || true' EXIT
+set +e
+MULTI=(); [ "$N" -gt 1 ] && MULTI=(--multi_gpu)
+$PY -m accelerate.commands.launch "${MULTI[@]}" --num_processes "$N" --num_machines 1 --mixed_precision no --dynamo_backend no \
+  train_grpo.py recipes/tiny_cpu.yaml model.path="$WORK/model" \
+  data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
+  trainer.default_local_dir="$WORK/run" trainer.total_training_steps=3 trainer.test_freq=-1 trainer.val_before_train=false \
+  trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=$((4 * N)) \
+  actor.ppo_mini_batch_size=$((4 * N)) rollout.n=4 rollout.gpu_memory_utilization=0.3 "${ENGINE[@]}" 2>&1 | tee "$WORK/train.log"
+STATUS=${PIPESTATUS[0]}
+set -e
+kill $SMI 2>/dev/null || true
+echo
+echo "== start-up sharding lines"
+grep -E "\] (actor|reference):" "$WORK/train.log" || true
+echo "== peak memory per GPU (nvidia-smi, MiB, whole process incl. the engine)"
+awk -F', ' '{ if ($2 > peak[$1]) peak[$1] = $2 } END { for (g in peak) printf "GPU %s: %d MiB\n", g, peak[g] }' "$WORK/smi.csv" | sort
+[ "$STATUS" -eq 0 ] || { echo "gpu_check: training exited $STATUS" >&2; exit "$STATUS"; }
+echo "== per step: weight-sync error and memory/* metrics (metrics.jsonl)"
+$PY - "$WORK/run/metrics.jsonl" "$TOL" <<'PYEOF'
+import json, math, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if '"timing_s/step"' in line]
+worst = 0.0
+for r in rows:
+    err = r.get("debug/weight_sync_max_abs_diff", float("nan"))
+    worst = max(worst, err) if not math.isnan(err) else float("inf")
+    mem = "  ".join(f"{k}={v:.1f}" for k, v in sorted(r.items()) if k.startswith("memory/"))
+    print(f"step {r['step']}: weight_sync_max_abs_diff={err:.3g}  {mem}")
+ok = len(rows) == 3 and worst <= float(sys.argv[2])
+print(f"gpu_check: {'OK' if ok else 'FAILED'} (3 steps expected, got {len(rows)}; worst weight-sync error {worst:.3g}, tolerance {sys.argv[2]})")
+sys.exit(0 if ok else 1)
+PYEOF

@@ -1,0 +1,37 @@
+"""Worker of tests/test_distributed.py: every helper of grpo_lib.distributed on a group built by
+`init_distributed()` exactly as on GPU minus NCCL (backend "cpu:gloo"). Launched with
+`python -m torch.distributed.run --nproc_per_node 2 tests/scripts/dist_worker.py OUT`; writes OUT/rank{r}.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch.distributed as dist  # noqa: E402
+
+from grpo_lib import distributed as D  # noqa: E402
+
+
+def main(out: str) -> None:
+    D.init_distributed()
+    r = D.rank()
+    record = {
+        "backend": str(dist.get_backend_config()),
+        "is_on": D.is_on(), "has_group": D.has_group(), "world_size": D.world_size(), "rank": r,
+        "sum": D.all_reduce_sum(r + 1.5),  # 1.5 + 2.5
+        "min": D.all_reduce_min(10 - r),  # 10, 9
+        "max": D.all_reduce_max(10 - r),
+        "gathered": D.all_gather_object({"rank": r, "items": list(range(r + 1))}),
+        "broadcast": D.broadcast_object(f"from rank {r}", src=1),
+    }
+    D.barrier()
+    Path(out, f"rank{r}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,49 @@
+"""grpo_lib.distributed: every helper on 2 processes with the group built as on GPU minus NCCL ("cpu:gloo";
+on GPU "cpu:gloo,cuda:nccl", so these CPU-tensor reductions run over gloo there too), and the identity with one.
+
+Run: .venv/bin/python -m pytest tests/test_distributed.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo_lib import distributed as D
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_backend_string_carries_gloo_for_cpu_tensors_on_gpu():
+    assert D.backend_string(cuda=True) == "cpu:gloo,cuda:nccl"
+    assert D.backend_string(cuda=False) == "cpu:gloo"
+
+
+def test_every_helper_on_two_processes(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(REPO / "tests" / "scripts" / "dist_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, rec in enumerate(records):
+        assert rec["backend"] == "cpu:gloo", rec["backend"]
+        assert (rec["is_on"], rec["has_group"], rec["world_size"], rec["rank"]) == (True, True, 2, r)
+        assert rec["sum"] == 4.0 and rec["min"] == 9.0 and rec["max"] == 10.0
+        assert rec["gathered"] == [{"rank": 0, "items": [0]}, {"rank": 1, "items": [0, 1]}]
+        assert rec["broadcast"] == "from rank 1"
+
+
+def test_helpers_are_the_identity_without_a_group():
+    assert not D.has_group() and not D.is_on() and D.world_size() == 1 and D.rank() == 0
+    assert D.all_reduce_sum(2) == 2.0 and D.all_reduce_min(3) == 3.0 and D.all_reduce_max(4) == 4.0
+    assert D.all_gather_object("x") == ["x"] and D.broadcast_object("y") == "y"
+    D.barrier()

@@ -1,0 +1,211 @@
+"""grpo_lib.fsdp in one process: mixed precision, the sharded reference, offload keys, the bucketed push.
+
+The FSDP2 path runs here on a 1-process gloo group ("cpu:gloo", as `init_distributed` builds it on CPU), so
+`fully_shard` and `MixedPrecisionPolicy` are really applied; 2-process sharding is covered by
+tests/test_multiprocess.py (gradients) and tests/test_multiprocess_train.py (training, push, export).
+GPU-only tests (real offload to host memory) are marked and skip on CPU.
+
+Run: .venv/bin/python -m pytest tests/test_fsdp.py
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from grpo_lib import fsdp
+from grpo_lib.actor import Actor, Reference
+from grpo_lib.rollout import VLLMEngine
+from tests.test_ratio import fake_batch, make_cfg
+
+
+@contextmanager
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("cpu:gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def changed_fraction(actor: Actor, batch) -> float:
+    """One optimizer step on `batch`; the fraction of parameter elements with a non-zero gradient that changed."""
+    before = {n: fsdp.full_tensor(p.detach()).clone() for n, p in actor.model.named_parameters()}
+    actor.accumulate_gradients(batch)
+    got_grad = {n: fsdp.full_tensor(p.grad) != 0 for n, p in actor.model.named_parameters() if p.grad is not None}
+    actor.optimizer.step()
+    changed = total = 0
+    for n, p in actor.model.named_parameters():
+        if n in got_grad:
+            moved = fsdp.full_tensor(p.detach()) != before[n]
+            changed += int((moved & got_grad[n]).sum())
+            total += int(got_grad[n].sum())
+    assert total > 0, "no parameter received a gradient: the check would prove nothing"
+    return changed / total
+
+
+LR_1E6 = ("actor.lr=1e-6", "actor.weight_decay=0.0")
+
+
+def test_bf16_compute_with_fp32_master_moves_every_weight_at_lr_1e6(tiny_model_dir):
+    """Adam's first step moves each weight by ~lr = 1e-6. A float32 master weight of ~0.02 keeps it (ulp ~2e-9);
+    a bfloat16 weight rounds it away (ulp at 0.02 is ~1.2e-4), so pure-bf16 AdamW leaves the model unchanged."""
+    torch.manual_seed(0)
+    cfg = make_cfg(tiny_model_dir, *LR_1E6, "actor.fsdp_config.param_dtype=bfloat16")
+    batch = fake_batch(cfg)
+    with one_process_group():
+        actor = Actor(cfg, device=torch.device("cpu"))
+        params = list(actor.model.parameters())
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params), "master weights: float32 shards"
+        seen = []
+        layer = fsdp.decoder_layers(actor.model)[0]
+        handle = layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+        fraction = changed_fraction(actor, batch)
+        handle.remove()
+        assert seen and set(seen) == {torch.bfloat16}, f"compute dtype inside the forward: {seen}"
+        state = [v for s in actor.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert state and all(v.dtype == torch.float32 for v in state), "AdamW state is float32"
+    assert fraction >= 0.99, f"bf16 compute + fp32 master: only {fraction:.1%} of the weights with a gradient moved"
+
+    # Pure bf16 (what `model.dtype: auto` gave on GPU before): bf16 weights, bf16 AdamW state, same update code.
+    torch.manual_seed(0)
+    pure = Actor(make_cfg(tiny_model_dir, *LR_1E6), device=torch.device("cpu"))
+    pure.model.to(torch.bfloat16)
+    pure.optimizer = torch.optim.AdamW(pure.model.parameters(), lr=1e-6, weight_decay=0.0)
+    pure_fraction = changed_fraction(pure, batch)
+    assert pure_fraction < 0.5, f"pure bf16 AdamW moved {pure_fraction:.1%}: the check cannot tell the two apart"
+
+
+def test_fsdp_update_equals_unsharded_update(tiny_model_dir):
+    """Same batch, same seed: the FSDP2 actor (1 process, float32, with gradient checkpointing) and the plain actor
+    give the same metrics and weights."""
+    cfg = make_cfg(tiny_model_dir, "actor.grad_clip=1e-3")  # the clip binds: sharded clipping is exercised
+    batch = fake_batch(cfg)
+    torch.manual_seed(0)
+    plain = Actor(cfg, device=torch.device("cpu"))
+    plain_metrics = plain.update(batch)
+    with one_process_group():
+        torch.manual_seed(0)
+        sharded = Actor(make_cfg(tiny_model_dir, "actor.grad_clip=1e-3", "model.enable_gradient_checkpointing=true"),
+                        device=torch.device("cpu"))
+        sharded_metrics = sharded.update(batch)
+        weights = dict(sharded.named_weights())
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert sharded_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5), key
+    assert plain_metrics["actor/grad_norm"] > 1e-3, "the clip must bind for this test to check clipping"
+    for name, tensor in plain.named_weights():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert "lm_head.weight" in weights and torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"]), (
+        "tied embeddings: the push stream carries lm_head.weight")
+    for key in ("memory/actor_params_mb", "memory/peak_mb"):
+        assert sharded_metrics[key] > 0, key
+
+
+def test_offload_keys_change_nothing_on_cpu(tiny_model_dir):
+    """On a CPU machine the offload keys move nothing (device == host) and training is identical with and without."""
+    batch = fake_batch(make_cfg(tiny_model_dir))
+    results = []
+    with one_process_group():
+        for offload in ("false", "true"):
+            torch.manual_seed(0)
+            cfg = make_cfg(tiny_model_dir, f"actor.fsdp_config.param_offload={offload}",
+                           f"actor.fsdp_config.optimizer_offload={offload}")
+            actor = Actor(cfg, device=torch.device("cpu"))
+            metrics = actor.update(batch)
+            actor.offload()
+            results.append((metrics["actor/pg_loss"], dict(actor.named_weights())))
+    assert results[0][0] == results[1][0]
+    for name, tensor in results[0][1].items():
+        assert torch.equal(tensor, results[1][1][name]), name
+
+
+def test_reference_is_sharded_and_matches_the_initial_actor(tiny_model_dir):
+    """The reference's shards stay on the host between uses (ref.fsdp_config.param_offload) and score like the actor
+    before its first update: the KL loss of step 1 is 0, then grows with every update at lr 1e-3."""
+    cfg = make_cfg(tiny_model_dir, "actor.use_kl_loss=true", "ref.param_offload=true")  # the old spelling is an alias
+    assert cfg.ref.fsdp_config.param_offload
+    batch = fake_batch(cfg)
+    with one_process_group():
+        torch.manual_seed(0)
+        actor = Actor(cfg, device=torch.device("cpu"))
+        reference = Reference(cfg, device=torch.device("cpu"))
+        assert all(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in reference.model.parameters())
+        ref_lp = reference.compute_logprobs(batch)  # [B, T]
+        assert all(p.to_local().device.type == "cpu" for p in reference.model.parameters()), "shards back on the host"
+        torch.testing.assert_close(actor.compute_logprobs(batch), ref_lp, rtol=0, atol=1e-6)
+        batch.ref_logprobs = ref_lp
+        kl = [actor.update(batch)["actor/kl_loss"] for _ in range(3)]  # steps 1-3 on the same batch, one update each
+    assert abs(kl[0]) < 1e-9 and 1e-6 < kl[1] < kl[2], f"KL must be 0 at step 1 (actor == reference) and grow: {kl}"
+
+
+class _FakeLLM:
+    """Stands in for vllm.LLM: consumes the weights iterator like reload_weights and records what was alive."""
+
+    def __init__(self, dtype):
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype))
+        self.loaded, self.produced_ahead = [], []
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights"
+        for name, tensor in kwargs["weights_iterator"]:
+            self.loaded.append((name, tensor))
+            self.produced_ahead.append(self.produced - len(self.loaded))
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_push_streams_in_bounded_buckets_and_casts():
+    """10 tensors of 1 MiB (float32) pushed in 2-MiB buckets of bfloat16 (0.5 MiB each): at most 4 are ever
+    gathered ahead of the engine, never the whole model, and every tensor arrives cast and unchanged."""
+    llm = _FakeLLM(torch.bfloat16)
+    llm.produced = 0
+    tensors = [(f"layer{i}.weight", torch.randn(512, 512)) for i in range(10)]
+
+    def lazily_gathered():
+        for item in tensors:
+            llm.produced += 1
+            yield item
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.cfg = llm, SimpleNamespace(update_weights_bucket_megabytes=2)
+    engine.push_weights(lazily_gathered())
+    assert [n for n, _ in llm.loaded] == [n for n, _ in tensors]
+    assert all(t.dtype == torch.bfloat16 for _, t in llm.loaded)
+    assert all(torch.equal(t, src.to(torch.bfloat16)) for (_, t), (_, src) in zip(llm.loaded, tensors))
+    assert max(llm.produced_ahead) <= 3, f"tensors held ahead of the engine: {llm.produced_ahead}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: on CPU the host is the device")
+def test_offload_moves_shards_to_host_and_back_on_gpu(tiny_model_dir):
+    cfg = make_cfg(tiny_model_dir, "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true",
+                   "actor.use_kl_loss=true", "ref.fsdp_config.param_offload=true")
+    batch = fake_batch(cfg)
+    device = torch.device("cuda", 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        actor, reference = Actor(cfg, device=device), Reference(cfg, device=device)
+        batch.ref_logprobs = reference.compute_logprobs(batch)
+        assert all(p.to_local().device.type == "cpu" for p in reference.model.parameters())
+        actor.update(batch)
+        state = [v for s in actor.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert state and all(v.device.type == "cpu" for v in state), "optimizer state offloaded after the update"
+        dict(actor.named_weights())
+        assert fsdp.params_device(actor.model).type == "cuda"
+        actor.offload()
+        assert fsdp.params_device(actor.model).type == "cpu"
+        actor.update(batch)  # loads params and optimizer state back
+    finally:
+        dist.destroy_process_group()
