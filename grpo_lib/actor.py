@@ -21,16 +21,17 @@ runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import fields
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, lora
+from grpo_lib import algorithms, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
-from grpo_lib import fsdp
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.types import RolloutBatch
 
@@ -75,10 +76,23 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
     return RolloutBatch(**out)
 
 
+# Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
+# recompute costs time and saves little memory (bench/results_cpu.md). Real vocabularies (152k) are always above it.
+HEAD_CHECKPOINT_MIN_BYTES = 128 * 2**20
+
+
+def response_scores(mb: RolloutBatch) -> torch.Tensor | None:
+    """The positions the loss reads (response tokens) as token_logprobs' score_mask; None for a micro-batch without
+    any (the zero-weighted dummy), which then scores every token so the output head stays in its graph."""
+    return mb.response_mask if bool(mb.response_mask.any()) else None
+
+
 @torch.no_grad()
 def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
-                        micro_batch_size: int | None, device: torch.device) -> torch.Tensor:
-    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel.
+                        micro_batch_size: int | None, device: torch.device, autocast=None) -> torch.Tensor:
+    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel,
+    run inside `autocast()` when given (the actor's compute dtype). Response tokens are scored in the same chunks as
+    the update scores them (so the first update's ratio is bitwise 1), the prompt's tokens after them in chunks of their own.
 
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
     """
@@ -87,8 +101,11 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
     chunks = []
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
-        lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                       remove_padding=remove_padding)  # [b, t]
+        score_mask = response_scores(mb)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
+                           remove_padding=remove_padding, score_mask=None if score_mask is None else score_mask.to(device),
+                           score_unmasked=True)  # [b, t]
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
 
@@ -111,6 +128,14 @@ class Actor:
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
+        self.master_dtype = next(self.model.parameters()).dtype
+        self.compute_dtype = perf.compute_dtype(cfg.actor.fsdp_config.param_dtype, self.master_dtype, device)
+        if device.type == "cpu" and self.compute_dtype != self.master_dtype and not perf.native_bf16_cpu():
+            warnings.warn(f"actor.fsdp_config.param_dtype={cfg.actor.fsdp_config.param_dtype} on a CPU without native bf16 "
+                          f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=2)
+        if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
+            for layer in self.model.get_decoder().layers:
+                layer.compile(dynamic=True)
         if cfg.model.use_remove_padding:
             check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
         if lora.lora_on(cfg):  # base frozen; only the adapters train (grpo_lib/lora.py); sharded like the full model
@@ -138,8 +163,13 @@ class Actor:
         if self.cfg.actor.fsdp_config.param_offload:
             fsdp.move_params(self.policy, self.offload_device)
 
+    def autocast(self):
+        """The compute-dtype context of every actor forward (a no-op unless actor.fsdp_config.param_dtype < master)."""
+        return perf.compute_autocast(self.device, self.compute_dtype, self.master_dtype)
+
     # -- logprobs --------------------------------------------------------------------------------------
 
+    @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Old logprobs (before this step's updates), [B, T].
 
@@ -157,7 +187,7 @@ class Actor:
                 self.policy, batch.select(rows), temperature=self.cfg.rollout.temperature,
                 remove_padding=self.cfg.model.use_remove_padding,
                 max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)
+                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)
             chunks.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - lp.shape[1])))  # [b, T]
         return restore_order(chunks, index_lists)  # [B, T]
 
@@ -179,9 +209,13 @@ class Actor:
         """Loss of one micro-batch normalised by the mini-batch's global counts, and its metrics."""
         a, alg = self.cfg.actor, self.cfg.algorithm
         mask = mb.response_mask.to(self.device)  # [b, T]
-        lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                  temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                                  compute_entropy=compute_entropy)
+        score_mask = response_scores(mb)
+        with self.autocast():
+            lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                      temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                                      compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
+                                      score_mask=None if score_mask is None else score_mask.to(self.device),
+                                      score_unmasked=True, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -195,6 +229,9 @@ class Actor:
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
+        if perf.engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
+            gap = ((old - mb.rollout_logprobs.to(self.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
+            metrics["rollout/logprob_abs_diff_mean"] = gap.item()
         if a.use_kl_loss:
             kl = algorithms.kl_penalty(lp, mb.ref_logprobs.to(self.device), a.kl_loss_type)  # [b, T]
             kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_agg_mode, **counts)
@@ -229,6 +266,7 @@ class Actor:
                   for m in range(n_mini)]
         return [[i for g in c for i in rows_of[g]] for c in chosen]
 
+    @perf.with_trainer_threads
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
         a = self.cfg.actor
@@ -355,10 +393,13 @@ class Reference:
                                  cpu_offload=offload)
         print(fsdp.describe(self.model, name="reference", param_dtype=param_dtype, trainable=False)
               + (", shards in CPU memory between uses" if offload else ""), flush=True)
+        master = next(self.model.parameters()).dtype
+        self.autocast = lambda: perf.compute_autocast(device, perf.compute_dtype(fc.param_dtype, master, device), master)
 
+    @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         r = self.cfg.ref  # knobs resolved in config validation
         return logprobs_over_batch(
             self.policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
             max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device)
+            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)

@@ -98,8 +98,9 @@ class ActorFSDPConfig:
     optimizer_offload: bool = False
     """Move AdamW's state shards to CPU between optimizer steps (verl)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype: each FSDP2 unit is gathered and cast to it for forward/backward; master weights stay float32.
-    auto: bfloat16 on GPU, float32 on CPU (verl's mixed_precision.param_dtype)."""
+    """Compute dtype of the actor's forward/backward; master weights and AdamW state stay float32. GPU (and any
+    sharded run): each FSDP2 unit is gathered and cast to it (MixedPrecisionPolicy); CPU: torch.autocast with it when
+    lower than float32. auto: bfloat16 on GPU, float32 on CPU (exact) (verl's mixed_precision.param_dtype)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
 
@@ -156,7 +157,11 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     """kl/k1, abs, mse/k2, low_var_kl/k3, and straight-through '+' forms (k3+ ...)."""
     entropy_coeff: float = 0.0
-    """Entropy bonus weight (loss -= entropy_coeff x entropy). Entropy is logged either way."""
+    """Entropy bonus weight (loss -= entropy_coeff x entropy). Entropy is logged either way (computed without grad
+    from the same logits when the coefficient is 0)."""
+    use_torch_compile: bool = False
+    """torch.compile each decoder layer of the actor (dynamic shapes) for the update and logprob passes. Off by default:
+    a one-off compile of tens of seconds on CPU for about 10% of the update (bench/results_cpu.md)."""
     fsdp_config: ActorFSDPConfig = field(default_factory=ActorFSDPConfig)
 
 
@@ -183,13 +188,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU."""
     kv_cache_memory_bytes: int | None = None
-    """KV cache size in bytes; None: from gpu_memory_utilization on GPU, 256 MiB on CPU."""
+    """KV cache size in bytes; None: from gpu_memory_utilization on GPU; on CPU sized from the batch (rollout.n x
+    prompts per process x max model length x KV bytes per token, at most 1/4 of available RAM: grpo_lib/perf.py)."""
     tensor_model_parallel_size: int = 1
     """vLLM tensor parallel size within each group of processes."""
     free_cache_engine: bool = True
     """Free the KV cache and offload weights between generations (vLLM sleep mode; no-op on CPU)."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs in vLLM (faster start, less memory; slower decoding)."""
+    enforce_eager: bool = False
+    """Run vLLM's model eagerly. False (verl's default): torch.compile (CPU) / CUDA graphs (GPU), compiled once and
+    cached on disk (~/.cache/vllm); faster decoding for a one-off compile at the first start."""
     max_num_seqs: int = 256
     """Max concurrent sequences in the engine."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -313,6 +320,9 @@ class TrainerConfig:
     """Seed of torch, sampling and shuffling."""
     balance_batch: bool = True
     """Assign trajectories to processes by balanced token counts (whole groups stay together)."""
+    tune_allocator: bool = True
+    """Set glibc malloc's mmap threshold, trim threshold and top pad at start-up so freed activation memory is reused
+    instead of returned to the OS and page-faulted back every micro-batch (grpo_lib/perf.py; no-op without glibc)."""
     check_weight_sync: bool = False
     """After every push, compare the engine's logprobs of one trajectory with the actor's (temperature 1) and
     log the largest difference as `debug/weight_sync_max_abs_diff` (costs one tiny forward each)."""

@@ -9,9 +9,14 @@ How it works:
    the decoder's final hidden states are captured by a forward hook on `model.get_decoder()`: the full
    [tokens, vocab] logits are never computed by the model itself.
 2. The output head (`model.get_output_embeddings()`, also right for tied embeddings and under peft) is applied
-   to the hidden states of the predicting positions only (pads skipped), in chunks of `chunk_size` tokens
-   under `torch.utils.checkpoint` (use_reentrant=False): at most one float32 [chunk_size, vocab] block is
-   alive at a time, and the backward recomputes it chunk by chunk.
+   to the hidden states of the predicting positions only (pads skipped; with `score_mask`, only the positions
+   that predict a scored token, e.g. the response), in chunks of `chunk_size` tokens under
+   `torch.utils.checkpoint` (use_reentrant=False): at most one float32 [chunk_size, vocab] block is alive at a
+   time, and the backward recomputes it chunk by chunk. Where the micro-batch's logits are small (at most
+   `checkpoint_min_bytes`), checkpointing saves no memory worth its recompute: the chunks then keep their
+   activations for the backward. The values are the same either way (same chunks, same ops).
+3. Entropy is only logged unless it carries a coefficient: `entropy_grad=False` computes it from the same logits
+   without building its graph (no softmax saved for the backward).
 
 Alignment (verl's `logprobs_from_logits` shifted to token positions):
     logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]
@@ -45,7 +50,8 @@ def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
 
 
 def _head_logprobs(
-    head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool
+    head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(target) and entropy for one chunk, log-softmax in float32.
 
@@ -59,8 +65,9 @@ def _head_logprobs(
     logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
     if not compute_entropy:
         return logprobs, None
-    probs = torch.softmax(logits, dim=-1)  # [c, V]
-    entropy = log_norm - torch.linalg.vecdot(probs, logits)  # [c]: logsumexp(z) - sum(softmax(z) * z)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(logits, dim=-1)  # [c, V]
+        entropy = log_norm - torch.linalg.vecdot(probs, logits)  # [c]: logsumexp(z) - sum(softmax(z) * z)
     return logprobs, entropy
 
 
@@ -72,15 +79,20 @@ def _chunked_head(
     temperature: float,
     compute_entropy: bool,
     chunk_size: int,
+    entropy_grad: bool = True,
+    checkpoint_min_bytes: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
-    """`_head_logprobs` over [N, hidden] in chunks, each recomputed in backward when grads are on."""
+    """`_head_logprobs` over [N, hidden] in chunks, each recomputed in backward when grads are on and the float32
+    logits of all N tokens would exceed `checkpoint_min_bytes`."""
+    vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1 << 20])[0]  # peft wraps Linear
+    recompute = torch.is_grad_enabled() and (checkpoint_min_bytes <= 0 or hidden.shape[0] * vocab * 4 > checkpoint_min_bytes)
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         args = (head, hidden[start : start + chunk_size], targets[start : start + chunk_size])  # [c, hidden], [c]
-        if torch.is_grad_enabled():
-            logprobs, entropy = checkpoint(_head_logprobs, *args, temperature, compute_entropy, use_reentrant=False)
+        if recompute:
+            logprobs, entropy = checkpoint(_head_logprobs, *args, temperature, compute_entropy, entropy_grad, use_reentrant=False)
         else:
-            logprobs, entropy = _head_logprobs(*args, temperature, compute_entropy)
+            logprobs, entropy = _head_logprobs(*args, temperature, compute_entropy, entropy_grad)
         logprob_chunks.append(logprobs)
         entropy_chunks.append(entropy)
     if not logprob_chunks:  # no token has a predecessor (empty or one-token sequences)
@@ -112,6 +124,10 @@ def token_logprobs(
     compute_entropy: bool = False,
     chunk_size: int = 1024,
     packed_row_tokens: int | None = 512,
+    score_mask: Tensor | None = None,
+    score_unmasked: bool = False,
+    entropy_grad: bool = True,
+    checkpoint_min_bytes: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probabilities (and optionally entropies) of `input_ids` under `model`, float32 [b, T].
 
@@ -128,6 +144,12 @@ def token_logprobs(
     longest; bench/results_cpu.md). A varlen kernel (flash_attention_2) is indifferent to k.
     remove_padding=False runs the padded batch with its attention_mask and position_ids = cumsum(mask) - 1 (so
     left padding works too).
+    score_mask [b, T] (the response mask): only tokens where it is nonzero are scored, the others get 0 (the prompt's
+    tokens are never used by the loss; the decoder still runs over them, the output head does not).
+    score_unmasked=True scores the other tokens too, without grad, in chunks of their own after the masked ones: the
+    masked tokens' values are then bit-identical to a score_mask-only call, and every position has its value.
+    entropy_grad=False: entropy without grad (logged only). checkpoint_min_bytes: recompute the head in the backward
+    only when the scored tokens' float32 logits exceed this size (0: always, the most memory-frugal).
     Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
@@ -173,19 +195,33 @@ def token_logprobs(
         predicting = hidden[:, :-1][scored]  # [N, hidden]
         targets = input_ids[:, 1:][scored]  # [N]
     assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"
+    head = model.get_output_embeddings()
+    head_kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_size=chunk_size,
+                       entropy_grad=entropy_grad, checkpoint_min_bytes=checkpoint_min_bytes)
+    groups = [scored]  # [b, T - 1] masks of the positions scored together, each in its own chunks
+    if score_mask is not None:
+        assert score_mask.shape == input_ids.shape, f"score_mask {tuple(score_mask.shape)} must be [b, T] like input_ids"
+        wanted = score_mask[:, 1:].to(device=scored.device).bool()  # [b, T - 1]
+        keep = wanted[scored]  # [N]: scored tokens the caller wants
+        groups = [scored & wanted] + ([scored & ~wanted] if score_unmasked else [])
+        selections = [keep] + ([~keep] if score_unmasked else [])
+    else:
+        selections = [None]
 
-    logprobs, entropy = _chunked_head(
-        model.get_output_embeddings(),
-        predicting,
-        targets,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        chunk_size=chunk_size,
-    )  # [N], [N] or None
-
-    def to_padded(values: Tensor) -> Tensor:
+    def to_padded(values: Tensor, where: Tensor) -> Tensor:
         shifted = torch.zeros(batch_size, max(seq_len - 1, 0), dtype=values.dtype, device=values.device)
-        shifted = shifted.masked_scatter(scored, values)  # [b, T - 1]
+        shifted = shifted.masked_scatter(where, values)  # [b, T - 1]
         return F.pad(shifted, (1, 0))[:, :seq_len]  # [b, T], position 0 is 0
 
-    return to_padded(logprobs), (to_padded(entropy) if entropy is not None else None)
+    logprobs, entropy = None, None
+    for i, (where, sel) in enumerate(zip(groups, selections)):
+        group_hidden = predicting if sel is None else predicting[sel]  # [n, hidden]
+        group_targets = targets if sel is None else targets[sel]  # [n]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and i == 0):  # unmasked tokens: values only, no graph
+            lp, ent = _chunked_head(head, group_hidden, group_targets, **head_kwargs)  # [n], [n] or None
+        lp = to_padded(lp, where)  # [b, T]
+        logprobs = lp if logprobs is None else logprobs + lp  # groups are disjoint
+        if ent is not None:
+            ent = to_padded(ent, where)  # [b, T]
+            entropy = ent if entropy is None else entropy + ent
+    return logprobs, entropy

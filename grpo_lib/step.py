@@ -7,6 +7,7 @@ of `grpo_lib.types`; none branches on a loss or estimator name (the math lives i
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier, is_on
+from grpo_lib.perf import engine_logprobs_needed
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 
 
@@ -106,9 +108,11 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         start = time.perf_counter()
         engine.wake_up()
         generations = engine.generate(prompts.prompt_ids, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-                                      max_tokens=cfg.data.max_response_length, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seeds=seeds)
+                                      max_tokens=cfg.data.max_response_length, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, seeds=seeds,
+                                      logprobs=engine_logprobs_needed(cfg))
         engine.sleep()
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+        sums["rollout/preemptions"] = sums.get("rollout/preemptions", 0.0) + getattr(engine, "last_preemptions", 0)
         batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
         if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
@@ -152,8 +156,13 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     metrics["response/length_mean"] = metrics.pop("response/length_sum")
     metrics["response/clip_ratio"] = metrics.pop("response/clipped")
     metrics["response/length_max"] = -all_reduce_min(-max_len)
-    for k in ("reward/errors", "reward/timeouts"):
+    for k in ("reward/errors", "reward/timeouts", "rollout/preemptions"):
         metrics[k] = metrics[k] * count  # counts, not fractions
+    if metrics["rollout/preemptions"] > 0:
+        warnings.warn(f"step {step}: the engine preempted {int(metrics['rollout/preemptions'])} sequences for lack of KV cache "
+                      "(recomputed later: a slower generation); raise rollout.kv_cache_memory_bytes (CPU) or "
+                      "rollout.gpu_memory_utilization (GPU), or leave kv_cache_memory_bytes unset on CPU to size it from the batch",
+                      stacklevel=1)
     return batch, metrics
 
 
