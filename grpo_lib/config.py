@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ class DataConfig:
     """Shuffle the training prompts every epoch."""
     seed: int = 1
     """Seed of the prompt order (reproducible; the sampler position is part of the resumable state)."""
+    invalid_rows: Literal["drop", "error"] = "drop"
+    """Rows whose ground truth is missing, None, NaN or empty can never score: drop them (counted, logged as
+    data/invalid_rows) or stop with an error naming the file and row."""
 
 
 @dataclass
@@ -98,9 +102,9 @@ class ActorFSDPConfig:
     optimizer_offload: bool = False
     """Move AdamW's state shards to CPU between optimizer steps (verl)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype of the actor's forward/backward; master weights and AdamW state stay float32. GPU (and any
-    sharded run): each FSDP2 unit is gathered and cast to it (MixedPrecisionPolicy); CPU: torch.autocast with it when
-    lower than float32. auto: bfloat16 on GPU, float32 on CPU (exact) (verl's mixed_precision.param_dtype)."""
+    """Compute dtype: each FSDP2 unit is gathered and cast to it for forward/backward; master weights stay float32.
+    auto: bfloat16 on GPU, float32 on CPU (verl's mixed_precision.param_dtype). On CPU a lower dtype runs the actor's
+    passes under torch.autocast (grpo_lib/perf.py); it pays only on CPUs with AMX / AVX512-BF16."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
 
@@ -296,7 +300,10 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Seconds one response may take to score; slower ones score 0 and are counted."""
     num_workers: int = 2
-    """Processes scoring in parallel (0: in-process, no timeout)."""
+    """Processes scoring in parallel (0: in-process, no timeout). Helpers are added while calls hang."""
+    max_error_fraction: float = 0.5
+    """Stop the run (exit 3) after a step in which more than this fraction of responses had a reward call that
+    raised, returned no number or timed out: their zero rewards would train the policy on noise."""
 
 
 @dataclass
@@ -311,6 +318,11 @@ class TrainerConfig:
     """Validate every this many steps (-1: never, except val_before_train)."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    val_only: bool = False
+    """Validate once (rollout.val_kwargs) and exit: no training step, no checkpoint."""
+    val_generations_to_log: int = 0
+    """(prompt, response, score) rows written per validation to val_generations.jsonl in the run folder and as
+    a TensorBoard text summary (verl: trainer.log_val_generations). 0: none."""
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
     """Metric sinks: console, tensorboard, jsonl, wandb (optional: `pip install wandb`; the run is named
     project_name / experiment_name)."""
@@ -557,8 +569,21 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError([f"override {item!r}: expected key=value (for example actor.lr=1e-6)"])
         key, raw = item.split("=", 1)
-        parsed[key.strip().lstrip("+")] = yaml.safe_load(raw) if raw.strip() != "" else None
+        try:
+            parsed[key.strip().lstrip("+")] = yaml.safe_load(raw) if raw.strip() != "" else None
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"override {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it or fix the "
+                               "brackets, for example data.train_files=[a.parquet,b.parquet]"]) from None
     return parsed
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A parser error as one line: what is wrong and where (1-based line and column), no traceback."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{what}" + (f" ({context})" if context else "")
 
 
 def read_raw(recipe: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -568,12 +593,24 @@ def read_raw(recipe: str | Path | None = None, overrides: list[str] | None = Non
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError([f"recipe file {str(path)!r} does not exist: pass a YAML file such as recipes/tiny_cpu.yaml"])
-        tree = yaml.safe_load(path.read_text()) or {}
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(exc)}"]) from None
         if not isinstance(tree, dict):
             raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
     raw = {_canonical(k): v for k, v in _flatten(tree).items()}
-    raw.update({_canonical(k): v for k, v in parse_overrides(overrides or []).items()})
+    for key, value in parse_overrides(overrides or []).items():
+        key = _canonical(key)
+        raw.pop(_OTHER_SPELLING.get(key, ""), None)  # an override of one spelling replaces the recipe's other one
+        raw[key] = value
     return raw
+
+
+# verl's older global micro-batch keys and their per-process successors (one of each pair may be set).
+_OTHER_SPELLING = {}
+for _global in ("actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size"):
+    _OTHER_SPELLING[_global], _OTHER_SPELLING[_global + "_per_gpu"] = _global + "_per_gpu", _global
 
 
 def launch_world_size(raw: dict[str, Any]) -> int | None:
@@ -613,8 +650,40 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     config.ignored = ignored
     problems += validate(config, world_size=world_size)
     if problems:
-        raise ConfigError(problems)
+        lines = _recipe_lines(recipe, overrides)
+        raise ConfigError([_with_line(problem, lines, recipe) for problem in problems])
     return config
+
+
+def _key_lines(node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line of its value in a composed YAML mapping (same leaves as `_flatten`)."""
+    found: dict[str, int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return found
+    for key_node, value_node in node.value:
+        dotted = f"{prefix}{key_node.value}"
+        if isinstance(value_node, yaml.MappingNode) and value_node.value:
+            found.update(_key_lines(value_node, dotted + "."))
+        else:
+            found[dotted] = key_node.start_mark.line + 1
+    return found
+
+
+def _recipe_lines(recipe, overrides: list[str] | None) -> dict[str, int]:
+    """Canonical key -> its line in the recipe, for keys the overrides do not replace ({} without a recipe)."""
+    if recipe is None:
+        return {}
+    overridden = {_canonical(k) for k in parse_overrides(overrides or [])}
+    lines = _key_lines(yaml.compose(Path(recipe).read_text()))
+    return {_canonical(k): line for k, line in lines.items() if _canonical(k) not in overridden}
+
+
+def _with_line(problem: str, lines: dict[str, int], recipe) -> str:
+    """Append where the recipe sets the key a problem names: "actor.lr=-1.0: ..." -> "... (recipe.yaml line 18)"."""
+    for key in sorted(lines, key=len, reverse=True):
+        if problem.startswith((f"{key}=", f"{key}:", f"wrong type: {key}:", f"unknown key {key!r}")):
+            return f"{problem} ({recipe} line {lines[key]})"
+    return problem
 
 
 def _per_process(global_count: int | None, world_size: int) -> int | None:
@@ -761,6 +830,91 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         p.append(f"model.lora_adapter_path={m.lora_adapter_path!r} needs LoRA on: set model.lora_rank to the adapter's rank")
     if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
         p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}")
+    p += _value_ranges(cfg)
+    return p
+
+
+def _outside(value: float, low: float | None, high: float | None, *, low_open: bool = False, high_open: bool = False) -> bool:
+    """True if `value` is NaN/inf or outside [low, high] (an open end excludes the bound; None: unbounded)."""
+    if not math.isfinite(value):
+        return True
+    if low is not None and (value < low or (low_open and value == low)):
+        return True
+    return high is not None and (value > high or (high_open and value == high))
+
+
+def _value_ranges(cfg: Config) -> list[str]:
+    """Values a run cannot use (negative or NaN rates, clip ranges, probabilities, step counts): one problem each."""
+    from grpo_lib.rewards.scorer import FUNCTION_NAMES  # light: no torch
+
+    p: list[str] = []
+    a, r, t, rw = cfg.actor, cfg.rollout, cfg.trainer, cfg.reward
+    # (key, value, low, high, low_open, high_open, why / fix)
+    ranges = [
+        ("actor.lr", a.lr, 0.0, None, False, False, "the learning rate must be a finite number >= 0 (default 1e-6)"),
+        ("actor.weight_decay", a.weight_decay, 0.0, None, False, False, "must be a finite number >= 0 (default 0.01)"),
+        ("actor.grad_clip", a.grad_clip, 0.0, None, False, False, "must be >= 0 (0 disables clipping; default 1.0)"),
+        ("actor.clip_ratio", a.clip_ratio, 0.0, 1.0, True, True, "the PPO clip epsilon must lie in (0, 1) (default 0.2)"),
+        ("actor.kl_loss_coef", a.kl_loss_coef, 0.0, None, False, False,
+         "a KL coefficient must be >= 0 (a negative one rewards drifting from the reference; default 0.001)"),
+        ("actor.entropy_coeff", a.entropy_coeff, 0.0, None, False, False, "must be a finite number >= 0 (0: entropy only logged)"),
+        ("algorithm.kl_ctrl.kl_coef", cfg.algorithm.kl_ctrl.kl_coef, 0.0, None, False, False,
+         "a KL coefficient must be >= 0 (a negative one rewards drifting from the reference; default 0.001)"),
+        ("algorithm.rollout_correction.cap", cfg.algorithm.rollout_correction.cap, 0.0, None, True, False,
+         "the importance-weight cap must be > 0 (default 2.0)"),
+        ("rollout.top_p", r.top_p, 0.0, 1.0, True, False, "nucleus sampling needs 0 < top_p <= 1 (1.0: off)"),
+        ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, True, False, "a fraction in (0, 1]"),
+        ("rollout.val_kwargs.temperature", r.val_kwargs.temperature, 0.0, None, False, False, "must be >= 0 (0: greedy)"),
+        ("reward.timeout_s", rw.timeout_s, 0.0, None, True, False, "seconds, must be > 0 (default 10)"),
+        ("reward.max_error_fraction", rw.max_error_fraction, 0.0, 1.0, False, False, "a fraction in [0, 1] (default 0.5)"),
+    ]
+    for key, value in (("actor.clip_ratio_low", a.clip_ratio_low), ("actor.clip_ratio_high", a.clip_ratio_high)):
+        if value is not None and value != a.clip_ratio:  # resolved from clip_ratio: reported once, as clip_ratio
+            ranges.append((key, value, 0.0, 1.0, True, True, "a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28)"))
+    if a.loss_scale_factor is not None:
+        ranges.append(("actor.loss_scale_factor", a.loss_scale_factor, 0.0, None, True, False, "a divisor, must be > 0"))
+    for key, value, low, high, low_open, high_open, why in ranges:
+        if _outside(value, low, high, low_open=low_open, high_open=high_open):
+            p.append(f"{key}={value}: {why}")
+    if not t.val_only:
+        if _outside(r.temperature, 0.0, None, low_open=True):
+            group = f": the rollout.n={r.n} responses of a group would be identical (zero advantages)" if r.n > 1 else ""
+            p.append(f"rollout.temperature={r.temperature}: training needs a temperature > 0; 0 is greedy decoding{group}, and the "
+                     "trainer divides logits by it. Use 1.0 (rollout.val_kwargs.temperature=0 keeps validation greedy)")
+    if r.val_kwargs.n < 1:
+        p.append(f"rollout.val_kwargs.n={r.val_kwargs.n}: must be >= 1")
+    elif r.val_kwargs.n > 1 and r.val_kwargs.temperature == 0:
+        p.append(f"rollout.val_kwargs.n={r.val_kwargs.n} with rollout.val_kwargs.temperature=0: greedy decoding gives {r.val_kwargs.n} "
+                 "identical responses (pass@n = mean@n); set rollout.val_kwargs.temperature (e.g. 1.0) or val_kwargs.n=1")
+    if r.top_k < -1 or r.top_k == 0:
+        p.append(f"rollout.top_k={r.top_k}: use -1 (off) or a number of tokens >= 1")
+    for key, value in (("rollout.max_num_seqs", r.max_num_seqs), ("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)):
+        if value < 1:
+            p.append(f"{key}={value}: must be >= 1")
+    if r.kv_cache_memory_bytes is not None and r.kv_cache_memory_bytes < 1:
+        p.append(f"rollout.kv_cache_memory_bytes={r.kv_cache_memory_bytes}: bytes, must be > 0 (or null for the default)")
+    for key, value in (("actor.lr_warmup_steps", a.lr_warmup_steps), ("reward.num_workers", rw.num_workers),
+                       ("algorithm.filter_groups.max_num_gen_batches", cfg.algorithm.filter_groups.max_num_gen_batches),
+                       ("trainer.val_generations_to_log", t.val_generations_to_log)):
+        if value < 0:
+            p.append(f"{key}={value}: must be >= 0")
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        p.append(f"trainer.total_training_steps={t.total_training_steps}: must be >= 1 (null: trainer.total_epochs x steps per epoch)")
+    if t.val_only and not cfg.data.val_files:
+        p.append("trainer.val_only=true needs data.val_files (the validation set to evaluate)")
+    names = [fn.get("name") for fn in rw.functions if isinstance(fn, dict)]
+    for i, fn in enumerate(rw.functions):
+        if not isinstance(fn, dict) or "name" not in fn:
+            continue  # reported above
+        if fn["name"] not in FUNCTION_NAMES or set(fn) - {"name", "weight"}:
+            p.append(f"reward.functions[{i}]={fn!r}: use {{name: one of {list(FUNCTION_NAMES)}, weight: number}}")
+        weight = fn.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            p.append(f"reward.functions[{i}].weight={weight!r}: must be a finite number")
+        if names.count(fn["name"]) > 1 and names.index(fn["name"]) == i:
+            p.append(f"reward.functions: {fn['name']!r} is listed more than once; give it one entry with the summed weight")
+    if "custom" in names and rw.custom.path is None:
+        p.append("reward.functions lists 'custom' but reward.custom.path is not set: point it at a Python file with compute_score")
     return p
 
 

@@ -154,6 +154,7 @@ class PromptDataset:
     extra_infos: list[dict]  # [rows]
     num_filtered: int  # prompts dropped as longer than data.max_prompt_length
     num_truncated: int  # prompts cut to data.max_prompt_length by data.truncation
+    num_invalid: int = 0  # rows dropped for a missing / None / NaN / empty ground truth (data.invalid_rows=drop)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -178,11 +179,29 @@ def _check_row(file: str, row_index: int, row: dict) -> tuple[str, object]:
     if not isinstance(data_source, str) or not data_source:
         raise DataError(f"{_where(file, row_index)}: data_source must be a non-empty string, got {data_source!r}")
     reward_model = _plain(row["reward_model"])
+    if reward_model is None or isinstance(reward_model, float) and reward_model != reward_model:
+        return data_source, None  # no reward_model at all (a null in parquet): a missing ground truth
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         found = sorted(reward_model) if isinstance(reward_model, dict) else repr(reward_model)
         raise DataError(f"{_where(file, row_index)}: reward_model must be a dict with 'ground_truth' "
                         f"(verl's schema), found {found}")
     return data_source, reward_model["ground_truth"]
+
+
+def usable_ground_truth(value) -> bool:
+    """False for a ground truth no reward can score against: None, NaN, an empty string or an empty list.
+
+    Example: usable_ground_truth("72") -> True; usable_ground_truth(None) -> False; usable_ground_truth(" ") -> False.
+    """
+    if value is None or value is pd.NA:
+        return False
+    if isinstance(value, float) and value != value:  # NaN
+        return False
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, (list, tuple, dict)):
+        return len(value) > 0
+    return True
 
 
 def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
@@ -209,9 +228,17 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             raise DataError(f"data file {file!r} lacks column(s) {missing}; columns found: {list(frame.columns)}. "
                             "Rows need verl's schema (see data_prep/), or set data.prompt_key to the prompt column")
         records = frame.to_dict("records")
-        texts, checked = [], []
+        texts, checked, kept_rows = [], [], []
         for row_index, row in enumerate(records):
-            checked.append(_check_row(file, row_index, row))
+            data_source, ground_truth = _check_row(file, row_index, row)
+            if not usable_ground_truth(ground_truth):  # can never score: never trained or validated on
+                if cfg.invalid_rows == "error":
+                    raise DataError(f"{_where(file, row_index)}: reward_model.ground_truth is {ground_truth!r}, which no reward "
+                                    "can score; fix the row, or set data.invalid_rows=drop to skip such rows (counted)")
+                out.num_invalid += 1
+                continue
+            checked.append((data_source, ground_truth))
+            kept_rows.append(row_index)
             try:
                 texts.append(render_text(_plain(row[cfg.prompt_key]), tokenizer, apply_chat_template=cfg.apply_chat_template,
                                          system_prompt=cfg.system_prompt))
@@ -223,7 +250,8 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             all_ids += tokenizer(texts[start:start + _TOKENIZE_CHUNK_ROWS], add_special_tokens=not cfg.apply_chat_template,
                                  return_attention_mask=False)["input_ids"]
         stem = Path(file).stem
-        for row_index, (ids, row, (data_source, ground_truth)) in enumerate(zip(all_ids, records, checked)):
+        for row_index, ids, (data_source, ground_truth) in zip(kept_rows, all_ids, checked):
+            row = records[row_index]
             if len(ids) > limit:
                 if cfg.filter_overlong_prompts:
                     out.num_filtered += 1
@@ -239,13 +267,19 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             out.ground_truths.append(ground_truth)
             extra = _plain(row.get("extra_info"))
             out.extra_infos.append(extra if isinstance(extra, dict) else {})
-    total = len(out) + out.num_filtered
+    total = len(out) + out.num_filtered + out.num_invalid
+    if out.num_invalid:
+        logger.warning("data: dropped %d of %d rows whose ground truth is missing, None, NaN or empty (data.invalid_rows=drop) "
+                       "from %s", out.num_invalid, total, files)
     if out.num_filtered:
         logger.warning("data: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens "
                        "(data.filter_overlong_prompts=true) from %s", out.num_filtered, total, limit, files)
     if out.num_truncated:
         logger.warning("data: truncated %d of %d prompts to data.max_prompt_length=%d tokens (data.truncation=%s) from %s",
                        out.num_truncated, total, limit, cfg.truncation, files)
+    if len(out) == 0 and out.num_invalid:
+        raise DataError(f"no prompts left from {files}: {out.num_invalid} rows have no usable ground truth and "
+                        f"{out.num_filtered} were longer than data.max_prompt_length={limit} tokens; check the files")
     if len(out) == 0:
         raise DataError(f"no prompts left from {files}: all {out.num_filtered} were longer than data.max_prompt_length="
                         f"{limit} tokens; raise data.max_prompt_length or check the files")

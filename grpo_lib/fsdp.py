@@ -183,8 +183,8 @@ def describe(model: nn.Module, *, name: str, param_dtype: torch.dtype, trainable
     param_mb = local_bytes(params) / MB
     how = f"FSDP2 over {world} process(es) (decoder layers + root)" if sharded else "not sharded (no process group)"
     line = (f"[rank {rank}] {name}: {how}, compute {str(param_dtype).replace('torch.', '')}, "
-            f"local params {param_mb:.1f} MB ({str(params[0].dtype).replace('torch.', '')})")
+            f"local params {param_mb:.1f} MiB ({str(params[0].dtype).replace('torch.', '')})")
     if trainable:
         trainable_mb = local_bytes(p for p in params if p.requires_grad) / MB
-        line += f", grads {trainable_mb:.1f} MB, AdamW state {2 * trainable_mb:.1f} MB (float32, once created)"
+        line += f", grads {trainable_mb:.1f} MiB, AdamW state {2 * trainable_mb:.1f} MiB (float32, once created)"
     return line

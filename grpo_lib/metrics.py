@@ -7,6 +7,8 @@ Metric names are namespaced and documented once here:
 | `reward/mean`, `reward/<fn>/mean` | weighted reward per response, and each reward function's raw mean |
 | `reward/accuracy` | fraction of responses whose accuracy reward is > 0 (exact answers) |
 | `reward/errors`, `reward/timeouts` | responses whose reward function raised / timed out (scored 0) |
+| `reward/error_fraction` | fraction of responses with a failed or timed-out reward call (over `reward.max_error_fraction` stops the run, exit 3) |
+| `data/invalid_rows` | training + validation rows dropped for a missing / None / NaN / empty ground truth |
 | `response/length_mean`, `response/length_max`, `response/clip_ratio` | response tokens; fraction cut at max_response_length |
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
 | `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (token-weighted) |
@@ -18,7 +20,9 @@ Metric names are namespaced and documented once here:
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
-| `val/<data_source>/acc`, `val/reward_mean` | validation accuracy per source |
+| `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
+| `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
+| `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.
 """
@@ -81,6 +85,24 @@ class MetricLogger:
                 self.bar.write(line)
             else:
                 print(line, flush=True)
+
+    def log_generations(self, step: int, rows: list[dict]) -> None:
+        """Append validation samples to val_generations.jsonl (one line per row, with its step) and add them to
+        TensorBoard as one text summary (`val/generations`, a markdown table) at `step`."""
+        if not self.enabled or not rows:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / "val_generations.jsonl", "a") as handle:
+            handle.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self.writer is not None:
+            def cell(text) -> str:
+                return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+            table = ["| data_source | prompt | response | ground truth | score |", "|---|---|---|---|---|"]
+            table += [f"| {cell(r['data_source'])} | {cell(r['prompt'])} | {cell(r['response'])} | {cell(r['ground_truth'])} | "
+                      f"{r['score']:.3g} |" for r in rows]
+            self.writer.add_text("val/generations", "\n".join(table), step)
+            self.writer.flush()
 
     def advance(self) -> None:
         if self.bar is not None:

@@ -202,10 +202,9 @@ def resolved_lines(cfg: Config) -> list[str]:
     ]
 
 
-def _offloaded(section, key: str) -> bool:
-    """`<section>.fsdp_config.<key>` (the actor's / reference's offload switches), else `<section>.<key>`, else False."""
-    fsdp = getattr(section, "fsdp_config", None)
-    return bool(getattr(fsdp, key, getattr(section, key, False)))
+def _dtype_bytes(name: str) -> int:
+    """Bytes per element of a config dtype on the GPU ('auto' is bfloat16 there)."""
+    return 4 if name == "float32" else 2
 
 
 def lora_params(sizes: ModelSizes, rank: int) -> int:
@@ -216,7 +215,7 @@ def lora_params(sizes: ModelSizes, rank: int) -> int:
     return sizes.layers * per_layer
 
 
-def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int = 2,
+def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int | None = None,
                 master_bytes: int = 4, with_engine: bool = True) -> dict[str, float]:
     """Bytes per GPU of each component, the phases and the peak (see the module docstring for the formulas).
 
@@ -225,7 +224,9 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step.
     """
     a, d, P, W = cfg.actor, cfg.data, sizes.params, world_size
-    param_offload, optim_offload = _offloaded(a, "param_offload"), _offloaded(a, "optimizer_offload")
+    param_offload, optim_offload = a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload
+    if compute_bytes is None:  # the actor's compute dtype (actor.fsdp_config.param_dtype) on a GPU
+        compute_bytes = _dtype_bytes(a.fsdp_config.param_dtype)
     tokens = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * (d.max_prompt_length +
                                                                                                      d.max_response_length)
     per_layer_token = compute_bytes * (3 * sizes.hidden + 2 * sizes.q_dim + 2 * sizes.kv_dim + 4 * sizes.intermediate)
@@ -241,7 +242,7 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "gradients": master_bytes * trained / W,
         "AdamW state": 2 * master_bytes * trained / W,
         "gathered units": (2 * compute_bytes * max(sizes.layer_params, sizes.embed_params)) if W > 1 else 0.0,
-        "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or _offloaded(cfg.ref, "param_offload")) else compute_bytes * P / W,
+        "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else _dtype_bytes(cfg.model.dtype) * P / W,
         "activations": float(act),
         "output head chunk": 3.0 * head_tokens * sizes.vocab * 4,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
@@ -264,8 +265,8 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     lines += [f"  {name:<22} {value / GIB:7.2f} GiB" for name, value in parts.items()
               if name not in ("generation phase", "training phase", "peak")]
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
-    offloaded = [name for name, on in (("actor weights", _offloaded(cfg.actor, "param_offload")),
-                                       ("AdamW", _offloaded(cfg.actor, "optimizer_offload"))) if on]
+    offloaded = [name for name, on in (("actor weights", cfg.actor.fsdp_config.param_offload),
+                                       ("AdamW", cfg.actor.fsdp_config.optimizer_offload)) if on]
     held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share"])
     lines.append(f"  generation phase       {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))

@@ -72,7 +72,32 @@ def score(scorer, batch: RolloutBatch) -> dict[str, float]:
         sums["reward/accuracy"] = float(sum(1.0 for v in out.per_function["accuracy"] if v > 0))
     sums["reward/errors"] = float(out.num_errors)
     sums["reward/timeouts"] = float(out.num_timeouts)
+    sums["reward/error_fraction"] = float(out.num_failed_responses)  # divided by the response count on reduction
     return sums
+
+
+class RunAborted(RuntimeError):
+    """The run cannot go on with trustworthy results. train_grpo.py catches it, saves the last completed step and
+    exits with `exit_code` (3: untrustworthy rewards, too many bad steps)."""
+
+    def __init__(self, message: str, *, exit_code: int = 3):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_reward_errors(cfg, metrics: dict[str, float], *, step: int, samples: list[str] = ()) -> None:
+    """Raise RunAborted when more than reward.max_error_fraction of a step's responses failed to score.
+
+    `metrics` are the step's reduced reward metrics (the same on every process, so every process raises).
+    Example: 9 of 16 responses raised with max_error_fraction 0.5 -> RunAborted(exit_code=3).
+    """
+    fraction = metrics["reward/error_fraction"]
+    if fraction > cfg.reward.max_error_fraction:
+        first = f"; first: {samples[0]}" if samples else ""
+        raise RunAborted(f"step {step}: {fraction:.0%} of responses could not be scored ({metrics['reward/errors']:.0f} reward calls "
+                         f"raised or returned no number, {metrics['reward/timeouts']:.0f} timed out after reward.timeout_s="
+                         f"{cfg.reward.timeout_s} s){first}. More than reward.max_error_fraction={cfg.reward.max_error_fraction}: "
+                         "training on their zero rewards would be noise. Fix the reward function (or raise reward.timeout_s)")
 
 
 def informative_groups(batch: RolloutBatch) -> list[str]:
@@ -145,7 +170,10 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         batch = batch.select([i for i, g in enumerate(batch.group_ids) if g in set(groups)]) if groups else None
         metrics.update({"batch/kept_groups": all_reduce_sum(len(groups)), "batch/dropped_groups": all_reduce_sum(dropped),
                         "batch/gen_rounds": float(rounds)})
-        if batch is None:
+        if batch is None:  # rewards that all failed score 0 everywhere: say so (exit 3), not "no group differs"
+            failed = {k: all_reduce_sum(sums[k]) for k in ("reward/error_fraction", "reward/errors", "reward/timeouts")}
+            failed["reward/error_fraction"] /= all_reduce_sum(sums["count"])
+            check_reward_errors(cfg, failed, step=step, samples=scorer.last_error_samples)
             raise RuntimeError(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds; "
                                "raise algorithm.filter_groups.max_num_gen_batches or check the reward")
     count = all_reduce_sum(sums.pop("count"))
@@ -193,8 +221,12 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
-def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int) -> dict[str, float]:
-    """Greedy (rollout.val_kwargs) generation over this process's share of the validation set; accuracy per source."""
+def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, tokenizer=None) -> tuple[dict[str, float], list[dict]]:
+    """rollout.val_kwargs generation over this process's share of the validation set -> (metrics, logged rows).
+
+    Metrics per data source (grpo_lib.validation): reward_mean, acc, and mean@n / pass@n when val_kwargs.n > 1.
+    Rows: the first trainer.val_generations_to_log (prompt, response, score) rows (prompts decoded with `tokenizer`).
+    """
     idx = list(range(rank, len(dataset), world_size))
     prompts = dataset.batch(idx)
     vk = cfg.rollout.val_kwargs
@@ -203,16 +235,13 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int) -> dic
                                   seeds=[cfg.trainer.seed + i for i in idx])
     engine.sleep()
     batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
-    score(scorer, batch)
-    sources = sorted(set(dataset.data_sources))
-    metrics = {}
-    for src in sources:
-        hits = [float(s > 0) for s, d in zip(batch.scores.tolist(), batch.data_sources) if d == src]
-        total = all_reduce_sum(len(hits))
-        if total:
-            metrics[f"val/{src}/acc"] = all_reduce_sum(sum(hits)) / total
-    metrics["val/reward_mean"] = all_reduce_sum(batch.scores.sum().item()) / all_reduce_sum(len(batch))
-    return metrics
+    from grpo_lib.validation import generation_rows, val_metrics
+
+    metrics = val_metrics(scorer, batch, sources=sorted(set(dataset.data_sources)), n=vk.n)
+    limit = cfg.trainer.val_generations_to_log
+    prompt_texts = [tokenizer.decode(batch.input_ids[i][(batch.attention_mask[i] > 0) & (batch.response_mask[i] == 0)].tolist())
+                    if tokenizer is not None else "" for i in range(min(limit, len(batch)))]
+    return metrics, generation_rows(batch, prompt_texts, limit=limit)
 
 
 def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:

@@ -178,14 +178,13 @@ def test_readme_shows_the_current_qwen3_4b_plan(capsys, monkeypatch):
         "`python train_grpo.py recipes/qwen3_4b_gsm8k.yaml --print-plan --model-config tests/data/qwen3_4b_config.json`"
 
 
-def test_offload_switches_move_memory_between_phases(monkeypatch):
+def test_offload_switches_move_memory_between_phases():
     """Actor weights offloaded leave the generation phase; AdamW offloaded is only on the GPU for the optimizer step."""
-    from grpo_lib import plan as plan_module
-
     cfg = load_config(REPO / "recipes/qwen3_4b_gsm8k.yaml", world_size=4)
     sizes = model_sizes(json.loads(QWEN3_4B.read_text()))
     base = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * 2**30)
-    monkeypatch.setattr(plan_module, "_offloaded", lambda section, key: True)  # every switch on (the recipe's ref already is)
+    cfg = load_config(REPO / "recipes/qwen3_4b_gsm8k.yaml", ["actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                                                            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], world_size=4)
     off = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * 2**30)
     assert off["generation phase"] == base["generation phase"] - base["actor master weights"] - base["AdamW state"]
     backward_without_adam = base["training phase"] - base["AdamW state"]

@@ -5,8 +5,10 @@ The pool tests start real worker processes (forkserver); one pool is shared per 
 
 from __future__ import annotations
 
+import os
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,9 @@ from grpo_lib.rewards import (
     load_custom_reward,
     registered_sources,
 )
+from grpo_lib.rewards.gsm8k import score as gsm8k_score
 from grpo_lib.rewards.math import last_boxed
+from grpo_lib.rewards.math import score as math_score
 
 # ------------------------------------------------------------------------------------------ gsm8k strict
 GSM8K_STRICT = [  # (response, ground_truth, expected)
@@ -394,3 +398,100 @@ def test_pool_crashing_worker_is_counted(pool_scorer):
     # calls in flight in the other worker when the pool broke also count as errors (cannot be told apart)
     assert sum(out.per_function["custom"]) >= 10 - 1, f"most other responses still scored: {out.per_function}"
     assert _score(pool_scorer, ["7"]).scores == [1.0], "a fresh pool serves the next call"
+
+
+# ------------------------------------------------------------------------------- untrustworthy rewards (issue 11)
+def test_null_ground_truth_never_scores():
+    """`#### None` against a None / NaN / empty answer scores 0 (str(None) == "None" used to match: 1.0)."""
+    assert gsm8k_score("#### None", None) == 0.0 and gsm8k_score("#### nan", float("nan")) == 0.0
+    assert math_score("\\boxed{None}", None) == 0.0
+    scorer = RewardScorer(functions=[{"name": "accuracy", "weight": 1.0}], num_workers=0)
+    out = scorer.score(responses=["#### None", "#### None", "#### 7"], data_sources=["openai/gsm8k"] * 3,
+                       ground_truths=[None, "", "7"], extra_infos=[None] * 3)
+    assert out.scores == [0.0, 0.0, 1.0], f"a missing answer never scores: {out.scores}"
+    assert out.num_errors == 2 and out.num_failed_responses == 2, f"and is counted as an error: {out}"
+    assert "nothing to score against" in out.error_samples[0], out.error_samples
+
+
+def test_failed_responses_counted_once_per_response(custom_file):
+    scorer = RewardScorer(functions=[{"name": "custom", "weight": 1.0}, {"name": "format", "weight": 0.5}],
+                          custom_path=custom_file, num_workers=0)
+    out = _score(scorer, ["boom", "nan", "7", "7"])
+    assert out.num_errors == 2 and out.num_failed_responses == 2, f"2 of 4 responses failed: {out}"
+
+
+def test_half_hung_responses_cost_one_timeout_per_batch(custom_file):
+    """8 of 16 responses hang (sleep 30 s) with timeout_s=2 and 2 workers: the batch takes about one timeout_s,
+    not 8 x 2 s / 2 workers = 8 s as when timeouts queued per worker; the other 8 are scored."""
+    from grpo_lib.rewards.pool import HARD_GRACE_S
+
+    timeout_s = 2.0
+    with RewardScorer(functions=[{"name": "custom", "weight": 1.0}], custom_path=custom_file, timeout_s=timeout_s,
+                      num_workers=2) as scorer:
+        _score(scorer, ["7"])  # workers started (their start-up is not the hang's cost)
+        start = time.monotonic()
+        out = _score(scorer, ["7", "sleep"] * 8)
+        elapsed_s = time.monotonic() - start
+    assert out.num_timeouts == 8 and out.num_errors == 0, f"the 8 hung responses are timeouts: {out}"
+    assert out.per_function["custom"] == [1.0, 0.0] * 8, "the 8 others are scored"
+    assert elapsed_s < timeout_s + HARD_GRACE_S + 1.0, f"8 hangs must cost about one timeout_s={timeout_s} s in total, took {elapsed_s:.1f} s"
+
+
+def test_many_hangs_stop_at_the_batch_deadline(custom_file):
+    """More hung calls than workers + helpers: the batch still ends by about one timeout_s after the first hang."""
+    from grpo_lib.rewards.pool import HARD_GRACE_S, MAX_HELPERS
+
+    timeout_s = 1.0
+    with RewardScorer(functions=[{"name": "custom", "weight": 1.0}], custom_path=custom_file, timeout_s=timeout_s,
+                      num_workers=1) as scorer:
+        _score(scorer, ["7"])
+        start = time.monotonic()
+        out = _score(scorer, ["hang"] * (4 * (1 + MAX_HELPERS)))  # "hang" ignores the soft timeout signal
+        elapsed_s = time.monotonic() - start
+    assert out.num_timeouts == 4 * (1 + MAX_HELPERS), f"every hung call is a timeout: {out}"
+    assert elapsed_s < timeout_s + HARD_GRACE_S + 2.0, f"the batch deadline bounds the cost, took {elapsed_s:.1f} s"
+
+
+KILL_SCRIPT = '''
+import sys, time
+sys.path.insert(0, {repo!r})
+from grpo_lib.rewards import RewardScorer
+
+if __name__ == "__main__":
+    scorer = RewardScorer(functions=[{{"name": "custom", "weight": 1.0}}], custom_path={custom!r}, timeout_s=60, num_workers=2)
+    print("scoring", flush=True)
+    scorer.score(responses=["hang"] * 4, data_sources=["x"] * 4, ground_truths=["7"] * 4, extra_infos=[None] * 4)
+'''
+
+
+def test_no_worker_survives_sigkill_of_the_trainer(custom_file, tmp_path):
+    """The process owning the scorer is SIGKILLed while its workers hang in C-like sleeps: none survives."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "trainer.py"
+    script.write_text(KILL_SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), custom=custom_file))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "scoring"
+        descendants, deadline = [], time.monotonic() + 30
+        while len(descendants) < 3 and time.monotonic() < deadline:  # the forkserver and the 2 workers
+            time.sleep(0.2)
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        time.sleep(1.0)  # the workers are now inside the hanging calls
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert len(descendants) >= 3, f"the scorer should have started worker processes: {descendants}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        gone_by = time.monotonic() + 5
+        alive = descendants
+        while alive and time.monotonic() < gone_by:
+            alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            time.sleep(0.1)
+        assert not alive, f"processes outlived the SIGKILLed trainer: {[(p.pid, p.cmdline()) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

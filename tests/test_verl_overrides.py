@@ -325,7 +325,6 @@ QWEN3_1_7B = """
 # Keys that other issues add to the config concurrently. While a field is missing from this build its line is left
 # out (and listed); once the field exists, its line must land on it like any other. Keys here that exist are strict.
 PENDING_FIELDS = {
-    "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "ref.fsdp_config.param_offload",
     "model.lora_rank", "model.lora_alpha", "rollout.val_kwargs.top_p", "rollout.val_kwargs.top_k",
     "rollout.val_kwargs.do_sample", "trainer.resume_mode", "model.target_modules", "trainer.val_generations_to_log",
 }
@@ -381,7 +380,7 @@ def test_verl_script_lines_land_on_their_fields(name, tiny_model_dir, arith_data
     print(f"{name}: {len(keep)} lines, left out until their issue merges: {pending}")
 
 
-def test_verl_meanings(tiny_model_dir, arith_data):
+def test_verl_meanings(tiny_model_dir, arith_data, tmp_path):
     """The keys whose meaning moved: verl's rollout.log_prob_* is the old-logprob pass, ref.log_prob_* the reference pass."""
     lora = load_config(None, usable(lines_of(LORA, tiny_model_dir, arith_data))[0], world_size=8)
     assert lora.rollout.log_prob_micro_batch_size_per_gpu == 40 and lora.ref.log_prob_micro_batch_size_per_gpu == 40
@@ -400,8 +399,13 @@ def test_verl_meanings(tiny_model_dir, arith_data):
                        ["trainer.n_gpus_per_node=4", "data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=64"],
                        world_size=4)
     assert on_4.actor.ppo_micro_batch_size_per_gpu == 29  # 116 // 4
+    both_spellings = tmp_path / "both.yaml"
+    both_spellings.write_text("actor:\n  ppo_micro_batch_size: 8\n  ppo_micro_batch_size_per_gpu: 4\n")
     with pytest.raises(ConfigError, match="actor.ppo_micro_batch_size .global, verl's older spelling. and actor.ppo_micro"):
-        load_config(REPO / "recipes/tiny_cpu.yaml", ["actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+        load_config(both_spellings, [f"model.path={tiny_model_dir}", "data.train_files=[x.parquet]", "rollout.n=2"])
+    # an override of one spelling replaces the recipe's other spelling (tiny_cpu.yaml sets the per-GPU one)
+    assert load_config(REPO / "recipes/tiny_cpu.yaml", ["actor_rollout_ref.actor.ppo_micro_batch_size=8"]
+                       ).actor.ppo_micro_batch_size_per_gpu == 8
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

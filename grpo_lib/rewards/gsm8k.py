@@ -105,6 +105,8 @@ def score(response: str, ground_truth, *, mode: str = "strict") -> float:
     """
     if mode not in GSM8K_MODES:
         raise ValueError(f"gsm8k_mode must be one of {GSM8K_MODES}, got {mode!r}")
+    if ground_truth is None or isinstance(ground_truth, float) and ground_truth != ground_truth:
+        return 0.0  # no answer to match: "#### None" must not match str(None)
     gold_text = str(ground_truth).strip()
     if "####" in gold_text:  # a full GSM8K solution was passed as ground truth
         gold_text = gold_text[gold_text.rfind("####") + 4 :].strip()

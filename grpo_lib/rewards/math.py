@@ -111,6 +111,8 @@ def score(response: str, ground_truth) -> float:
     `ground_truth` is the clean answer (`"\\frac{1}{2}"`); a full solution containing `\\boxed{}` also works.
     Example: score("... so \\boxed{0.5}", "\\frac{1}{2}") -> 1.0; score("... so 0.5", "\\frac{1}{2}") -> 0.0.
     """
+    if ground_truth is None or isinstance(ground_truth, float) and ground_truth != ground_truth:
+        return 0.0  # no answer to match: "\\boxed{None}" must not match str(None)
     gold = str(ground_truth)
     if "\\boxed" in gold or "\\fbox" in gold:
         gold = last_boxed(gold) or ""

@@ -1,19 +1,28 @@
-"""Run many short reward calls in worker processes, each call bounded by a timeout.
+"""Run many short reward calls in worker processes: a hung call costs at most about `timeout_s` per batch.
 
-Why processes: reward code (sympy, user files) can hang or crash; the trainer must not. The pool uses the
-`forkserver` start method (`spawn` where unavailable): workers start from a clean interpreter, never a
-fork of the trainer's torch / vLLM threads. Workers live across calls, so their start-up (importing the
-reward code, ~1 s) is paid once; calls are sent in chunks so thousands of tiny calls cost little overhead.
+Why processes: reward code (sympy, user files) can hang or crash; the trainer must not. Workers are forked
+from a `forkserver` (a clean interpreter with the reward modules preloaded, never a fork of the trainer's
+torch / vLLM threads; `spawn` where forkserver is unavailable) and live across calls, so start-up is paid once.
 
-Two timeout layers, both per call:
-1. soft (in the worker): a watchdog thread sends SIGUSR1 to the worker's main thread at the deadline; the
-   handler raises `CallTimeout` (a BaseException, so a user's `except Exception` cannot swallow it). This
-   stops Python-level hangs (`time.sleep`, loops, sympy) and the worker goes on with the next call.
-2. hard (in the parent): each worker publishes which call it runs and since when (shared memory). A call
-   still running `timeout_s + HARD_GRACE_S` after it started (a hang in C code that ignores signals) gets
-   every worker killed and a fresh pool; the stuck call scores as a timeout, unfinished calls are re-run.
-A worker that dies (segfault, os._exit) breaks the pool too: the calls it was running count as errors
-(with the pool's other in-flight calls, which cannot be told apart), the rest are re-run on a fresh pool.
+The parent sends each free worker a chunk of calls; the worker sends results back every `RESULT_FLUSH_S`, so
+the parent knows which call runs and since when (to 10 ms). Time limits:
+1. soft, per call (in the worker): a watchdog thread sends SIGUSR1 to the worker's main thread after
+   `timeout_s`; the handler raises `CallTimeout` (a BaseException, so a user's `except Exception` cannot
+   swallow it). This stops Python-level hangs (`time.sleep`, loops, sympy); the worker takes the next call.
+2. hard, per call (in the parent): a call still running `timeout_s + HARD_GRACE_S` after it started (a hang
+   in C code that ignores signals) gets its worker killed and replaced; the call scores as a timeout.
+3. per batch: a worker busy on one call for more than `STALL_S` may be hung: the rest of its chunk goes back
+   to the queue and helper processes (at most `MAX_HELPERS` extra) take over the queue, so the other calls
+   keep running in parallel. The first call that runs past `timeout_s / 2` sets the batch's deadline: every
+   call must end by that call's start + `timeout_s` + `HARD_GRACE_S`; calls still running then are killed,
+   calls not started are not run, both count as timeouts. So 56 hung responses cost about one `timeout_s`
+   (4 s with timeout_s=2), not 56 of them (tests/test_rewards.py). The price: a batch of legitimately slow
+   calls (over timeout_s / 2 each) is also cut at that deadline; raise reward.timeout_s for such rewards.
+A worker that dies (segfault, os._exit) costs only the call it was running (an error); a fresh one replaces it.
+
+Workers never outlive the trainer: each asks Linux to SIGKILL it when its parent (the forkserver, which exits
+with the trainer) dies (`prctl(PR_SET_PDEATHSIG)`), and a thread also exits the worker within a second once the
+trainer's pid is gone (the fallback elsewhere). The trainer's `close()` kills them on a normal exit.
 
 Like every spawn/forkserver pool, each worker imports the entry script once as `__mp_main__`: keep its
 work under `if __name__ == "__main__":` (train_grpo.py does), or the workers would run the script.
@@ -21,17 +30,24 @@ work under `if __name__ == "__main__":` (train_grpo.py does), or the workers wou
 
 from __future__ import annotations
 
-import math
 import multiprocessing
+import os
 import signal
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing import connection
 from typing import Any, Callable
 
 HARD_GRACE_S = 2.0  # seconds past timeout_s before the parent kills a worker stuck in C code
-MAX_ROUNDS = 4  # fresh pools per `run` call before the remaining calls are given up as errors
-MAX_CHUNK = 64  # calls per task sent to a worker
+STALL_S = 0.25  # a call running longer than this (or timeout_s / 4) gets its worker a helper
+MAX_HELPERS = 8  # extra worker processes at most, while calls hang
+MAX_CHUNK = 32  # calls sent to a worker at once
+RESULT_FLUSH_S = 0.01  # a worker sends its finished calls' results at least this often
+MAX_FAILED_STARTS = 8  # workers dying before they are ready, per pool, before calls are given up as errors
+POLL_S = 0.05  # parent's wait between checks of the workers
+TRAINER_POLL_S = 1.0  # how often a worker checks that the trainer is alive (fallback to PDEATHSIG)
 
 # One call: (call_id, function_name, kwargs). One result: (status, value, message), status in ok/error/timeout.
 Call = tuple[int, str, dict]
@@ -89,41 +105,123 @@ class _Watchdog:
                 signal.pthread_kill(self._main_thread_id, signal.SIGUSR1)
 
 
-_WORKER: dict = {}  # per worker process: slot, shared arrays, watchdog, functions
+def _die_with_trainer(trainer_pid: int) -> None:
+    """Make this worker exit when the trainer dies, however it dies (SIGKILL included)."""
+    try:  # Linux: the kernel SIGKILLs us when our parent (the forkserver; it exits with the trainer) dies
+        import ctypes
 
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
-def _init_worker(slot_counter, busy_since, busy_call, factory: Callable[..., dict], factory_args: tuple):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    with slot_counter.get_lock():
-        slot = slot_counter.value
-        slot_counter.value += 1
-    _WORKER.update(slot=slot, busy_since=busy_since, busy_call=busy_call, watchdog=_Watchdog(),
-                   functions=factory(*factory_args))
-
-
-def _run_chunk(chunk: list[Call], timeout_s: float) -> list[tuple[int, Result]]:
-    slot, busy_since, busy_call = _WORKER["slot"], _WORKER["busy_since"], _WORKER["busy_call"]
-    watchdog, functions = _WORKER["watchdog"], _WORKER["functions"]
-    results = []
-    for call_id, name, kwargs in chunk:
-        busy_call[slot] = call_id
-        busy_since[slot] = time.monotonic()
+    def alive(pid: int) -> bool:
         try:
-            watchdog.arm(timeout_s)
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a SIGKILLed trainer not yet reaped by its parent is a zombie: gone for our purpose
+            with open(f"/proc/{pid}/stat") as handle:
+                return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return True
+
+    def watch():
+        while alive(trainer_pid):
+            time.sleep(TRAINER_POLL_S)
+        os._exit(0)
+
+    if not alive(trainer_pid):
+        os._exit(0)
+    threading.Thread(target=watch, name="trainer-watch", daemon=True).start()
+
+
+def _worker_main(conn, trainer_pid: int, factory: Callable[..., dict], factory_args: tuple) -> None:
+    """A worker's life: build the functions, say ready, then run one call per message until told to stop."""
+    _die_with_trainer(trainer_pid)
+    # Ctrl-C and a scheduler's SIGTERM (often sent to the whole process group) are the trainer's to handle: it
+    # finishes its step, so its reward calls must still be answered. Workers end by SIGKILL (close(), PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watchdog, functions = _Watchdog(), factory(*factory_args)
+    conn.send("ready")
+    outbox = _Outbox(conn)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the trainer closed the pipe (or died)
+            os._exit(0)
+        if message is None:
+            return
+        chunk, timeout_s = message
+        for call_id, name, kwargs in chunk:
             try:
-                result = call_safely(functions[name], kwargs)
-            finally:
-                watchdog.disarm()
-        except CallTimeout:
-            result = ("timeout", None, f"took longer than {timeout_s} s")
-        busy_since[slot] = 0.0
-        results.append((call_id, result))
-    return results
+                watchdog.arm(timeout_s)
+                try:
+                    result = call_safely(functions[name], kwargs)
+                finally:
+                    watchdog.disarm()
+            except CallTimeout:
+                result = ("timeout", None, f"took longer than {timeout_s} s")
+            outbox.put(call_id, result)
+        outbox.flush()
+
+
+class _Outbox:
+    """Results of finished calls, sent to the parent every RESULT_FLUSH_S by a thread (and at a chunk's end), so
+    the parent knows which call runs even when the next one hangs, without one message per call."""
+
+    def __init__(self, conn):
+        self._conn, self._lock, self._done = conn, threading.Lock(), []
+        threading.Thread(target=self._loop, name="reward-outbox", daemon=True).start()
+
+    def put(self, call_id: int, result: Result) -> None:
+        with self._lock:
+            self._done.append((call_id, result))
+
+    def flush(self) -> None:
+        with self._lock:
+            done, self._done = self._done, []
+            if not done:
+                return
+            try:
+                self._conn.send(done)
+            except (BrokenPipeError, EOFError):  # the trainer is gone
+                os._exit(0)
+            except Exception:  # a value that cannot be pickled (a dict with a lambda ...): one by one
+                for call_id, result in done:
+                    try:
+                        self._conn.send([(call_id, result)])
+                    except Exception as error:
+                        message = f"reward returned a value that cannot be sent back: {error}"
+                        self._conn.send([(call_id, ("error", None, message))])
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(RESULT_FLUSH_S)
+            self.flush()
 
 
 # ----------------------------------------------------------------------------------------- parent side
+@dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    ready: bool = False
+    pending: list = field(default_factory=list)  # calls sent and not answered, in the order the worker runs them
+    started: float = 0.0  # monotonic start of pending[0]: when it was sent or the previous result came back
+    ignore: set = field(default_factory=set)  # calls taken back from this worker (re-queued); their results are dropped
+
+    @property
+    def free(self) -> bool:
+        return self.ready and not self.pending and not self.ignore
+
+
 class TimeoutPool:
-    """A process pool that runs `Call`s by function name; every worker builds its functions once with
+    """Worker processes that run `Call`s by function name; every worker builds its functions once with
     `factory(*factory_args)` (a picklable module-level function returning {name: callable})."""
 
     def __init__(self, *, num_workers: int, timeout_s: float, factory: Callable[..., dict], factory_args: tuple):
@@ -133,79 +231,116 @@ class TimeoutPool:
         self._factory, self._factory_args = factory, factory_args
         methods = multiprocessing.get_all_start_methods()
         self._context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        self._executor: ProcessPoolExecutor | None = None
+        if "forkserver" in methods:
+            self._context.set_forkserver_preload(["grpo_lib.rewards"])  # helpers start in ~0.1 s, imports done
+        self._workers: list[_Worker] = []
+        self._failed_starts = 0  # workers that died before they were ready (a factory that crashes them)
 
-    def _start(self):
-        ctx = self._context
-        self._busy_since = ctx.RawArray("d", self.num_workers)  # monotonic start of the running call, 0 = idle
-        self._busy_call = ctx.RawArray("q", self.num_workers)  # call_id of the running call
-        self._executor = ProcessPoolExecutor(
-            max_workers=self.num_workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(ctx.Value("i", 0), self._busy_since, self._busy_call, self._factory, self._factory_args),
-        )
+    def _spawn(self) -> None:
+        parent_end, child_end = self._context.Pipe()
+        process = self._context.Process(target=_worker_main, name="reward-worker", daemon=True,
+                                        args=(child_end, os.getpid(), self._factory, self._factory_args))
+        process.start()
+        child_end.close()
+        self._workers.append(_Worker(process, parent_end))
 
-    def _in_flight(self, older_than_s: float = 0.0) -> list[int]:
-        now = time.monotonic()
-        return [self._busy_call[slot] for slot in range(self.num_workers)
-                if self._busy_since[slot] > 0 and now - self._busy_since[slot] > older_than_s]
-
-    def _kill(self):
-        executor, self._executor = self._executor, None
-        if executor is None:
-            return
-        processes = list((getattr(executor, "_processes", None) or {}).values())
-        for process in processes:
-            process.kill()
-        executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.join(timeout=5)
+    def _retire(self, worker: _Worker) -> None:
+        """Kill one worker (it may be stuck) and forget it."""
+        worker.process.kill()
+        worker.process.join(timeout=5)
+        worker.conn.close()
+        self._workers.remove(worker)
 
     def run(self, calls: list[Call]) -> dict[int, Result]:
         """Run every call; returns {call_id: (status, value, message)}. Never raises for a call's failure."""
         results: dict[int, Result] = {}
-        remaining = list(calls)
-        for _ in range(MAX_ROUNDS):
-            if not remaining:
-                break
-            remaining = self._run_round(remaining, results)
-        for call_id, _, _ in remaining:
-            results[call_id] = ("error", None, f"reward worker pool broke {MAX_ROUNDS} times")
+        queue = deque(calls)
+        deadline: float | None = None  # set by the first call that runs past timeout_s / 2
+        stall_s = min(STALL_S, self.timeout_s / 4)
+        while queue or any(w.pending for w in self._workers):
+            if self._failed_starts > MAX_FAILED_STARTS:  # workers cannot even start: give up on the rest
+                for call_id, _, _ in queue:
+                    results[call_id] = ("error", None, f"reward workers died {self._failed_starts} times while starting")
+                queue.clear()
+            now = time.monotonic()
+            chunk_size = max(1, min(MAX_CHUNK, len(queue) // (4 * self.num_workers)))
+            for worker in self._workers:  # hand out chunks to free workers
+                if worker.free and queue:
+                    worker.pending = [queue.popleft() for _ in range(min(chunk_size, len(queue)))]
+                    worker.started = now
+                    try:
+                        worker.conn.send((worker.pending, self.timeout_s))
+                    except OSError:  # the worker died while idle: its calls go back to the queue
+                        queue.extendleft(reversed(worker.pending))
+                        worker.pending, worker.ready = [], False
+            busy = [w for w in self._workers if w.pending]
+            for worker in busy:
+                if now - worker.started > stall_s and len(worker.pending) > 1:  # maybe hung: take back the rest
+                    queue.extendleft(reversed(worker.pending[1:]))
+                    worker.ignore.update(call[0] for call in worker.pending[1:])
+                    worker.pending = worker.pending[:1]
+            stalled = sum(now - w.started > stall_s for w in busy)
+            if queue:
+                room = self.num_workers + MAX_HELPERS - len(self._workers)
+                want = self.num_workers - len(self._workers)  # workers killed or dead: replace them
+                if stalled and len(self._workers) - stalled < self.num_workers:
+                    # possibly hung workers: start helpers for what is queued at once (one per stall would start them
+                    # one generation at a time, and every generation may meet hangs of its own)
+                    want = max(want, len(queue))
+                for _ in range(min(want, room)):
+                    self._spawn()
+            slow = [w.started for w in busy if now - w.started > self.timeout_s / 2]
+            if deadline is None and slow:
+                deadline = min(slow) + self.timeout_s + HARD_GRACE_S
+            waiting = [w.conn for w in self._workers if w.pending or w.ignore or not w.ready]
+            for conn in connection.wait(waiting, timeout=POLL_S):
+                worker = next(w for w in self._workers if w.conn is conn)
+                while worker in self._workers and worker.conn.poll():  # drain: one message per finished call
+                    self._receive(worker, queue, results)
+            now = time.monotonic()
+            for worker in [w for w in self._workers if w.pending]:
+                overdue = now - worker.started > self.timeout_s + HARD_GRACE_S
+                if overdue or (deadline is not None and now > deadline):
+                    results[worker.pending[0][0]] = ("timeout", None, f"took longer than {self.timeout_s} s (worker killed)"
+                                                     if overdue else "stopped at the batch's reward deadline (another call "
+                                                     "hung; worker killed)")
+                    queue.extendleft(reversed(worker.pending[1:]))
+                    self._retire(worker)
+            if deadline is not None and now > deadline:
+                for call_id, _, _ in queue:
+                    results[call_id] = ("timeout", None, "not run: the batch's reward deadline passed (a call hung for "
+                                        f"reward.timeout_s={self.timeout_s} s)")
+                queue.clear()
+        for worker in [w for w in self._workers if w.ignore or not w.process.is_alive()]:
+            self._retire(worker)  # still busy with taken-back calls (maybe hung): replaced by the next batch
+        for worker in self._workers[self.num_workers:]:  # helpers go; the next batch starts them again if needed
+            self._retire(worker)
         return results
 
-    def _run_round(self, calls: list[Call], results: dict[int, Result]) -> list[Call]:
-        """One pass on one pool; returns the calls to re-run if the pool had to be replaced."""
-        if self._executor is None:
-            self._start()
-        chunk_size = max(1, min(MAX_CHUNK, math.ceil(len(calls) / (4 * self.num_workers))))
-        chunks = [calls[i : i + chunk_size] for i in range(0, len(calls), chunk_size)]
+    def _receive(self, worker: _Worker, queue: deque, results: dict[int, Result]) -> None:
         try:
-            pending = {self._executor.submit(_run_chunk, chunk, self.timeout_s) for chunk in chunks}
-        except Exception:  # the pool broke while idle (e.g. a worker was OOM-killed): start afresh
-            self._kill()
-            return calls
-        failure = None
-        while pending and failure is None:
-            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-            for future in done:
-                try:
-                    results.update(future.result())
-                except Exception as error:  # BrokenProcessPool: a worker died
-                    failure = ("error", f"reward worker process died ({type(error).__name__})")
-            stuck = self._in_flight(older_than_s=self.timeout_s + HARD_GRACE_S)
-            if failure is None and stuck:
-                failure = ("timeout", f"took longer than {self.timeout_s} s (worker killed)")
-        if failure is None:
-            return []
-        for future in pending:  # keep what finished before the pool is killed
-            if future.done() and not future.cancelled() and future.exception() is None:
-                results.update(future.result())
-        status, message = failure
-        culprits = self._in_flight(older_than_s=self.timeout_s + HARD_GRACE_S if status == "timeout" else 0.0)
-        self._kill()
-        for call_id in culprits:
-            results.setdefault(call_id, (status, None, message))
-        return [call for call in calls if call[0] not in results]
+            message = worker.conn.recv()
+        except (EOFError, OSError):  # the worker died: only the call it was running is lost
+            self._failed_starts += not worker.ready
+            if worker.pending:
+                code = worker.process.exitcode
+                results[worker.pending[0][0]] = ("error", None, f"reward worker process died (exit code {code})")
+                queue.extendleft(reversed(worker.pending[1:]))
+            self._retire(worker)
+            return
+        if message == "ready":
+            worker.ready = True
+            return
+        for call_id, result in message:
+            if call_id in worker.ignore:  # a taken-back call, run elsewhere
+                worker.ignore.discard(call_id)
+                continue
+            results[call_id] = result
+        answered = {call_id for call_id, _ in message}
+        worker.pending = [call for call in worker.pending if call[0] not in answered]
+        worker.started = time.monotonic()
 
     def close(self):
-        """Stop the workers (kills any still running)."""
-        self._kill()
+        """Stop the workers (kills any still running; idempotent)."""
+        for worker in list(self._workers):
+            self._retire(worker)

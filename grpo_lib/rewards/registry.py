@@ -78,6 +78,10 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info:
     if gsm8k_mode not in gsm8k.GSM8K_MODES:
         raise ValueError(f"gsm8k_mode must be one of {gsm8k.GSM8K_MODES}, got {gsm8k_mode!r}")
     accuracy, _ = _lookup(data_source)
+    if ground_truth is None or isinstance(ground_truth, float) and ground_truth != ground_truth \
+            or isinstance(ground_truth, str) and not ground_truth.strip():
+        raise ValueError(f"ground truth is {ground_truth!r}: nothing to score against (the data loader drops such rows, "
+                         "see data.invalid_rows)")
     return accuracy(solution_str or "", ground_truth, gsm8k_mode)
 
 

@@ -49,6 +49,7 @@ class RewardOutput:
     num_errors: int  # calls that raised or returned no usable score (each scored 0)
     num_timeouts: int  # calls stopped at timeout_s (each scored 0)
     error_samples: list[str] = field(default_factory=list)  # up to 5 messages, for the log
+    num_failed_responses: int = 0  # responses with at least one errored or timed-out call (reward.max_error_fraction)
 
 
 def _as_score(value) -> tuple[float, dict]:
@@ -115,6 +116,7 @@ class RewardScorer:
             problems.append(f"num_workers must be >= 0 (0 = in-process, no timeouts), got {num_workers}")
         if problems:
             raise ValueError("invalid reward config:\n  " + "\n  ".join(problems))
+        self.last_error_samples: list[str] = []
         self.weights = {spec["name"]: float(spec.get("weight", DEFAULT_WEIGHT)) for spec in functions}
         factory_args = (custom_path, custom_name, gsm8k_mode)
         self._local_functions = build_functions(*factory_args)  # fails fast on a bad custom file
@@ -148,10 +150,12 @@ class RewardScorer:
         per_function = {name: [0.0] * num_responses for name in names}
         extras_by_function: dict[str, dict[str, list]] = {name: {} for name in names}
         num_errors = num_timeouts = 0
-        samples = []
+        samples, failed = [], set()
         for index in range(num_responses):
             for position, name in enumerate(names):
                 status, value, message = results[index * len(names) + position]
+                if status != "ok":
+                    failed.add(index)
                 if status == "ok":
                     per_function[name][index] = value[0]
                     for key, item in value[1].items():
@@ -170,10 +174,11 @@ class RewardScorer:
             for key, values in fields.items():
                 extra[key if len(field_owners[key]) == 1 else f"{name}/{key}"] = values
         scores = [sum(self.weights[name] * per_function[name][i] for name in names) for i in range(num_responses)]
+        self.last_error_samples = samples  # the latest failures, quoted when the trainer stops the run
         if samples:
             logger.warning("reward: %d errors, %d timeouts; first: %s", num_errors, num_timeouts, samples[0])
         return RewardOutput(scores=scores, per_function=per_function, extra=extra, num_errors=num_errors,
-                            num_timeouts=num_timeouts, error_samples=samples)
+                            num_timeouts=num_timeouts, error_samples=samples, num_failed_responses=len(failed))
 
     def close(self):
         """Stop the worker pool (idempotent)."""

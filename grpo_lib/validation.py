@@ -1,0 +1,76 @@
+"""Validation metrics from scored responses: per data source reward, accuracy, mean@n and pass@n; logged samples.
+
+`step.validate` generates rollout.val_kwargs.n responses per validation prompt, then calls `val_metrics` and
+`generation_rows`. Metric names (every process gets the same values, reduced over processes):
+
+| name | meaning |
+|---|---|
+| `val/<source>/reward_mean` | weighted reward per response |
+| `val/<source>/acc` | fraction of responses whose accuracy reward is > 0 (the total score when no accuracy function is listed) |
+| `val/<source>/mean@<n>` | per prompt, the fraction of its n responses that are correct; averaged over prompts (only n > 1) |
+| `val/<source>/pass@<n>` | fraction of prompts with at least one correct response among n (only n > 1) |
+| `val/reward_mean`, `val/reward_errors` | over all sources: reward per response; reward calls that failed or timed out |
+
+Example, one source, n = 2: prompt A's responses correct [1, 0], prompt B's [0, 0] -> acc 0.25, mean@2 0.25,
+pass@2 0.5 (A has one correct). pass@n >= mean@n always: a prompt's best response is at least its average.
+"""
+
+from __future__ import annotations
+
+from grpo_lib.distributed import all_reduce_sum, is_on
+
+
+def val_metrics(scorer, batch, *, sources: list[str], n: int) -> dict[str, float]:
+    """Score `batch` (fills batch.scores) and reduce per-source metrics over processes (see the module table).
+
+    `sources` must be the same list on every process (the validation set's sources), so the reductions match.
+    """
+    import torch
+
+    out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
+                       extra_infos=batch.extra_infos)
+    batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
+    correctness = out.per_function.get("accuracy", out.scores)
+    correct = [float(value > 0) for value in correctness]  # [B]
+    groups: dict[str, list[int]] = {}  # prompt -> its rows (a prompt's n responses share its group id)
+    for row, group in enumerate(batch.group_ids):
+        groups.setdefault(group, []).append(row)
+    metrics: dict[str, float] = {}
+    for src in sources:
+        rows = [i for i, d in enumerate(batch.data_sources) if d == src]
+        prompts = [g for g, members in groups.items() if batch.data_sources[members[0]] == src]
+        num_rows, num_prompts = all_reduce_sum(len(rows)), all_reduce_sum(len(prompts))
+        if not num_rows:
+            continue
+        metrics[f"val/{src}/reward_mean"] = all_reduce_sum(sum(out.scores[i] for i in rows)) / num_rows
+        metrics[f"val/{src}/acc"] = all_reduce_sum(sum(correct[i] for i in rows)) / num_rows
+        if n > 1:
+            mean_sum = sum(sum(correct[i] for i in groups[g]) / len(groups[g]) for g in prompts)
+            pass_sum = sum(max(correct[i] for i in groups[g]) for g in prompts)
+            metrics[f"val/{src}/mean@{n}"] = all_reduce_sum(mean_sum) / num_prompts
+            metrics[f"val/{src}/pass@{n}"] = all_reduce_sum(pass_sum) / num_prompts
+    metrics["val/reward_mean"] = all_reduce_sum(sum(out.scores)) / max(all_reduce_sum(len(out.scores)), 1.0)
+    metrics["val/reward_errors"] = all_reduce_sum(out.num_errors + out.num_timeouts)
+    return metrics
+
+
+def generation_rows(batch, prompt_texts: list[str], *, limit: int) -> list[dict]:
+    """The first `limit` (prompt, response, score) rows of the validation, gathered to every process.
+
+    `prompt_texts[i]` is row i's prompt as text. Rows come in process order (process 0's first), so a fixed
+    validation set logs the same prompts at every validation and their responses can be compared over steps.
+    Example: limit 2 -> [{"data_source": "openai/gsm8k", "prompt": "...", "response": "... #### 7",
+    "ground_truth": "7", "score": 1.0}, {...}].
+    """
+    if limit <= 0:
+        return []
+    rows = [{"data_source": batch.data_sources[i], "prompt": prompt_texts[i], "response": batch.response_texts[i],
+             "ground_truth": str(batch.ground_truths[i]), "score": float(batch.scores[i])}
+            for i in range(min(limit, len(batch)))]
+    if is_on():
+        import torch.distributed as dist
+
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        rows = [row for part in gathered for row in part]
+    return rows[:limit]

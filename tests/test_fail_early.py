@@ -1,0 +1,140 @@
+"""Fail early: every problem a run can know before its first step exits 2 within seconds, naming the key, the file
+(with its line for YAML) or the row -- before the tokenizer, the data or the engine load (issue 11)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+# The machine is shared (load average 10-25 on 2 cores while 7 engineers test): wall time says little, so the
+# check is the CPU time the run used. Light imports (yaml, torch for the algorithm registries) cost ~2 CPU-s;
+# loading a model and starting vLLM costs 20+.
+FAST_CPU_S = 5.0
+WALL_LIMIT_S = 60.0
+
+
+def run_cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run train_grpo.py; returns the process and the CPU seconds (user + system) it used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    wall_s = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert wall_s < WALL_LIMIT_S, f"took {wall_s:.1f} s of wall time"
+    return proc, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def assert_fails_early(proc: subprocess.CompletedProcess, cpu_s: float, *needles: str, limit_s: float = FAST_CPU_S) -> None:
+    assert proc.returncode == 2, f"expected exit 2, got {proc.returncode}:\n{proc.stderr[-3000:]}"
+    for needle in needles:
+        assert needle in proc.stderr, f"{needle!r} not in:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert cpu_s < limit_s, f"used {cpu_s:.1f} CPU-s: the problem must be found before anything heavy loads"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor.lr=-1e-6", "actor.lr=-1e-06: the learning rate must be a finite number >= 0"),
+    ("actor.lr=nan", "actor.lr=nan"),
+    ("rollout.temperature=0", "rollout.temperature=0.0: training needs a temperature > 0; 0 is greedy decoding: the rollout.n=8"),
+    ("actor.clip_ratio=1.5", "actor.clip_ratio=1.5: the PPO clip epsilon must lie in (0, 1)"),
+    ("actor.clip_ratio=0", "actor.clip_ratio=0.0"),
+    ("actor.clip_ratio_low=5", "actor.clip_ratio_low=5.0: a clip epsilon must lie in (0, 1)"),
+    ("actor.clip_ratio_high=5", "actor.clip_ratio_high=5.0"),
+    ("rollout.top_p=0", "rollout.top_p=0.0: nucleus sampling needs 0 < top_p <= 1"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5"),
+    ("actor.kl_loss_coef=-0.1", "actor.kl_loss_coef=-0.1: a KL coefficient must be >= 0"),
+    ("algorithm.kl_ctrl.kl_coef=-0.1", "algorithm.kl_ctrl.kl_coef=-0.1: a KL coefficient must be >= 0"),
+    ("trainer.total_training_steps=0", "trainer.total_training_steps=0: must be >= 1"),
+    ("trainer.total_training_steps=-3", "trainer.total_training_steps=-3: must be >= 1"),
+    ("reward.timeout_s=0", "reward.timeout_s=0.0: seconds, must be > 0"),
+    ("reward.max_error_fraction=1.5", "reward.max_error_fraction=1.5: a fraction in [0, 1]"),
+    ("reward.functions=[{name: accuracy, weight: .nan}]", "reward.functions[0].weight=nan: must be a finite number"),
+    ("reward.functions=[{name: fluency}]", "reward.functions[0]={'name': 'fluency'}"),
+    ("rollout.val_kwargs.n=4", "rollout.val_kwargs.n=4 with rollout.val_kwargs.temperature=0"),
+    ("actor.grad_clip=-1", "actor.grad_clip=-1.0"),
+    ("trainer.val_generations_to_log=-1", "trainer.val_generations_to_log=-1: must be >= 0"),
+])
+def test_value_out_of_range_exits_2_naming_the_key(override, needle):
+    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", override)
+    assert_fails_early(proc, elapsed_s, needle)
+
+
+def test_yaml_syntax_error_in_recipe_names_file_and_line(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("data:\n  train_batch_size: 8\nactor:\n  lr: [1e-6\n  ppo_epochs: 1\n")
+    proc, elapsed_s = run_cli(str(recipe))
+    assert_fails_early(proc, elapsed_s, f"recipe {str(recipe)!r} is not valid YAML: line 5")
+
+
+def test_value_set_in_a_recipe_names_its_line(tmp_path):
+    """A value out of range in the recipe points at the recipe's line; the same key overridden points at nothing."""
+    recipe = tmp_path / "mine.yaml"
+    text = (REPO / "recipes" / "tiny_cpu.yaml").read_text().replace("  use_kl_loss: true\n", "  use_kl_loss: true\n  clip_ratio_low: 5\n")
+    recipe.write_text(text)
+    line = text.splitlines().index("  clip_ratio_low: 5") + 1
+    proc, cpu_s = run_cli(str(recipe))
+    assert_fails_early(proc, cpu_s, f"actor.clip_ratio_low=5.0: a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28) "
+                                    f"({recipe} line {line})")
+
+
+def test_yaml_syntax_error_in_override_names_the_override():
+    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", "data.train_files=[a.parquet")
+    assert_fails_early(proc, elapsed_s, "override 'data.train_files=[a.parquet': the value is not valid YAML")
+
+
+def test_unwritable_output_folder_exits_2_before_models_load(tiny_model_dir, arith_data, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, blocker / "run"))
+    assert_fails_early(proc, elapsed_s, f"trainer.default_local_dir={str(blocker / 'run')!r} cannot be written")
+
+
+def test_less_free_disk_than_one_checkpoint_exits_2_with_the_numbers(arith_data, tmp_path):
+    """A model folder whose safetensors header declares 4e12 bf16 parameters (the file holds only the header):
+    one checkpoint would need about 4e12 x 12 bytes + 8e12 bytes, more than any test disk has."""
+    model = tmp_path / "huge_model"
+    model.mkdir()
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2_000_000, 2_000_000], "data_offsets": [0, 8 * 10**12]}}).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", *tiny_overrides(model, arith_data, tmp_path / "run"))
+    assert_fails_early(proc, elapsed_s, "GiB free, less than one checkpoint", "4000000.0 M parameters x 12 bytes",
+                       "trainer.default_local_dir=")
+
+
+def test_checkpoint_estimate_of_the_tiny_model(tiny_model_dir):
+    """The estimate reads the real parameter count: fp32 weights + AdamW moments (12 bytes/param) + the export."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lib.preflight import checkpoint_bytes, model_size
+
+    params, disk_bytes = model_size(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    # tied embeddings are stored once in the file and counted once by parameters()
+    assert params == sum(p.numel() for p in model.parameters()), "the header's count is the model's"
+    assert checkpoint_bytes(params, disk_bytes) == params * 12 + disk_bytes
+
+
+def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path):
+    """A row with a null ground truth and data.invalid_rows=error exits 2 naming file and row, before the engine."""
+    import pandas as pd
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 1? Answer after ####."}],
+             "reward_model": {"style": "rule", "ground_truth": None if i == 5 else str(i + 1)}} for i in range(8)]
+    data = {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}
+    pd.DataFrame(rows).to_parquet(data["train"])
+    pd.DataFrame(rows[:2]).to_parquet(data["test"])
+    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, tmp_path / "run"), "data.invalid_rows=error")
+    # tokenizer + data load (transformers' import: ~5 CPU-s), no model or engine
+    assert_fails_early(proc, elapsed_s, f"data file {str(data['train'])!r} row 5 (0-based): reward_model.ground_truth is None",
+                       limit_s=12.0)
