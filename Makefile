@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: demo test venv clean
+.PHONY: demo demo-lora test venv clean
 
 $(STAMP): requirements-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -31,6 +31,9 @@ artifacts/data/arith/train.parquet: $(STAMP) data_prep/synthetic.py
 
 demo: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu.yaml
+
+demo-lora: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu_lora.yaml
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests

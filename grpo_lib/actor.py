@@ -30,7 +30,7 @@ from dataclasses import fields
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, fsdp, perf
+from grpo_lib import algorithms, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.stopping import test_nan_steps
@@ -139,6 +139,8 @@ class Actor:
                 layer.compile(dynamic=True)
         if cfg.model.use_remove_padding:
             check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
+        if lora.lora_on(cfg):  # base frozen; only the adapters train (grpo_lib/lora.py); sharded like the full model
+            self.model = lora.apply_lora(self.model, cfg.model)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         a = cfg.actor
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -199,6 +201,9 @@ class Actor:
         embeddings `lm_head.weight` is included (`fsdp.gathered_state`).
         """
         self.load_params()
+        if lora.lora_on(self.cfg):  # base + scaled adapters, new tensors (the base is not modified)
+            yield from lora.merged_named_weights(self.model)
+            return
         yield from fsdp.gathered_state(self.model)
 
     # -- update ----------------------------------------------------------------------------------------
@@ -355,8 +360,14 @@ class Actor:
 
     def save_hf(self, path, tokenizer) -> None:
         """Hugging Face folder loadable by AutoModelForCausalLM and vLLM. EVERY process calls it (the tensors are
-        gathered from the shards one by one); process 0 keeps a CPU copy of each and writes the folder."""
+        gathered from the shards one by one); process 0 keeps a CPU copy of each and writes the folder.
+        With LoRA: path/adapter (peft format) and, with trainer.save_merged, path/merged (`lora.save_lora_checkpoint`)."""
         from pathlib import Path
+
+        if lora.lora_on(self.cfg):
+            self.load_params()
+            lora.save_lora_checkpoint(self, tokenizer, path, save_merged_folder=self.cfg.trainer.save_merged, write=_rank() == 0)
+            return
 
         state = {}
         for name, tensor in self.named_weights():

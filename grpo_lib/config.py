@@ -77,6 +77,19 @@ class ModelConfig:
     """Activation checkpointing in the actor's decoder layers (memory for compute)."""
     trust_remote_code: bool = False
     """Passed to transformers and vLLM."""
+    lora_rank: int = 0
+    """LoRA rank r (0: full fine-tuning). With r > 0 only the peft adapters train; the reference is the same model
+    with adapters disabled (no second copy) and the engine gets merged weights (grpo_lib/lora.py)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B @ A (verl's default 16)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters: `all-linear` (every linear layer except the output head) or a list of module
+    name suffixes such as [q_proj, v_proj]; each must match a module of the model."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter input during training (0: off; logprob passes never drop)."""
+    lora_adapter_path: str | None = None
+    """Start from this saved peft adapter folder (adapter_config.json + weights) instead of a fresh one; its rank,
+    alpha and target modules then come from the folder."""
 
 
 @dataclass
@@ -219,6 +232,9 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = None
     """Token budget (prompt + response) of the old-logprob pass per process. None: actor.ppo_max_token_len_per_gpu
     (resolved at load)."""
+    lora_mode: Literal["merged", "adapter"] = "merged"
+    """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
+    like full weights (exact, any engine)."""
 
 
 @dataclass
@@ -360,6 +376,9 @@ class TrainerConfig:
     """verl launch key: machines. None: 1 when n_gpus_per_node is given (verl's default), else from the launch."""
     critic_warmup: int = 0
     """verl key: steps that train only the critic. GRPO has no critic, so it must be 0."""
+    save_merged: bool = False
+    """With model.lora_rank > 0: each checkpoint also holds `merged/`, a full Hugging Face folder (base + adapters)
+    that transformers and vLLM load directly; the adapter itself (peft format) is always saved."""
 
 
 @dataclass
@@ -834,6 +853,22 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         p.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: must be >= 1 (or null to keep every checkpoint)")
     if t.max_bad_steps < 1:
         p.append(f"trainer.max_bad_steps={t.max_bad_steps}: must be >= 1")
+    m = cfg.model
+    if m.lora_rank < 0:
+        p.append(f"model.lora_rank={m.lora_rank}: must be >= 0 (0 turns LoRA off; 8-64 is usual)")
+    if m.lora_rank > 0 and m.lora_alpha <= 0:
+        p.append(f"model.lora_alpha={m.lora_alpha}: must be > 0 (the adapter is scaled by lora_alpha / lora_rank)")
+    if not 0 <= m.lora_dropout < 1:
+        p.append(f"model.lora_dropout={m.lora_dropout}: must be in [0, 1)")
+    if m.lora_rank > 0 and not m.target_modules:
+        p.append("model.target_modules is empty: use all-linear or a list of module names such as [q_proj, v_proj]")
+    if m.lora_rank > 0 and r.lora_mode == "adapter":
+        p.append("rollout.lora_mode=adapter is not supported: vLLM 0.32's LoRARequest loads an adapter only from a folder "
+                 "on disk (lora_path is required), so every push would write the adapter and make the engine reload it, "
+                 "against the rule that nothing reloads weights from disk after a push; use rollout.lora_mode=merged "
+                 "(the default), which pushes base + adapter like a full fine-tuning push")
+    if m.lora_adapter_path is not None and m.lora_rank == 0:
+        p.append(f"model.lora_adapter_path={m.lora_adapter_path!r} needs LoRA on: set model.lora_rank to the adapter's rank")
     if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
         p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
                  f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")

@@ -12,10 +12,10 @@ launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`.
 The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everything over all W):
 
     actor master weights   4 P / W       fp32 (model.dtype auto on GPU: fp32 master, bf16 compute)
-    gradients              4 P / W       fp32, sharded; freed after each optimizer step
-    AdamW state            8 P / W       fp32 exp_avg + exp_avg_sq
+    gradients              4 P / W       fp32, sharded; freed after each optimizer step (LoRA: adapter parameters only)
+    AdamW state            8 P / W       fp32 exp_avg + exp_avg_sq (LoRA: adapter parameters only)
     gathered units         2 x 2 x U     bf16 all-gathered unit (largest of a decoder layer and the embedding), x2 prefetch
-    reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU)
+    reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU) or LoRA
     activations            tokens x per-token bytes of the update's micro-batch bound (checkpointing: one layer
                            input per layer kept, one layer recomputed; without: every layer's saved tensors)
     output head chunk      3 x 1024 x V x 4   float32 logits, log-softmax and its gradient of one 1024-token chunk
@@ -207,6 +207,14 @@ def _dtype_bytes(name: str) -> int:
     return 4 if name == "float32" else 2
 
 
+def lora_params(sizes: ModelSizes, rank: int) -> int:
+    """Adapter parameters of LoRA rank `rank` on every linear layer of the decoder (all-linear; an upper bound for a
+    shorter target list): rank x (in + out) per layer, for q, k, v, o, gate, up, down."""
+    h, q, kv, i = sizes.hidden, sizes.q_dim, sizes.kv_dim, sizes.intermediate
+    per_layer = rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    return sizes.layers * per_layer
+
+
 def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int | None = None,
                 master_bytes: int = 4, with_engine: bool = True) -> dict[str, float]:
     """Bytes per GPU of each component, the phases and the peak (see the module docstring for the formulas).
@@ -228,12 +236,13 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         act = tokens * sizes.layers * per_layer_token
     head_tokens = min(tokens, HEAD_CHUNK_TOKENS)
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    trained = lora_params(sizes, cfg.model.lora_rank) if cfg.model.lora_rank > 0 else P  # LoRA: only adapters get grads / AdamW
     parts = {
         "actor master weights": master_bytes * P / W,
-        "gradients": master_bytes * P / W,
-        "AdamW state": 2 * master_bytes * P / W,
+        "gradients": master_bytes * trained / W,
+        "AdamW state": 2 * master_bytes * trained / W,
         "gathered units": (2 * compute_bytes * max(sizes.layer_params, sizes.embed_params)) if W > 1 else 0.0,
-        "reference": 0.0 if (not kl or cfg.ref.fsdp_config.param_offload) else _dtype_bytes(cfg.model.dtype) * P / W,
+        "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else _dtype_bytes(cfg.model.dtype) * P / W,
         "activations": float(act),
         "output head chunk": 3.0 * head_tokens * sizes.vocab * 4,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,

@@ -12,6 +12,7 @@ from grpo_lib.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+TINY = REPO / "recipes" / "tiny_cpu.yaml"  # a 1-process recipe for the override tests
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -28,15 +29,15 @@ def test_every_recipe_loads_and_validates(recipe):
 
 
 def test_verl_long_override_lands_on_same_field():
-    short = load_config(RECIPES[0], ["actor.ppo_epochs=2", "rollout.n=8", "model.path=/m", "actor.lr=1e-5"])
-    verl = load_config(RECIPES[0], ["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.rollout.n=8",
+    short = load_config(TINY, ["actor.ppo_epochs=2", "rollout.n=8", "model.path=/m", "actor.lr=1e-5"])
+    verl = load_config(TINY, ["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.rollout.n=8",
                                     "actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.optim.lr=1e-5"])
     assert (verl.actor.ppo_epochs, verl.rollout.n, verl.model.path, verl.actor.lr) == (2, 8, "/m", 1e-5)
     assert verl == short
 
 
 def test_override_types_are_parsed():
-    cfg = load_config(RECIPES[0], ["trainer.logger=[console]", "data.train_files=a.parquet", "actor.lr=1e-6",
+    cfg = load_config(TINY, ["trainer.logger=[console]", "data.train_files=a.parquet", "actor.lr=1e-6",
                                    "trainer.total_training_steps=null"])
     assert cfg.trainer.logger == ["console"] and cfg.data.train_files == ["a.parquet"]
     assert cfg.actor.lr == 1e-6 and cfg.trainer.total_training_steps is None
@@ -44,7 +45,7 @@ def test_override_types_are_parsed():
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        load_config(RECIPES[0], ["actor.ppo_epoch=2", "actor.clip_ratio=abc", "data.train_batch_size=10", "rollout.n=1"])
+        load_config(TINY, ["actor.ppo_epoch=2", "actor.clip_ratio=abc", "data.train_batch_size=10", "rollout.n=1"])
     text = str(err.value)
     for needle in ("actor.ppo_epoch", "did you mean 'actor.ppo_epochs'", "actor.clip_ratio", "data.train_batch_size=10", "rollout.n=1"):
         assert needle in text, f"{needle!r} not in:\n{text}"
@@ -52,17 +53,17 @@ def test_all_problems_reported_at_once():
 
 def test_mini_batch_must_split_across_processes():
     with pytest.raises(ConfigError, match="ppo_mini_batch_size=2 prompts does not split across 3 processes"):
-        load_config(RECIPES[0], ["data.train_batch_size=6", "actor.ppo_mini_batch_size=2", "rollout.n=4"], world_size=3)
+        load_config(TINY, ["data.train_batch_size=6", "actor.ppo_mini_batch_size=2", "rollout.n=4"], world_size=3)
 
 
 def test_token_budget_must_hold_one_sequence():
     with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_gpu=50"):
-        load_config(RECIPES[0], ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=50"])
+        load_config(TINY, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=50"])
 
 
 def test_unknown_algorithm_names_listed():
     with pytest.raises(ConfigError) as err:
-        load_config(RECIPES[0], ["actor.loss_agg_mode=token-sum", "actor.kl_loss_type=full"])
+        load_config(TINY, ["actor.loss_agg_mode=token-sum", "actor.kl_loss_type=full"])
     assert "actor.loss_agg_mode='token-sum'" in str(err.value) and "seq-mean-token-mean" in str(err.value)
     assert "actor.kl_loss_type='full'" in str(err.value)
 

@@ -1,0 +1,217 @@
+"""LoRA with peft: adapters on the actor, the reference for free, merged weights for the engine, adapter saves.
+
+With `model.lora_rank > 0` the actor is a peft `PeftModel`: every targeted linear layer y = W x gets a trainable
+low-rank update, y = W x + (lora_alpha / lora_rank) * B A x (A: [r, in], B: [out, r], B starts at 0 so step 0 is
+the base model). Only A and B are trainable: they alone reach the optimizer (so the base is never decayed), get
+gradients and are averaged over processes. What follows from that:
+
+- Reference for free: the KL reference is the initial policy, which is the same model with the adapters switched
+  off (`PeftModel.disable_adapter()`), so no second model is loaded (`AdapterDisabledReference`).
+- Push: the engine serves plain Hugging Face weights. `merged_named_weights` yields, per parameter, W + scale * B A
+  computed into a new tensor (the actor's W is never modified in place) under the base model's HF names, streamed
+  like the full push. Pushing the base (`merge=False`) restores the base model in the engine.
+- Checkpoints: `save_lora_checkpoint` writes the adapter in peft format (`PeftModel.from_pretrained` loads it) and,
+  with trainer.save_merged, a full HF folder (transformers and vLLM load it).
+
+Departure from verl: verl can also push the adapter through vLLM's LoRA path (patching vLLM to take tensors); here
+`rollout.lora_mode=adapter` is refused by config validation with the reason: merged pushes are exact
+and cost one extra [out, r] x [r, in] matmul per layer per push.
+Run the tests: `python -m pytest tests/test_lora.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+# peft's parameter names inside a LoRA-wrapped linear layer: <layer>.base_layer.weight (the frozen W),
+# <layer>.lora_A.<adapter>.weight, <layer>.lora_B.<adapter>.weight (and lora_embedding_* for embeddings).
+_ADAPTER_PARAM = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+def lora_on(cfg) -> bool:
+    return cfg.model.lora_rank > 0
+
+
+def check_lora_setup(cfg) -> list[str]:
+    """Problems with the LoRA keys that need the model's structure (cheap: config.json + a meta-device build).
+
+    Called before the engine starts. Returns messages naming the key; empty list: fine.
+    Example: target_modules [q_proj, qkv] on Qwen3 -> ["model.target_modules: 'qkv' matches no module ..."].
+    """
+    m = cfg.model
+    if not lora_on(cfg):
+        return []
+    problems = []
+    if m.lora_adapter_path is not None:
+        adapter_config = Path(m.lora_adapter_path) / "adapter_config.json"
+        if not adapter_config.is_file():
+            problems.append(f"model.lora_adapter_path={m.lora_adapter_path!r}: no adapter_config.json there; point it at a "
+                            "folder written by PeftModel.save_pretrained (a checkpoint's actor/adapter folder)")
+        return problems  # rank, alpha and targets come from the adapter folder
+    if m.target_modules == ["all-linear"]:
+        return problems
+    if "all-linear" in m.target_modules:
+        return problems + [f"model.target_modules={m.target_modules}: all-linear cannot be combined with other names; "
+                           "use all-linear alone or a list of module names"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+    names = [name for name, _ in model.named_modules()]
+    linear = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)})
+    for target in m.target_modules:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            problems.append(f"model.target_modules: {target!r} matches no module of {m.path}; its linear layers are "
+                            f"{linear} (or use all-linear)")
+    return problems
+
+
+def apply_lora(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
+    """Wrap `model` in a peft PeftModel with trainable adapters (fresh, or loaded from model.lora_adapter_path).
+
+    Every base parameter is frozen (requires_grad False); adapter parameters are trainable and in the model dtype.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if model_cfg.lora_adapter_path is not None:
+        peft_model = PeftModel.from_pretrained(model, model_cfg.lora_adapter_path, is_trainable=True)
+    else:
+        targets = "all-linear" if model_cfg.target_modules == ["all-linear"] else list(model_cfg.target_modules)
+        peft_model = get_peft_model(model, LoraConfig(
+            r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, target_modules=targets,
+            lora_dropout=model_cfg.lora_dropout, bias="none", task_type="CAUSAL_LM"))
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all(_ADAPTER_PARAM.search(n) for n in trainable), (
+        f"after wrapping, the trainable parameters must be the adapters only; got {trainable[:5]}")
+    return peft_model
+
+
+def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable (adapter) parameters; with LoRA off, every parameter."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def hf_name(peft_name: str) -> str:
+    """A base parameter's name inside the peft-wrapped model -> its Hugging Face name.
+
+    Example: "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    -> "model.layers.0.self_attn.q_proj.weight".
+    """
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: all-gathered from its shards when FSDP2 sharded it (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def merged_named_weights(model: torch.nn.Module, *, merge: bool = True,
+                         gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of the base model with the adapters merged in (merge=True) or left out (merge=False).
+
+    Per LoRA layer: W + (lora_alpha / r) * B @ A, summed in float32 into a NEW tensor of W's dtype (W itself is never
+    touched). `gather` turns a stored tensor into the full one (default: all-gathered from FSDP2 shards, a collective:
+    every process must consume the iterator to its end, in step). Adapter tensors are not yielded. Streams: one merged
+    tensor alive at a time; a tensor shared by two names (tied embeddings) is gathered once.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    lora_layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    states = model.state_dict()
+    last_id, last_full = None, None
+    for name, tensor in states.items():
+        if _ADAPTER_PARAM.search(name):
+            continue
+        if id(tensor) != last_id:
+            last_id, last_full = id(tensor), gather(tensor.detach())
+        full = last_full
+        module = lora_layers.get(name)
+        if merge and module is not None:
+            full = (full.float() + _delta_weight(module, states, name, gather)).to(full.dtype)  # [out, in]
+        yield hf_name(name), full
+
+
+def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str, gather) -> torch.Tensor:
+    """scale * B @ A of one LoRA linear layer (sum over its active adapters), float32 [out, in]."""
+    prefix = weight_name.removesuffix("base_layer.weight")
+    delta = None
+    for adapter in module.active_adapters:
+        a = gather(states[f"{prefix}lora_A.{adapter}.weight"].detach()).float()  # [r, in]
+        b = gather(states[f"{prefix}lora_B.{adapter}.weight"].detach()).float()  # [out, r]
+        d = module.scaling[adapter] * (b @ a)  # [out, in]
+        if getattr(module, "fan_in_fan_out", False):
+            d = d.T
+        delta = d if delta is None else delta + d
+    return delta
+
+
+class AdapterDisabledReference:
+    """The KL reference with LoRA on: the actor's own model with its adapters switched off (the initial policy)."""
+
+    def __init__(self, actor, cfg):
+        self.actor, self.cfg = actor, cfg
+
+    def compute_logprobs(self, batch):
+        from grpo_lib.actor import logprobs_over_batch
+
+        r = self.cfg.ref  # knobs resolved in config validation, as for the separate Reference
+        self.actor.load_params()
+        policy = self.actor.policy  # the FSDP2 root around the PeftModel: the same forward path as the actor's
+        was_training = policy.training
+        policy.eval()
+        try:
+            with self.actor.model.disable_adapter():
+                return logprobs_over_batch(
+                    policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                    max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device,
+                    autocast=self.actor.autocast)  # [B, T]
+        finally:
+            policy.train(was_training)
+
+
+def reference_note(cfg) -> str:
+    """The one log line saying what the ref.* keys do with LoRA on."""
+    return ("LoRA: the KL reference is the actor with its adapters disabled (no second model); "
+            f"ref.fsdp_config.param_offload={cfg.ref.fsdp_config.param_offload} has nothing to do")
+
+
+def adapter_state(model: torch.nn.Module, *, gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> dict[str, torch.Tensor]:
+    """The adapter tensors only (peft names, full, on CPU); a collective under FSDP2 like `merged_named_weights`."""
+    return {name: gather(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
+
+
+def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bool,
+                         gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor, write: bool = True) -> None:
+    """A LoRA actor checkpoint: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF folder).
+
+    Every process calls it (under FSDP2 the tensors are gathered from the shards, `gather`); the process with
+    `write` (process 0) writes. Reload the adapter with
+    `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model.path), path / "adapter")`;
+    start a run from it with `model.lora_adapter_path=path/adapter`.
+    """
+    adapter_dir, merged_dir = Path(path) / "adapter", Path(path) / "merged"
+    state = adapter_state(actor.model, gather=gather)
+    if write:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
+        tokenizer.save_pretrained(adapter_dir)
+    if not save_merged_folder:
+        return
+    merged = {}
+    for name, tensor in merged_named_weights(actor.model, gather=gather):
+        if write:
+            merged[name] = tensor.to("cpu", copy=True)
+    if write:
+        merged_dir.mkdir(parents=True, exist_ok=True)
+        actor.model.get_base_model().save_pretrained(merged_dir, state_dict=merged)
+        tokenizer.save_pretrained(merged_dir)
