@@ -1,7 +1,7 @@
 """LoRA vs full fine-tuning: peak memory of one update step on the mid-size model.
 
 Not a test: `python bench/bench_lora.py` prints a table and writes (or replaces) the section
-"## LoRA vs full fine-tuning" at the end of bench/results_cpu.md. About 2 minutes on 2 idle CPU cores.
+bench/results_lora_cpu.md. About 2 minutes on 2 idle CPU cores.
 
 What it measures: the random Qwen3-architecture model of bench/bench_update.py (hidden 512, 8 layers, vocab 32k,
 ~42M parameters, float32), one mini-batch of 16 trajectories (lengths 10-100% of 512 tokens, packed, token budget
@@ -36,7 +36,7 @@ from grpo_lib.actor import Actor  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
 
 MIB = 2**20
-SECTION = "## LoRA vs full fine-tuning"
+SECTION = "# LoRA vs full fine-tuning (CPU)"
 
 
 def tensor_mib(tensors) -> float:
@@ -85,7 +85,7 @@ def run_child(args, model_dir: Path, rank: int) -> dict:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) this benchmark's section at the end of results_cpu.md."""
+    """Replace (or append) this benchmark's section of its results file."""
     old = path.read_text() if path.is_file() else ""
     head = old.split(SECTION)[0].rstrip() if SECTION in old else old.rstrip()
     path.write_text((head + "\n\n" if head else "") + text)
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--ranks", default="0,64", help="LoRA ranks to measure (0: full fine-tuning)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results_cpu.md"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results_lora_cpu.md"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
