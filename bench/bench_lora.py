@@ -120,8 +120,7 @@ def main() -> None:
             print(f"  {'full' if rank == 0 else f'LoRA r={rank}'}: update peak {row['peak_update_mib']:.0f} MiB, before "
                   f"{row['rss_before_update_mib']:.0f} MiB, grads {row['grads_mib']:.1f} MiB, AdamW {row['adam_mib']:.1f} MiB", flush=True)
     full = rows[0]
-    lines = [SECTION, "", f"Produced by `python bench/bench_lora.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, same machine "
-             "block as above:", "", "```", info, "```", "",
+    lines = [SECTION, "", f"Produced by `python bench/bench_lora.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC:", "", "```", info, "```", "",
              f"Model: the random Qwen3 of bench_update.py ({n_params / 1e6:.1f}M parameters, float32, tied embeddings). One update of "
              f"{args.rows} trajectories (<= {args.max_len} tokens, packed, budget {args.budget} tokens, KL loss on), fresh process per "
              "mode, LoRA on all-linear (alpha = 2 x rank). A warm-up update first (AdamW allocates its state, as after step 1 of "
