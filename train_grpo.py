@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -30,7 +30,9 @@ work under `if __name__ == "__main__":` (train_grpo.py does), or the workers wou
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.util  # registers multiprocessing's exit handler first, so ours (below) runs before it
 import os
 import signal
 import threading
@@ -38,6 +40,19 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import connection
+
+_SPAWNED: list = []  # every worker process this interpreter started
+
+
+@atexit.register
+def _kill_workers_at_exit() -> None:
+    """SIGKILL workers still alive at interpreter exit. They ignore SIGTERM (the trainer owns stop signals), so
+    multiprocessing's own exit handler, which terminates daemonic children with SIGTERM and then joins them,
+    would wait forever for one that a path out of the trainer did not close."""
+    for process in _SPAWNED:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
 from typing import Any, Callable
 
 HARD_GRACE_S = 2.0  # seconds past timeout_s before the parent kills a worker stuck in C code
@@ -241,6 +256,7 @@ class TimeoutPool:
         process = self._context.Process(target=_worker_main, name="reward-worker", daemon=True,
                                         args=(child_end, os.getpid(), self._factory, self._factory_args))
         process.start()
+        _SPAWNED.append(process)
         child_end.close()
         self._workers.append(_Worker(process, parent_end))
 
