@@ -107,12 +107,3 @@ def broadcast_object(obj, src: int = 0):
 def barrier() -> None:
     if is_on():
         dist.barrier()
-
-
-def broadcast_object(obj, src: int = 0):
-    """Process `src`'s picklable `obj` on every process (identity with one process)."""
-    if not is_on():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo_lib.rollout import Lifecycle, prepare_for_generation, wake_transition
+from grpo_lib.rollout import Lifecycle, LifecycleGlue, wake_transition
 from grpo_lib.types import Generation
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
@@ -50,7 +50,7 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
     return logits
 
 
-class HFEngine:
+class HFEngine(LifecycleGlue):
     """A transformers causal LM owned by this process, behind the RolloutEngine interface."""
 
     def __init__(self, *, model_path: str, cfg, on_cpu: bool, trust_remote_code: bool = False):
@@ -87,16 +87,6 @@ class HFEngine:
     def reset_prefix_cache(self) -> None:
         with self.lifecycle.transition("reset_prefix_cache"):
             pass  # no prefix cache
-
-    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        prepare_for_generation(self, weights)
-
-    def release(self) -> None:
-        self.sleep()
-
-    def pop_metrics(self) -> dict[str, float]:
-        metrics, self.lifecycle.metrics = self.lifecycle.metrics, {}
-        return metrics
 
     # -- weights ---------------------------------------------------------------------------------------
 

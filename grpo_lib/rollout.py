@@ -230,7 +230,22 @@ def prepare_for_generation(engine: RolloutEngine, weights: Iterable[tuple[str, t
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
-class VLLMEngine:
+class LifecycleGlue:
+    """The phase-level calls both engines share, over their `lifecycle` and `sleep()`."""
+
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        prepare_for_generation(self, weights)
+
+    def release(self) -> None:
+        """After the generation phase, before the update: give the device memory back to the trainer."""
+        self.sleep()
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.lifecycle.metrics = self.lifecycle.metrics, {}
+        return metrics
+
+
+class VLLMEngine(LifecycleGlue):
     """One vLLM `LLM` living in this process. `llm_factory` (default `vllm.LLM`) lets tests record its calls."""
 
     def __init__(self, *, model_path: str, cfg, max_model_len: int, seed: int, on_cpu: bool, world_size: int,
@@ -290,17 +305,6 @@ class VLLMEngine:
         """Drop KV computed with the old weights (after every push)."""
         with self.lifecycle.transition("reset_prefix_cache"):
             self.llm.reset_prefix_cache()
-
-    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        prepare_for_generation(self, weights)
-
-    def release(self) -> None:
-        """After the generation phase, before the update: give the device memory back to the trainer."""
-        self.sleep()
-
-    def pop_metrics(self) -> dict[str, float]:
-        metrics, self.lifecycle.metrics = self.lifecycle.metrics, {}
-        return metrics
 
     # -- weights ---------------------------------------------------------------------------------------
 
