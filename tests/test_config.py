@@ -100,7 +100,7 @@ def test_cli_missing_model_exits_2_naming_it(tmp_path):
 
     data = write_dataset(tmp_path / "data", train_size=40, test_size=4)
     proc = run_cli("recipes/tiny_cpu.yaml", f"model.path={tmp_path / 'no_model'}", f"data.train_files=[{data['train']}]",
-                   f"data.val_files=[{data['test']}]")
+                   f"data.val_files=[{data['test']}]", f"trainer.default_local_dir={tmp_path / 'run'}")  # not a demo's folder
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.path=" in proc.stderr and "no_model" in proc.stderr and "Traceback" not in proc.stderr
 
