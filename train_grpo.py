@@ -263,4 +263,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    from grpo_lib.distributed import close_distributed
+
+    close_distributed()  # every process leaves the group before exit (a clean launcher report on every path)
+    sys.exit(code)

@@ -65,6 +65,14 @@ def init_distributed() -> None:
     dist.init_process_group(backend_string(cuda))
 
 
+def close_distributed() -> None:
+    """Leave the process group at the end of a run (every process). Exiting without this lets each process tear its
+    gloo/NCCL threads down at interpreter exit, in any order: a process can then abort ("terminate called without an
+    active exception") while the other one is still closing its connections, and the launcher reports a failure."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _reduce(value: float, op) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64)  # CPU tensor: gloo on every machine
     dist.all_reduce(t, op=op)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from grpo_lib.distributed import barrier, init_distributed  # noqa: E402
+from grpo_lib.distributed import barrier, close_distributed, init_distributed  # noqa: E402
 from grpo_lib.stopping import install_stop_handlers, stop_requested  # noqa: E402
 
 init_distributed()
@@ -25,3 +25,5 @@ barrier()
 after = stop_requested()
 Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
 (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps({"before": before, "after": after}))
+barrier()
+close_distributed()
