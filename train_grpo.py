@@ -123,8 +123,13 @@ def stop_run(cfg, parts, error, *, last_step: int, save) -> int:
     print(f"error: {error}", file=sys.stderr)
     saved_already = cfg.trainer.save_freq > 0 and last_step % cfg.trainer.save_freq == 0
     if last_step >= 1 and not saved_already:
-        save(last_step)
-        print(f"saved the last completed step to {Path(cfg.trainer.default_local_dir) / f'global_step_{last_step}'}", file=sys.stderr)
+        from grpo_lib.checkpoint import SaveError
+
+        try:
+            save(last_step)
+            print(f"saved the last completed step to {Path(cfg.trainer.default_local_dir) / f'global_step_{last_step}'}", file=sys.stderr)
+        except SaveError as save_error:
+            print(f"error: {save_error}", file=sys.stderr)
     parts["scorer"].close()
     parts["logger"].close()
     return error.exit_code
@@ -199,7 +204,7 @@ def main(argv: list[str]) -> int:
 
     def save(step: int) -> None:
         checkpoint.save(cfg, step=step, actor=actor, sampler=parts["sampler"], rank=rank, world_size=world_size,
-                        export_hf=lambda path: S.save_checkpoint(actor, parts["tokenizer"], path, rank=rank))
+                        export_hf=lambda path: actor.save_hf(path, parts["tokenizer"]))
 
     install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
     bad_steps = 0  # consecutive steps with a skipped (non-finite) update
@@ -253,7 +258,13 @@ def main(argv: list[str]) -> int:
             run_validation(cfg, parts, step, world_size=world_size, rank=rank)
         stopping = stop_requested()  # agreed by all processes
         if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"] or stopping:
-            save(step)
+            try:
+                save(step)
+            except checkpoint.SaveError as error:  # a full disk: the previous checkpoint stays resumable
+                print(f"error: {error}", file=sys.stderr)
+                scorer.close()
+                logger.close()
+                return error.exit_code
         if stopping:
             print(f"stopped after step {step}; resume with the same command", file=sys.stderr)
             break

@@ -232,35 +232,61 @@ def _write_pointer(run_dir: Path, step: int) -> None:
     os.replace(tmp, run_dir / POINTER)
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a folder that went read-only): the partial folder is removed,
+    the previous checkpoint is untouched, and the run stops with exit code 3 (the same on every process)."""
+
+    exit_code = 3
+
+
 def save(cfg, *, step: int, actor, sampler, export_hf, rank: int, world_size: int) -> Path:
     """Write the checkpoint of `step` atomically (call on every process); returns its folder.
 
-    `export_hf(folder)` writes the Hugging Face export (called on every process; process 0 writes).
+    `export_hf(folder)` writes the Hugging Face export (called on every process: the shards are gathered with
+    it; process 0 writes). A write that fails on any process (OSError: no space left, permissions) raises
+    SaveError on every process: the processes agree after each stage whose writes are local, so none of them is
+    left waiting in a collective the others skipped.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from grpo_lib.distributed import barrier
+    from grpo_lib.distributed import all_reduce_max, barrier
     from grpo_lib.stopping import test_signal_point
 
     run_dir = Path(cfg.trainer.default_local_dir)
     final, tmp = run_dir / f"global_step_{step}", run_dir / f".tmp_global_step_{step}"
-    if rank == 0:
+    failure: list[BaseException] = []
+
+    def attempt(write) -> None:
+        if not failure:
+            try:
+                write()
+            except (OSError, CheckpointException) as exc:
+                failure.append(exc)
+
+    def agree() -> None:  # one all-reduce: did any process fail so far?
+        if all_reduce_max(1.0 if failure else 0.0) > 0:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint stays
+            raise SaveError(_save_failure_message(run_dir, step, failure[0] if failure else None))
+
+    def start() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
-    barrier()
-    model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    test_signal_point("save", step)  # test hook: a kill between the files of a checkpoint
-    if cfg.trainer.save_hf:
-        export_hf(tmp / "actor")
-    if rank == 0:
+
+    def sharded_state() -> None:  # DCP raises on every process when any process's write fails
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+        test_signal_point("save", step)  # test hook: a kill (or a full disk) between the files of a checkpoint
+
+    def trainer_state() -> None:
         state = {"step": step, "actor_steps_done": actor.steps_done, "scheduler": actor.scheduler.state_dict(),
                  "sampler": sampler.state_dict(), "world_size": world_size, "config": dataclasses.asdict(cfg)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-    barrier()  # every process's files are written
-    if rank == 0:
+
+    def publish() -> None:  # COMPLETE last, then the rename, then the pointer
         (tmp / MARKER).write_text(f"step {step}\n")
         _fsync(tmp / MARKER)
         if final.exists():  # the same step saved again (a stop right after a resume): swap, never delete first
@@ -272,12 +298,41 @@ def save(cfg, *, step: int, actor, sampler, export_hf, rank: int, world_size: in
             os.replace(tmp, final)
         _fsync(run_dir)
         _write_pointer(run_dir, step)
+
+    if rank == 0:
+        attempt(start)
+    agree()
+    attempt(sharded_state)
+    if cfg.trainer.save_hf:
+        agree()  # the export gathers shards: every process enters it, or none
+        attempt(lambda: export_hf(tmp / "actor"))
+    if rank == 0:
+        attempt(trainer_state)
+    agree()  # every process's files are written
+    if rank == 0:
+        attempt(publish)
+    agree()
+    if rank == 0:
         keep = cfg.trainer.max_ckpt_to_keep
         if keep is not None:
             for old_step, folder in list(complete_checkpoints(run_dir).items())[:-keep]:
                 shutil.rmtree(folder)
     barrier()
     return final
+
+
+def _save_failure_message(run_dir: Path, step: int, exc: BaseException | None) -> str:
+    newest = complete_checkpoints(run_dir) if run_dir.is_dir() else {}
+    last = f"the last complete checkpoint, {list(newest.values())[-1]}, is intact: rerun the same command to resume from it" \
+        if newest else "no earlier checkpoint exists"
+    try:
+        free = f"{shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    cause = f"{type(exc).__name__}: {exc}" if exc is not None else "a write failed on another process"
+    return (f"could not write the checkpoint of step {step} in {run_dir} ({cause}; {free} there). The partial folder "
+            f"was removed and {last}. Free disk space (or lower trainer.max_ckpt_to_keep, or point "
+            "trainer.default_local_dir at a larger disk)")
 
 
 # ------------------------------------------------------------------------------------------ load

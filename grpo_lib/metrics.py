@@ -43,6 +43,21 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor
                 "actor/entropy", "actor/grad_norm", "timing_s/step")
 
 
+def wandb_run_id(log_dir: Path, resume_step: int) -> str:
+    """The wandb run id of this run folder: kept in `wandb_run_id.txt`, so a resumed run (resume_step > 0) logs into
+    the same wandb run instead of starting a new one; a fresh run writes a new id. (wandb keeps the first value it
+    got for a step: the steps after the checkpoint that a killed run had already logged are not replaced there;
+    metrics.jsonl and TensorBoard are cut back to the checkpoint.)"""
+    path = Path(log_dir) / "wandb_run_id.txt"
+    if resume_step and path.is_file():
+        return path.read_text().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:16]
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class MetricLogger:
     def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
                  project_name: str = "grpo", experiment_name: str = "run", resume_step: int = 0):
@@ -66,7 +81,8 @@ class MetricLogger:
         if "wandb" in self.sinks:
             import wandb
 
-            self.wandb = wandb.init(project=project_name, name=experiment_name, dir=str(self.log_dir))
+            self.wandb = wandb.init(project=project_name, name=experiment_name, dir=str(self.log_dir),
+                                    id=wandb_run_id(self.log_dir, resume_step), resume="allow")
         if "jsonl" in self.sinks:
             self.jsonl = open_jsonl_at(self.log_dir / "metrics.jsonl", resume_step)
         if (self.log_dir / "val_generations.jsonl").exists():  # validation samples: cut at the same step

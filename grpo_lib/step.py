@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
-from grpo_lib.distributed import all_reduce_min, all_reduce_sum, barrier, broadcast_object, is_on
+from grpo_lib.distributed import all_reduce_min, all_reduce_sum, broadcast_object, is_on
 from grpo_lib.perf import engine_logprobs_needed
 from grpo_lib.rollout import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
@@ -290,9 +289,3 @@ def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
     """Slowest process's time per phase (the step waits for it)."""
     return {k: -all_reduce_min(-v) for k, v in timings.items()}
-
-
-def save_checkpoint(actor, tokenizer, path: Path, *, rank: int) -> None:
-    """Hugging Face export of the actor: every process gathers the shards with it, process 0 writes; all wait."""
-    actor.save_hf(path, tokenizer)
-    barrier()

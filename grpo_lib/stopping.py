@@ -10,7 +10,8 @@ the signal.
 Test hooks (environment variables, read only here; nothing else in the code looks at them):
 
 - `GRPO_TEST_SIGNAL="<SIGNAL> <point> <step> [rank]"`: send SIGNAL (KILL, TERM, INT) to this process when the
-  run reaches `point` of `step` (on every process, or only on process `rank`). Points: `update` (right after the actor update of that step, before its metrics
+  run reaches `point` of `step` (on every process, or only on process `rank`); `ENOSPC` instead of a signal
+  raises the OSError of a full disk there. Points: `update` (right after the actor update of that step, before its metrics
   are logged), `save` (in the middle of that step's checkpoint: the sharded weights and optimizer are
   written, the rest is not). Example: `GRPO_TEST_SIGNAL="KILL save 4"`.
 - `GRPO_TEST_NAN_STEPS="2,3"`: the actor's loss is multiplied by NaN on those steps (counted by
@@ -19,6 +20,7 @@ Test hooks (environment variables, read only here; nothing else in the code look
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -67,6 +69,9 @@ def test_signal_point(point: str, step: int) -> None:
         return
     name, where, at_step, *only_rank = spec.split()
     if where == point and int(at_step) == step and (not only_rank or int(only_rank[0]) == int(os.environ.get("RANK", "0"))):
+        if name == "ENOSPC":  # a full disk: the write fails with the error a full disk gives
+            print(f"test hook: ENOSPC at {point} of step {step}", file=sys.stderr, flush=True)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "test hook")
         print(f"test hook: SIG{name} at {point} of step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 

@@ -266,3 +266,21 @@ def test_plan_resume_without_checkpoint_and_incomplete_paths(tmp_path):
     cfg.trainer.resume_mode, cfg.trainer.resume_from_path = "resume_path", str(tmp_path / "global_step_1")
     with pytest.raises(ResumeError, match="not a complete checkpoint"):
         plan_resume(cfg)
+
+
+def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpoint_intact(base, tmp_path):
+    """2 processes; process 1's checkpoint write of step 4 fails with ENOSPC (test hook). Both processes agree and
+    exit 3 (none waits in a collective the other skipped), the partial folder is removed, global_step_2 stays
+    complete and resumable, the metrics of steps 1-4 are kept, and the message names the intact checkpoint."""
+    out = tmp_path / "run"
+    full = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "ENOSPC save 4 1"}, tmp_path / "full.log",
+                      launcher=two_processes())
+    log = (tmp_path / "full.log").read_text()
+    assert full.returncode != 0 and "exitcode  : 3" in log, log[-3000:]
+    assert "test hook: ENOSPC at save of step 4" in log
+    assert "could not write the checkpoint of step 4" in log and "global_step_2, is intact" in log, log[-3000:]
+    assert sorted(p.name for p in out.iterdir() if "global_step" in p.name) == ["global_step_2"]
+    assert (out / "global_step_2" / MARKER).is_file() and (out / POINTER).read_text().strip() == "2"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    resumed = run_train(base(out, "trainer.save_freq=2", "trainer.total_training_steps=3"))  # one process: DCP reshards
+    assert "resumed from" in resumed.stderr and (out / "global_step_3" / MARKER).is_file(), resumed.stderr[-2000:]

@@ -23,8 +23,9 @@ class _Run:
         with open(self.path, "a") as f: f.write(json.dumps({"step": step, **metrics}) + "\\n")
     def finish(self):
         with open(self.path, "a") as f: f.write("FINISH\\n")
-def init(project=None, name=None, dir=None, **kwargs):
-    with open(os.path.join(dir, "fake_wandb_init.json"), "w") as f: json.dump({"project": project, "name": name}, f)
+def init(project=None, name=None, dir=None, id=None, resume=None, **kwargs):
+    with open(os.path.join(dir, "fake_wandb_init.json"), "w") as f:
+        json.dump({"project": project, "name": name, "id": id, "resume": resume}, f)
     return _Run(os.path.join(dir, "fake_wandb_log.jsonl"))
 '''
 
@@ -64,7 +65,8 @@ def test_metric_logger_names_the_run_in_wandb_and_tensorboard(tmp_path, monkeypa
     logger = MetricLogger(sinks=["wandb", "tensorboard"], log_dir=tmp_path, project_name="proj", experiment_name="exp1")
     logger.log(3, {"reward/mean": 0.5})
     logger.close()
-    assert json.loads((tmp_path / "fake_wandb_init.json").read_text()) == {"project": "proj", "name": "exp1"}
+    init = json.loads((tmp_path / "fake_wandb_init.json").read_text())
+    assert {k: init[k] for k in ("project", "name", "resume")} == {"project": "proj", "name": "exp1", "resume": "allow"}
     rows = (tmp_path / "fake_wandb_log.jsonl").read_text().splitlines()
     assert json.loads(rows[0]) == {"step": 3, "reward/mean": 0.5} and rows[-1] == "FINISH"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -73,3 +75,18 @@ def test_metric_logger_names_the_run_in_wandb_and_tensorboard(tmp_path, monkeypa
     events.Reload()
     texts = [t.tensor_proto.string_val[0].decode() for t in events.Tensors("run/name/text_summary")]
     assert texts == ["proj/exp1"]
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    fake = types.ModuleType("wandb")
+    exec(FAKE_WANDB, fake.__dict__)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    from grpo_lib.metrics import MetricLogger
+
+    def run_id(resume_step: int) -> str:
+        MetricLogger(sinks=["wandb"], log_dir=tmp_path, resume_step=resume_step).close()
+        return json.loads((tmp_path / "fake_wandb_init.json").read_text())["id"]
+
+    first = run_id(0)
+    assert first and run_id(3) == first, "a resume must continue the same wandb run"
+    assert run_id(0) != first, "a fresh run in the folder (nothing to resume) gets a new wandb run"
