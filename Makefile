@@ -36,7 +36,7 @@ demo-lora: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu_lora.yaml
 
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=30 tests
 
 clean:
 	rm -rf artifacts outputs

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,17 @@ def init_distributed() -> None:
 def close_distributed() -> None:
     """Leave the process group at the end of a run (every process). Exiting without this lets each process tear its
     gloo/NCCL threads down at interpreter exit, in any order: a process can then abort ("terminate called without an
-    active exception") while the other one is still closing its connections, and the launcher reports a failure."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    active exception") while the other one is still closing its connections, and the launcher reports a failure.
+
+    A vLLM engine in the process does this itself: its shutdown at interpreter exit destroys its own groups and then
+    the default one (and raises "Invalid process group specified" if the default one is already gone), so with
+    vLLM's groups in place this leaves the teardown to it."""
+    if not dist.is_initialized():
+        return
+    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_state is not None and vllm_state.model_parallel_is_initialized():
+        return
+    dist.destroy_process_group()
 
 
 def _reduce(value: float, op) -> float:
