@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
+from grpo_lib.config import mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
@@ -252,24 +253,29 @@ class Actor:
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
         """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
 
-        Without shuffling, local mini-batch m of every process holds that process's part of global mini-batch m
-        (prompts are dealt out strided), so the process count never changes what an update sees. Shuffling
-        permutes each process's groups locally: the mini-batches then depend on the process count.
+        Global mini-batches hold actor.ppo_mini_batch_size prompts each, the last one fewer when it does not divide
+        data.train_batch_size (verl's split; `config.mini_batch_sizes`). Without shuffling, local mini-batch m of
+        every process holds that process's part of global mini-batch m (prompts are dealt out strided), so the
+        process count never changes what an update sees. Shuffling permutes each process's groups locally: the
+        mini-batches then depend on the process count.
 
         Example (4 groups of 2 rows, 2 mini-batches, no shuffle): [[0, 1, 2, 3], [4, 5, 6, 7]].
         """
         a = self.cfg.actor
-        n_mini = max(1, self.cfg.data.train_batch_size // a.ppo_mini_batch_size)
+        sizes = mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size)  # prompts, global
         groups = list(dict.fromkeys(batch.group_ids))  # group order as generated
         rows_of = defaultdict(list)
         for i, g in enumerate(batch.group_ids):
             rows_of[g].append(i)
-        shuffle = a.shuffle and generator is not None
-        order = torch.randperm(len(groups), generator=generator).tolist() if shuffle else list(range(len(groups)))
-        size = math.ceil(len(groups) / n_mini)
-        chosen = [[groups[order[j]] for j in range(m, len(groups), n_mini)] if shuffle else groups[m * size:(m + 1) * size]
-                  for m in range(n_mini)]
-        return [[i for g in c for i in rows_of[g]] for c in chosen]
+        if a.shuffle and generator is not None:
+            groups = [groups[j] for j in torch.randperm(len(groups), generator=generator).tolist()]
+        # this process's share of each mini-batch, in proportion (every process holds train_batch_size / world groups)
+        total, ends, seen = sum(sizes), [], 0
+        for size in sizes:
+            seen += size
+            ends.append(seen * len(groups) // total)
+        starts = [0, *ends[:-1]]
+        return [[i for g in groups[lo:hi] for i in rows_of[g]] for lo, hi in zip(starts, ends)]
 
     @perf.with_trainer_threads
     def update(self, batch: RolloutBatch) -> dict[str, float]:

@@ -639,6 +639,16 @@ def _per_process(global_count: int | None, world_size: int) -> int | None:
     return None if global_count is None else max(1, global_count // world_size)
 
 
+def mini_batch_sizes(train_batch_size: int, ppo_mini_batch_size: int) -> list[int]:
+    """Prompts in each mini-batch of one epoch: full mini-batches, then the remainder (verl's split: its
+    run_qwen3-1.7b.sh trains 1024 prompts in mini-batches of 80, the last one 64).
+
+    Example: mini_batch_sizes(1024, 80) -> [80] * 12 + [64]; mini_batch_sizes(512, 256) -> [256, 256].
+    """
+    full, rest = divmod(train_batch_size, ppo_mini_batch_size)
+    return [ppo_mini_batch_size] * full + ([rest] if rest else [])
+
+
 def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     """Fill every derived default in place, once (a None field means "derive it"); the code then reads the fields.
 
@@ -703,9 +713,9 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
                        ("data.max_response_length", d.max_response_length), ("trainer.total_epochs", cfg.trainer.total_epochs)):
         if value < 1:
             p.append(f"{key}={value}: must be >= 1")
-    if a.ppo_mini_batch_size >= 1 and d.train_batch_size % a.ppo_mini_batch_size:
-        p.append(f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size} "
-                 "(both count prompts): pick a mini-batch size that divides the batch")
+    if a.ppo_mini_batch_size > d.train_batch_size >= 1:  # verl asserts the same
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} is larger than data.train_batch_size={d.train_batch_size} "
+                 "(both count prompts): a mini-batch is part of a step's batch; lower it to at most the batch")
     if a.ppo_mini_batch_size >= 1 and a.ppo_mini_batch_size % world_size:
         p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts does not split across {world_size} processes "
                  f"(each process holds whole groups of rollout.n={r.n} trajectories): make it a multiple of {world_size}")

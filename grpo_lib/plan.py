@@ -36,7 +36,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_lib.config import Config, ConfigError, environment_problems, launch_world_size, load_config, read_raw
+from grpo_lib.config import (Config, ConfigError, environment_problems, launch_world_size, load_config, mini_batch_sizes,
+                             read_raw)
 from grpo_lib.step import needs_old_logprobs  # the step's own rule, so the plan says what the run will do
 
 GIB = 2**30
@@ -124,14 +125,18 @@ def _micro_bound(dynamic: bool, tokens: int | None, count: int | None) -> str:
 def batch_lines(cfg: Config, world_size: int) -> list[str]:
     d, a, r, t = cfg.data, cfg.actor, cfg.rollout, cfg.trainer
     n, seq = r.n, d.max_prompt_length + d.max_response_length
-    updates_per_epoch = d.train_batch_size // a.ppo_mini_batch_size
+    sizes = mini_batch_sizes(d.train_batch_size, a.ppo_mini_batch_size)
+    updates_per_epoch = len(sizes)
     per_proc_mini = a.ppo_mini_batch_size * n // world_size
+    split = (f"{d.train_batch_size} / {a.ppo_mini_batch_size} = {updates_per_epoch}" if sizes[-1] == a.ppo_mini_batch_size else
+             f"{d.train_batch_size} = {len(sizes) - 1} x {a.ppo_mini_batch_size} + {sizes[-1]} (the last mini-batch smaller, "
+             f"as in verl) = {updates_per_epoch}")
     lines = [
         f"processes: {world_size}; engines: {world_size // r.tensor_model_parallel_size} (tensor parallel "
         f"{r.tensor_model_parallel_size})",
         f"prompts per step: {d.train_batch_size}; trajectories per step: {d.train_batch_size} x {n} = {d.train_batch_size * n}",
         f"mini-batch: {a.ppo_mini_batch_size} prompts x {n} = {a.ppo_mini_batch_size * n} trajectories; "
-        f"{d.train_batch_size} / {a.ppo_mini_batch_size} = {updates_per_epoch} updates per epoch x {a.ppo_epochs} epochs "
+        f"{split} updates per epoch x {a.ppo_epochs} epochs "
         f"= {updates_per_epoch * a.ppo_epochs} optimizer updates per step",
         f"trajectories per process per mini-batch: {a.ppo_mini_batch_size * n} / {world_size} = {per_proc_mini}",
         f"sequence length: {d.max_prompt_length} prompt + {d.max_response_length} response = {seq} tokens at most",
@@ -177,12 +182,12 @@ def check_lines(cfg: Config, world_size: int) -> list[str]:
     """Every divisibility check with its numbers (load_config already refused a failing one)."""
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     checks = [
-        ("data.train_batch_size % actor.ppo_mini_batch_size", d.train_batch_size, a.ppo_mini_batch_size),
         ("actor.ppo_mini_batch_size % processes", a.ppo_mini_batch_size, world_size),
         ("data.train_batch_size % processes", d.train_batch_size, world_size),
         ("processes % rollout.tensor_model_parallel_size", world_size, r.tensor_model_parallel_size),
     ]
-    lines = [f"{name}: {x} % {y} = {x % y} ok" for name, x, y in checks]
+    lines = [f"data.train_batch_size >= actor.ppo_mini_batch_size: {d.train_batch_size} >= {a.ppo_mini_batch_size} ok"]
+    lines += [f"{name}: {x} % {y} = {x % y} ok" for name, x, y in checks]
     t = cfg.trainer
     if t.n_gpus_per_node is not None:
         lines.append(f"trainer.n_gpus_per_node x trainer.nnodes = {t.n_gpus_per_node} x {t.nnodes} = {world_size} processes ok")

@@ -237,3 +237,24 @@ def test_split_fallback_reaches_exact_count():
     assert max(sum(seq_lens[i] for i in part) for part in parts) <= 5  # {4,1}|{3,2} then the 5-sum part splits
     parts = _split_to([[0], [1, 2, 3]], seq_lens, 6)
     assert len(parts) == 6 and _is_partition(parts, 4) and parts[-2:] == [[], []]
+
+
+def test_mini_batches_follow_verls_split_and_each_process_holds_its_part():
+    """Mini-batches of actor.ppo_mini_batch_size prompts, the last one smaller (verl's run_qwen3-1.7b.sh: 1024 in 80s);
+    with prompts dealt out strided, each process's local mini-batch m is exactly its part of global mini-batch m."""
+    from types import SimpleNamespace
+
+    from grpo_lib.actor import Actor
+    from grpo_lib.config import Config, mini_batch_sizes
+
+    assert mini_batch_sizes(1024, 80) == [80] * 12 + [64] and mini_batch_sizes(512, 256) == [256, 256]
+    cfg = Config()
+    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.shuffle = 10, 4, False
+    n = 2  # rows per group
+    for world in (1, 2):
+        for rank in range(world):
+            prompts = list(range(rank, 10, world))  # this process's global prompt indices, in generation order
+            batch = SimpleNamespace(group_ids=[f"p{p}" for p in prompts for _ in range(n)])
+            rows = Actor.mini_batch_rows(SimpleNamespace(cfg=cfg), batch)
+            held = [sorted({prompts[i // n] for i in mini}) for mini in rows]
+            assert held == [[p for p in range(lo, hi) if p % world == rank] for lo, hi in ((0, 4), (4, 8), (8, 10))], (world, rank)

@@ -71,7 +71,7 @@ def test_unknown_algorithm_names_listed():
 @pytest.mark.parametrize("override,needle", [
     ("actor.ppo_epoch=2", "unknown key 'actor.ppo_epoch'; did you mean 'actor.ppo_epochs'?"),
     ("actor.ppo_epochs=two", "actor.ppo_epochs: expected an integer"),
-    ("data.train_batch_size=30", "data.train_batch_size=30 is not divisible by actor.ppo_mini_batch_size=32"),
+    ("data.train_batch_size=30", "actor.ppo_mini_batch_size=32 is larger than data.train_batch_size=30"),
 ])
 def test_cli_bad_config_exits_2_naming_the_key(override, needle):
     proc = run_cli("recipes/tiny_cpu.yaml", override)

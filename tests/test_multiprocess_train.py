@@ -25,7 +25,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 SETTINGS = {
-    "fixed-padded": ["actor.ppo_micro_batch_size_per_gpu=3"],
+    # 6 prompts in mini-batches of 4: the last one holds 2 (verl's split), 1 group per process
+    "fixed-padded-uneven-mini-batches": ["actor.ppo_micro_batch_size_per_gpu=3", "data.train_batch_size=6", "actor.ppo_mini_batch_size=4"],
     "budget-packed": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=120", "model.use_remove_padding=true"],
 }
 

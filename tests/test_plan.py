@@ -36,17 +36,23 @@ def test_seed_numbers_qwen3_4b_on_4_gpus(capsys):
                    "512 / 256 = 2 updates per epoch x 1 epochs = 2 optimizer updates per step",
                    "trajectories per process per mini-batch: 1280 / 4 = 320",
                    "update micro-batch bound: 3000 tokens per process",
-                   "data.train_batch_size % actor.ppo_mini_batch_size: 512 % 256 = 0 ok",
+                   "data.train_batch_size >= actor.ppo_mini_batch_size: 512 >= 256 ok",
                    "trainer.n_gpus_per_node x trainer.nnodes = 4 x 1 = 4 processes ok",
                    "rollout.log_prob_max_token_len_per_gpu=3000", "ref.log_prob_use_dynamic_bsz=True",
                    "model: 4.02B parameters", "peak per GPU"):
         assert needle in out, f"{needle!r} not in:\n{out}"
 
 
-def test_failing_divisibility_exits_2_with_numbers(capsys):
-    code, out = plan(capsys, str(REPO / "recipes/qwen3_4b_gsm8k.yaml"), "data.train_batch_size=500")
+def test_failing_batch_check_exits_2_with_numbers(capsys):
+    code, out = plan(capsys, str(REPO / "recipes/qwen3_4b_gsm8k.yaml"), "data.train_batch_size=128")
     assert code == 2
-    assert "data.train_batch_size=500 is not divisible by actor.ppo_mini_batch_size=256" in out, out
+    assert "actor.ppo_mini_batch_size=256 is larger than data.train_batch_size=128" in out, out
+
+
+def test_uneven_last_mini_batch_is_planned_like_verl(capsys):
+    code, out = plan(capsys, str(REPO / "recipes/qwen3_4b_gsm8k.yaml"), "data.train_batch_size=500")
+    assert code == 0, out
+    assert "500 = 1 x 256 + 244 (the last mini-batch smaller, as in verl) = 2 updates per epoch" in out, out
 
 
 def test_mini_batch_not_splitting_over_planned_processes_exits_2(capsys):

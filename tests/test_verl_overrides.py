@@ -295,8 +295,8 @@ DR_GRPO = SEQ_BALANCE + """
     algorithm.norm_adv_by_std_in_grpo=False
 """
 
-# run_qwen3-1.7b.sh: train_batch_size 1024 with ppo_mini_batch_size 80 (1024 / 80 = 12.8). verl silently makes the
-# last mini-batch smaller (64 prompts); here a mini-batch never changes size, so this is refused with both numbers.
+# run_qwen3-1.7b.sh: train_batch_size 1024 with ppo_mini_batch_size 80 (1024 / 80 = 12.8). verl makes the last
+# mini-batch smaller (64 prompts), and so does this trainer (config.mini_batch_sizes).
 QWEN3_1_7B = """
     algorithm.adv_estimator=grpo
     data.train_files=$TRAIN
@@ -333,7 +333,7 @@ GLOBAL_SPELLINGS = {"actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_pe
                     "rollout.log_prob_micro_batch_size": "rollout.log_prob_micro_batch_size_per_gpu",
                     "ref.log_prob_micro_batch_size": "ref.log_prob_micro_batch_size_per_gpu"}
 SCRIPTS = {"seq_balance": SEQ_BALANCE, "grpo_lora": LORA, "dapo": DAPO, "dr_grpo": DR_GRPO, "lora_0_5b": LORA_0_5B,
-           "dr_grpo_1_5b": DR_GRPO_1_5B}
+           "dr_grpo_1_5b": DR_GRPO_1_5B, "qwen3_1_7b": QWEN3_1_7B}
 WORLD = {"lora_0_5b": 1, "dr_grpo_1_5b": 1}  # processes each script's trainer.n_gpus_per_node x nnodes asks for; else 8
 KNOWN = _all_leaf_keys(Config)
 
@@ -453,12 +453,13 @@ def test_math_changing_verl_keys_are_refused_not_ignored(tiny_model_dir, arith_d
             load_config(REPO / "recipes/tiny_cpu.yaml", [line])
 
 
-def test_uneven_mini_batch_of_qwen3_1_7b_script_is_refused_with_numbers(tiny_model_dir, arith_data):
-    with pytest.raises(ConfigError, match="data.train_batch_size=1024 is not divisible by actor.ppo_mini_batch_size=80"):
-        load_config(None, lines_of(QWEN3_1_7B, tiny_model_dir, arith_data), world_size=8)
-    cfg = load_config(None, lines_of(QWEN3_1_7B, tiny_model_dir, arith_data) + ["actor_rollout_ref.actor.ppo_mini_batch_size=64"],
-                      world_size=8)
+def test_uneven_mini_batch_of_qwen3_1_7b_script_runs_like_verl(tiny_model_dir, arith_data):
+    cfg = load_config(None, lines_of(QWEN3_1_7B, tiny_model_dir, arith_data), world_size=8)
+    assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (1024, 80)
     assert {"model.use_liger=True", "model.use_fused_kernels=True", "model.fused_kernel_options.impl_backend='triton'"} <= set(cfg.ignored)
+    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", *lines_of(QWEN3_1_7B, tiny_model_dir, arith_data),
+                           "--print-plan"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "1024 = 12 x 80 + 64 (the last mini-batch smaller, as in verl) = 13 updates per epoch" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_ignored_keys_printed_once_at_start(tiny_model_dir, arith_data, tmp_path):
