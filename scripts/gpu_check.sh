@@ -10,7 +10,8 @@
 #   - peak memory per GPU (nvidia-smi, sampled every 0.5 s during the run) and each rank's start-up sharding line;
 #   - the weight-sync error of every step (largest |engine - actor| logprob over all engines);
 #   - every memory/* metric of metrics.jsonl (the actor's; the engine's sleep/wake memory where it logs it).
-# With vLLM not importable it passes rollout.name=hf (the Hugging Face fallback engine, once that exists).
+# With vLLM not importable it passes rollout.name=hf (the Hugging Face fallback engine). tests/test_gpu_check_script.py
+# runs this script on CPU (vllm blocked, a stand-in nvidia-smi), so only the CUDA parts are untested.
 # Exit code: non-zero if training fails, or a weight-sync error exceeds WEIGHT_SYNC_TOL (default 5e-2: the engine
 # and the actor both compute in bf16 on GPU, so their logprobs agree to ~1e-2, not to CPU's 1e-5).
 set -euo pipefail
@@ -19,6 +20,8 @@ PY=${PY:-python}
 N=${N:-$($PY -c "import torch; print(torch.cuda.device_count())")}
 TOL=${WEIGHT_SYNC_TOL:-5e-2}
 [ "$N" -ge 1 ] || { echo "gpu_check: no CUDA device visible" >&2; exit 1; }
+MISSING=$($PY -c "import importlib.util as u; print(' '.join(m for m in ['torch', 'accelerate', 'transformers', 'tokenizers', 'safetensors', 'yaml', 'pandas', 'pyarrow', 'tqdm'] if u.find_spec(m) is None))")
+[ -z "$MISSING" ] || { echo "gpu_check: missing python packages: $MISSING (pip install -r requirements.txt, or just these)" >&2; exit 1; }
 WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 echo "gpu_check: $N GPU(s), work dir $WORK"
 
