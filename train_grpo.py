@@ -117,8 +117,8 @@ def stop_run(cfg, parts, error, *, last_step: int, save) -> int:
     """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
 
     `save(step)` writes a resumable checkpoint (grpo_lib/checkpoint.py) of step `last_step` unless trainer.save_freq
-    already did; nothing is saved before the first completed step. The aborted step's prompts were already drawn,
-    so a resume from this checkpoint continues with the prompts after them.
+    already did; nothing is saved before the first completed step. The checkpoint holds the prompt sampler's position
+    from before the aborted step, so a resume (after fixing the reward) starts with the prompts that step drew.
     """
     print(f"error: {error}", file=sys.stderr)
     saved_already = cfg.trainer.save_freq > 0 and last_step % cfg.trainer.save_freq == 0
@@ -202,14 +202,16 @@ def main(argv: list[str]) -> int:
     if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:
         run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
 
-    def save(step: int) -> None:
-        checkpoint.save(cfg, step=step, actor=actor, sampler=parts["sampler"], rank=rank, world_size=world_size,
+    def save(step: int, sampler_state: dict | None = None) -> None:
+        sampler_state = sampler_state or parts["sampler"].state_dict()
+        checkpoint.save(cfg, step=step, actor=actor, sampler_state=sampler_state, rank=rank, world_size=world_size,
                         export_hf=lambda path: actor.save_hf(path, parts["tokenizer"]))
 
     install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
     bad_steps = 0  # consecutive steps with a skipped (non-finite) update
     for step in range(plan.step + 1, parts["total_steps"] + 1):
         timings: dict[str, float] = {}
+        sampler_before = parts["sampler"].state_dict()  # a step aborted below is saved as not having drawn its prompts
         with timed(timings, "step"):
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
             batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
@@ -219,7 +221,7 @@ def main(argv: list[str]) -> int:
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=scorer.last_error_samples)
             except S.RunAborted as error:
                 logger.log(step, gen_metrics)
-                return stop_run(cfg, parts, error, last_step=step - 1, save=save)
+                return stop_run(cfg, parts, error, last_step=step - 1, save=lambda s: save(s, sampler_before))
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             # 5. reference logprobs (only with a KL term)

@@ -239,9 +239,10 @@ class SaveError(RuntimeError):
     exit_code = 3
 
 
-def save(cfg, *, step: int, actor, sampler, export_hf, rank: int, world_size: int) -> Path:
+def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, world_size: int) -> Path:
     """Write the checkpoint of `step` atomically (call on every process); returns its folder.
 
+    `sampler_state` is the prompt sampler's position after step `step` (`PromptSampler.state_dict()`).
     `export_hf(folder)` writes the Hugging Face export (called on every process: the shards are gathered with
     it; process 0 writes). A write that fails on any process (OSError: no space left, permissions) raises
     SaveError on every process: the processes agree after each stage whose writes are local, so none of them is
@@ -283,7 +284,7 @@ def save(cfg, *, step: int, actor, sampler, export_hf, rank: int, world_size: in
 
     def trainer_state() -> None:
         state = {"step": step, "actor_steps_done": actor.steps_done, "scheduler": actor.scheduler.state_dict(),
-                 "sampler": sampler.state_dict(), "world_size": world_size, "config": dataclasses.asdict(cfg)}
+                 "sampler": sampler_state, "world_size": world_size, "config": dataclasses.asdict(cfg)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
     def publish() -> None:  # COMPLETE last, then the rename, then the pointer

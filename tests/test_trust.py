@@ -125,6 +125,8 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
     assert "actor/pg_loss" not in by_step[2], "the failing step trained nothing"
     assert (out / "global_step_1" / "actor" / "config.json").exists(), "the last completed step is saved"
     assert not (out / "global_step_2").exists() and not (out / "global_step_3").exists()
+    sampler = json.loads((out / "global_step_1" / "trainer_state.json").read_text())["sampler"]
+    assert (sampler["epoch"], sampler["position"]) == (0, 4), f"a resume must redraw the aborted step's 4 prompts: {sampler}"
 
 
 def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_data, tmp_path):
