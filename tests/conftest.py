@@ -14,6 +14,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    """A TCP port free right now on this machine (the rendezvous port of one launch)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(procs: int) -> list[str]:
+    """`accelerate launch` of `procs` processes on this machine (gloo on CPU) on its own port; append the script and
+    its arguments."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(procs), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())] + \
+        (["--multi_gpu"] if procs > 1 else [])
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from data_prep.tiny_model import make_tiny_model

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from safetensors.torch import load_file
 
 from grpo_lib.checkpoint import MARKER, POINTER, config_differences
 from grpo_lib.metrics import open_jsonl_at
-from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
+from tests.conftest import REPO, accelerate_launch, read_metrics, run_train, tiny_overrides
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -44,12 +43,6 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
                 "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", f"trainer.total_training_steps={STEPS}",
                 "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra]
     return overrides
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_killed(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
@@ -212,18 +205,11 @@ def test_jsonl_cut_at_resume_step(tmp_path):
 
 
 def test_all_processes_agree_to_stop_when_one_gets_sigterm(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(REPO / "tests" / "scripts" / "stop_worker.py"), str(tmp_path)]
+    cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "stop_worker.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"before": False, "after": True}, f"rank {rank}"
-
-
-def two_processes() -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
 
 
 def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
@@ -231,14 +217,14 @@ def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
     after step 4's update, resumed from the step-2 checkpoint (each process's DCP shard and RNG file); same metrics,
     same final weights."""
     straight, out = tmp_path / "a", tmp_path / "b"
-    run_train(base(straight, "trainer.save_freq=-1"), launcher=two_processes())
+    run_train(base(straight, "trainer.save_freq=-1"), launcher=accelerate_launch(2))
     killed = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "KILL update 4"}, tmp_path / "killed.log",
-                        launcher=two_processes())
+                        launcher=accelerate_launch(2))
     assert killed.returncode != 0, "the test hook did not kill the run"
     assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"], killed.stdout[-3000:]
     assert sorted(p.name for p in (out / "global_step_2" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
-    resumed = run_train(base(out, "trainer.save_freq=2"), launcher=two_processes())
+    resumed = run_train(base(out, "trainer.save_freq=2"), launcher=accelerate_launch(2))
     assert "resumed from" in resumed.stderr, resumed.stderr[-2000:]
     a_rows, b_rows = read_metrics(straight), read_metrics(out)
     assert [r["step"] for r in b_rows] == [1, 2, 3, 4, 5, 6]
@@ -274,7 +260,7 @@ def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpo
     complete and resumable, the metrics of steps 1-4 are kept, and the message names the intact checkpoint."""
     out = tmp_path / "run"
     full = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "ENOSPC save 4 1"}, tmp_path / "full.log",
-                      launcher=two_processes())
+                      launcher=accelerate_launch(2))
     log = (tmp_path / "full.log").read_text()
     assert full.returncode != 0 and "exitcode  : 3" in log, log[-3000:]
     assert "test hook: ENOSPC at save of step 4" in log

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, tiny_overrides
+from tests.conftest import REPO, accelerate_launch, read_metrics, tiny_overrides
 from tests.scripts.fake_llm import install
 
 REWARD = '''
@@ -98,7 +97,6 @@ def test_level2_sleep_pushes_before_every_wake(tiny_model_dir, arith_data, tmp_p
 
 def launch_fake(tmp_path, tiny_model_dir, arith_data, name: str, tp: int):
     """2 processes, DAPO with exactly 2 generation rounds per step (the fake alternates uninformative / varied)."""
-    from tests.test_multiprocess import _free_port
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
@@ -108,9 +106,7 @@ def launch_fake(tmp_path, tiny_model_dir, arith_data, name: str, tp: int):
         "trainer.total_training_steps=2", "actor.ppo_mini_batch_size=2", f"rollout.tensor_model_parallel_size={tp}",
         "trainer.val_before_train=true", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
         "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]"]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-                str(REPO / "tests/scripts/fake_llm.py"), str(out)]
+    launcher = [*accelerate_launch(2), str(REPO / "tests/scripts/fake_llm.py"), str(out)]
     proc = subprocess.run(launcher + [str(REPO / "recipes/tiny_cpu.yaml"), *overrides], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:

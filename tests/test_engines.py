@@ -15,8 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_multiprocess import _free_port
+from tests.conftest import REPO, accelerate_launch
 
 SCRIPT = str(REPO / "tests" / "scripts" / "engine_generate.py")
 
@@ -26,8 +25,7 @@ def run_engine(name: str, model_dir, out_dir) -> list[dict]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, SCRIPT, name.removesuffix("_tp2"), str(model_dir), str(out_dir)]
     if name.endswith("_tp2"):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), *cmd[1:], "2"]
+        cmd = [*accelerate_launch(2), *cmd[1:], "2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         pytest.fail(f"{name} engine script exited {proc.returncode}\n{proc.stderr[-5000:]}")

@@ -15,6 +15,7 @@ from grpo_lib import lora
 from grpo_lib.fsdp import LogprobModel
 from grpo_lib.actor import Actor, logprobs_over_batch
 from grpo_lib.config import ConfigError
+from tests.conftest import accelerate_launch
 from tests.scripts import grad_case as case
 
 LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=1e-2", "actor.weight_decay=0.1")
@@ -147,20 +148,11 @@ def test_start_from_saved_adapter(trained, model_dir, tmp_path):
     assert len(lora.adapter_parameters(resumed.model)) == len(lora.adapter_parameters(actor.model))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one(model_dir, tmp_path):
     """2 gloo processes (FSDP2 when the actor shards), half the groups each: the same metrics (rtol 1e-4), adapters
     and merged weights as 1 process on the whole mini-batch; base weights bit-identical with no gradient."""
     import os
     import subprocess
-    import sys
 
     from tests.conftest import REPO
     from tests.scripts import lora_worker
@@ -168,9 +160,7 @@ def test_two_processes_match_one(model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = case.make_batch(model)
     torch.save(batch, tmp_path / "batch.pt")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(REPO / "tests" / "scripts" / "lora_worker.py"), str(model_dir), str(tmp_path / "batch.pt"), str(tmp_path)]
+    cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "lora_worker.py"), str(model_dir), str(tmp_path / "batch.pt"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, f"--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}"

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
+from tests.conftest import REPO, accelerate_launch, read_metrics, run_train, tiny_overrides
 
 LORA = ["model.lora_rank=8", "model.lora_alpha=16", "actor.lr=2e-2", "actor.use_kl_loss=true", "trainer.check_weight_sync=true"]
 REWARD = '''
@@ -27,18 +27,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def launcher(procs: int) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(procs), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no"] + (["--multi_gpu"] if procs > 1 else [])
-
-
 @pytest.fixture(scope="module")
 def lora_run(tiny_model_dir, arith_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_e2e")
     reward = out / "reward.py"
     reward.write_text(REWARD)
     overrides = tiny_overrides(tiny_model_dir, arith_data, out) + LORA + ["trainer.save_merged=true", f"reward.custom.path={reward}"]
-    proc = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher(1))
+    proc = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(1))
     return out, proc
 
 
@@ -115,7 +110,7 @@ def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path):
         overrides = tiny_overrides(tiny_model_dir, arith_data, out) + LORA + [
             f"reward.custom.path={reward}", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=3",
             "model.use_remove_padding=true"]
-        run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher(procs))
+        run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs))
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3

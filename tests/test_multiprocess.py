@@ -12,9 +12,7 @@ Also: `plan_rank_balance` (pure) and `balance_across_ranks` (in the worker). Run
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,16 +23,11 @@ from hypothesis import strategies as st
 from grpo_lib.actor import load_model
 from grpo_lib.algorithms import LOSS_AGG_MODES
 from grpo_lib.batching import plan_rank_balance
+from tests.conftest import accelerate_launch
 from tests.scripts import grad_case as case
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-4, atol=1e-6)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +40,7 @@ def launched(tmp_path_factory):
     batch = case.make_batch(model)
     torch.save(batch, root / "batch.pt")
     out = root / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(REPO / "tests" / "scripts" / "grad_worker.py"), str(model_dir), str(root / "batch.pt"), str(out)]
+    cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "grad_worker.py"), str(model_dir), str(root / "batch.pt"), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0:

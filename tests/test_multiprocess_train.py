@@ -10,13 +10,12 @@ push, and the Hugging Face export gathered from the shards equals the 1-process 
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import read_metrics, run_train, tiny_overrides
+from tests.conftest import accelerate_launch, read_metrics, run_train, tiny_overrides
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -42,9 +41,7 @@ def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path, setting):
             f"reward.custom.path={reward}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
             "trainer.check_weight_sync=true", *SETTINGS[setting],
         ]
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(procs), "--num_machines", "1",
-                    "--mixed_precision", "no", "--dynamo_backend", "no"] + (["--multi_gpu"] if procs > 1 else [])
-        logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=launcher).stdout
+        logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs)).stdout
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3

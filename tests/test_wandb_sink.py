@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
-import pytest
 
 from grpo_lib.config import environment_problems, load_config
 
@@ -39,10 +39,10 @@ def test_missing_wandb_is_a_config_problem(monkeypatch):
 
 
 def test_cli_without_wandb_exits_2_before_loading(tmp_path):
-    if importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here; test_missing_wandb_is_a_config_problem covers the check in-process")
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")  # uninstalled, wherever this runs
     proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", "trainer.logger=['console','wandb']",
-                           f"model.path={tmp_path / 'no_model'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           f"model.path={tmp_path / 'no_model'}"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 2
     assert "pip install wandb" in proc.stderr and "no_model" not in proc.stderr, proc.stderr  # stopped before the model
 
@@ -52,7 +52,7 @@ def test_cli_with_wandb_passes_the_check(tmp_path):
     (tmp_path / "wandb.py").write_text(FAKE_WANDB)
     proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", "trainer.logger=['console','wandb']",
                            f"model.path={tmp_path / 'no_model'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 2 and "pip install wandb" not in proc.stderr and "no_model" in proc.stderr, proc.stderr[-2000:]
 
 
