@@ -126,12 +126,9 @@ def stop_run(cfg, parts, error, *, last_step: int, save) -> int:
         from grpo_lib.checkpoint import SaveError
 
         try:
-            save(last_step)
-            print(f"saved the last completed step to {Path(cfg.trainer.default_local_dir) / f'global_step_{last_step}'}", file=sys.stderr)
+            print(f"saved the last completed step to {save(last_step)}", file=sys.stderr)
         except SaveError as save_error:
             print(f"error: {save_error}", file=sys.stderr)
-    parts["scorer"].close()
-    parts["logger"].close()
     return error.exit_code
 
 
@@ -162,7 +159,6 @@ def main(argv: list[str]) -> int:
               flush=True)
 
     from grpo_lib import checkpoint
-    from grpo_lib import step as S
     from grpo_lib.perf import capture_torch_threads, tune_allocator
 
     if cfg.trainer.tune_allocator:  # before the model and engine allocate: freed activations stay in the heap
@@ -170,7 +166,6 @@ def main(argv: list[str]) -> int:
     capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
     from grpo_lib.distributed import barrier, init_distributed
-    from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point
 
     try:  # a folder holding another run, or a resume whose config changes what a step computes: exit 2 now
         plan = checkpoint.plan_resume(cfg)
@@ -188,6 +183,19 @@ def main(argv: list[str]) -> int:
     except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return run_training(cfg, parts, plan, world_size=world_size, rank=rank)
+    finally:  # every way out of the run: reward workers stopped, metrics flushed
+        parts["scorer"].close()
+        parts["logger"].close()
+
+
+def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
+    """Validation and the training loop of a set-up run (resumed at `plan`); returns the exit code."""
+    from grpo_lib import checkpoint
+    from grpo_lib import step as S
+    from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point
+
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
     if plan.path is not None:  # the engine started from model.path: serve the resumed weights
         print(f"resumed from {plan.path} (step {plan.step} of {parts['total_steps']})", file=sys.stderr)
@@ -196,15 +204,13 @@ def main(argv: list[str]) -> int:
         actor.offload()
     if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
         run_validation(cfg, parts, plan.step, world_size=world_size, rank=rank)
-        scorer.close()
-        logger.close()
         return 0
     if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:
         run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
 
-    def save(step: int, sampler_state: dict | None = None) -> None:
+    def save(step: int, sampler_state: dict | None = None) -> Path:
         sampler_state = sampler_state or parts["sampler"].state_dict()
-        checkpoint.save(cfg, step=step, actor=actor, sampler_state=sampler_state, rank=rank, world_size=world_size,
+        return checkpoint.save(cfg, step=step, actor=actor, sampler_state=sampler_state, rank=rank, world_size=world_size,
                         export_hf=lambda path: actor.save_hf(path, parts["tokenizer"]))
 
     install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
@@ -253,8 +259,6 @@ def main(argv: list[str]) -> int:
             print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
                   f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
                   "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
-            scorer.close()
-            logger.close()
             return 3
         if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
             run_validation(cfg, parts, step, world_size=world_size, rank=rank)
@@ -264,14 +268,10 @@ def main(argv: list[str]) -> int:
                 save(step)
             except checkpoint.SaveError as error:  # a full disk: the previous checkpoint stays resumable
                 print(f"error: {error}", file=sys.stderr)
-                scorer.close()
-                logger.close()
                 return error.exit_code
         if stopping:
             print(f"stopped after step {step}; resume with the same command", file=sys.stderr)
             break
-    scorer.close()
-    logger.close()
     return 0
 
 

@@ -152,10 +152,6 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return local_bytes(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA max allocated on a GPU; on CPU this process's peak resident set (VmHWM of /proc/self/status).
 

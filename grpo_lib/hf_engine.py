@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo_lib.perf import compute_dtype
 from grpo_lib.rollout import Lifecycle, LifecycleGlue, wake_transition
 from grpo_lib.types import Generation
 
@@ -37,17 +38,15 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
     Example: logits [[2, 1, 0]], temperature 1, top_k 2, top_p 1 -> [[2, 1, -inf]]; with top_p 0.5 instead of
     top_k -> [[2, -inf, -inf]] (the top token alone has probability 0.67 >= 0.5).
     """
-    logits = logits.float() / temperature  # [b, V]
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [b, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # [b, V] ascending
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)  # [b, V]
-        drop = cumulative <= 1 - top_p  # [b, V] the low tail whose mass stays within 1 - top_p
-        drop[:, -1] = False  # keep at least the top token
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
+        warpers.append(TopPLogitsWarper(top_p))  # keeps at least the top token
+    return warpers(None, logits.float())
 
 
 class HFEngine(LifecycleGlue):
@@ -58,8 +57,7 @@ class HFEngine(LifecycleGlue):
 
         self.cfg = cfg
         self.device = torch.device("cpu") if on_cpu else torch.device(f"cuda:{torch.cuda.current_device()}")
-        dtype = {"auto": torch.float32 if on_cpu else torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[cfg.dtype]
+        dtype = compute_dtype(cfg.dtype, torch.float32, self.device)  # auto: float32 on CPU, bfloat16 on GPU
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -137,7 +135,8 @@ class HFEngine(LifecycleGlue):
         finished = [False] * b
         cache, step_ids = None, input_ids
         for _ in range(max_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)  # only the last position is sampled: no [b, P, V] prefill logits
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # [b, V]
             if temperature < GREEDY_EPS:

@@ -22,10 +22,12 @@ Run the tests: `python -m pytest tests/test_lora.py`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from grpo_lib.fsdp import full_tensor
 
 # peft's parameter names inside a LoRA-wrapped linear layer: <layer>.base_layer.weight (the frozen W),
 # <layer>.lora_A.<adapter>.weight, <layer>.lora_B.<adapter>.weight (and lora_embedding_* for embeddings).
@@ -106,21 +108,13 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: all-gathered from its shards when FSDP2 sharded it (a collective), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 @torch.no_grad()
-def merged_named_weights(model: torch.nn.Module, *, merge: bool = True,
-                         gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_named_weights(model: torch.nn.Module, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the base model with the adapters merged in (merge=True) or left out (merge=False).
 
     Per LoRA layer: W + (lora_alpha / r) * B @ A, summed in float32 into a NEW tensor of W's dtype (W itself is never
-    touched). `gather` turns a stored tensor into the full one (default: all-gathered from FSDP2 shards, a collective:
-    every process must consume the iterator to its end, in step). Adapter tensors are not yielded. Streams: one merged
+    touched). Stored tensors are all-gathered from their FSDP2 shards (`fsdp.full_tensor`, a collective: every
+    process must consume the iterator to its end, in step). Adapter tensors are not yielded. Streams: one merged
     tensor alive at a time; a tensor shared by two names (tied embeddings) is gathered once.
     """
     from peft.tuners.lora import LoraLayer
@@ -132,21 +126,21 @@ def merged_named_weights(model: torch.nn.Module, *, merge: bool = True,
         if _ADAPTER_PARAM.search(name):
             continue
         if id(tensor) != last_id:
-            last_id, last_full = id(tensor), gather(tensor.detach())
+            last_id, last_full = id(tensor), full_tensor(tensor.detach())
         full = last_full
         module = lora_layers.get(name)
         if merge and module is not None:
-            full = (full.float() + _delta_weight(module, states, name, gather)).to(full.dtype)  # [out, in]
+            full = (full.float() + _delta_weight(module, states, name)).to(full.dtype)  # [out, in]
         yield hf_name(name), full
 
 
-def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str, gather) -> torch.Tensor:
+def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str) -> torch.Tensor:
     """scale * B @ A of one LoRA linear layer (sum over its active adapters), float32 [out, in]."""
     prefix = weight_name.removesuffix("base_layer.weight")
     delta = None
     for adapter in module.active_adapters:
-        a = gather(states[f"{prefix}lora_A.{adapter}.weight"].detach()).float()  # [r, in]
-        b = gather(states[f"{prefix}lora_B.{adapter}.weight"].detach()).float()  # [out, r]
+        a = full_tensor(states[f"{prefix}lora_A.{adapter}.weight"].detach()).float()  # [r, in]
+        b = full_tensor(states[f"{prefix}lora_B.{adapter}.weight"].detach()).float()  # [out, r]
         d = module.scaling[adapter] * (b @ a)  # [out, in]
         if getattr(module, "fan_in_fan_out", False):
             d = d.T
@@ -185,22 +179,21 @@ def reference_note(cfg) -> str:
             f"ref.fsdp_config.param_offload={cfg.ref.fsdp_config.param_offload} has nothing to do")
 
 
-def adapter_state(model: torch.nn.Module, *, gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor) -> dict[str, torch.Tensor]:
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only (peft names, full, on CPU); a collective under FSDP2 like `merged_named_weights`."""
-    return {name: gather(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
+    return {name: full_tensor(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
 
 
-def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bool,
-                         gather: Callable[[torch.Tensor], torch.Tensor] = full_tensor, write: bool = True) -> None:
+def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bool, write: bool = True) -> None:
     """A LoRA actor checkpoint: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF folder).
 
-    Every process calls it (under FSDP2 the tensors are gathered from the shards, `gather`); the process with
+    Every process calls it (under FSDP2 the tensors are gathered from the shards); the process with
     `write` (process 0) writes. Reload the adapter with
     `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model.path), path / "adapter")`;
     start a run from it with `model.lora_adapter_path=path/adapter`.
     """
     adapter_dir, merged_dir = Path(path) / "adapter", Path(path) / "merged"
-    state = adapter_state(actor.model, gather=gather)
+    state = adapter_state(actor.model)
     if write:
         adapter_dir.mkdir(parents=True, exist_ok=True)
         actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
@@ -208,7 +201,7 @@ def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bo
     if not save_merged_folder:
         return
     merged = {}
-    for name, tensor in merged_named_weights(actor.model, gather=gather):
+    for name, tensor in merged_named_weights(actor.model):
         if write:
             merged[name] = tensor.to("cpu", copy=True)
     if write:

@@ -25,8 +25,6 @@ import tempfile
 from pathlib import Path
 
 TRAIN_STATE_BYTES_PER_PARAM = 12  # fp32 master weights (4) + AdamW exp_avg (4) + exp_avg_sq (4)
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
 GiB = 1024**3
 
 

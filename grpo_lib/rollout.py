@@ -196,12 +196,13 @@ class Lifecycle:
         """Device memory the transition freed (sleep, empty_cache) or took (wakes), MiB; nothing without CUDA."""
         if before is None:
             return
-        freed = device_free_mb() - before  # > 0: the device has more free memory than before
+        now = device_free_mb()
+        freed = now - before  # > 0: the device has more free memory than before
         value = freed if name in ("sleep", "empty_cache") else -freed
         self.metrics[self.METRIC[name]] = self.metrics.get(self.METRIC[name], 0.0) + value
         if name in ("wake_weights", "wake_kv_cache"):
             self.metrics["memory/wake_regained_mb"] = self.metrics.get("memory/wake_regained_mb", 0.0) + value
-        self.metrics["memory/device_free_mb"] = device_free_mb()
+        self.metrics["memory/device_free_mb"] = now
 
     def empty_trainer_cache(self) -> None:
         before = device_free_mb()
@@ -218,23 +219,19 @@ def wake_transition(tags: list[str] | None) -> str:
     return names[key]
 
 
-def prepare_for_generation(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-    """asleep -> awake with the actor's weights: empty the trainer's cache, wake weights, push, reset prefix cache,
-    wake KV cache. `weights` None (nothing changed since the last push) is refused after a level-2 sleep."""
-    engine.lifecycle.empty_trainer_cache()
-    engine.wake_up(["weights"])
-    if weights is not None:
-        engine.push_weights(weights)
-        engine.reset_prefix_cache()
-    engine.wake_up(["kv_cache"])
-
-
 # ------------------------------------------------------------------------------------------------ vLLM
 class LifecycleGlue:
     """The phase-level calls both engines share, over their `lifecycle` and `sleep()`."""
 
     def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        prepare_for_generation(self, weights)
+        """asleep -> awake with the actor's weights: empty the trainer's cache, wake weights, push, reset prefix cache,
+        wake KV cache. `weights` None (nothing changed since the last push) is refused after a level-2 sleep."""
+        self.lifecycle.empty_trainer_cache()
+        self.wake_up(["weights"])
+        if weights is not None:
+            self.push_weights(weights)
+            self.reset_prefix_cache()
+        self.wake_up(["kv_cache"])
 
     def release(self) -> None:
         """After the generation phase, before the update: give the device memory back to the trainer."""

@@ -10,7 +10,6 @@ import sys
 import types
 from pathlib import Path
 
-
 from grpo_lib.config import environment_problems, load_config
 
 REPO = Path(__file__).resolve().parents[1]
