@@ -197,11 +197,11 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
     from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point
 
     engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
+    actor.offload()  # the engine is awake: with param/optimizer offload the actor rests on the host from here on
     if plan.path is not None:  # the engine started from model.path: serve the resumed weights
         print(f"resumed from {plan.path} (step {plan.step} of {parts['total_steps']})", file=sys.stderr)
         engine.release()
-        engine.prepare_for_generation(actor.named_weights())
-        actor.offload()
+        engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
     if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
         run_validation(cfg, parts, plan.step, world_size=world_size, rank=rank)
         return 0
@@ -210,8 +210,10 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
 
     def save(step: int, sampler_state: dict | None = None) -> Path:
         sampler_state = sampler_state or parts["sampler"].state_dict()
-        return checkpoint.save(cfg, step=step, actor=actor, sampler_state=sampler_state, rank=rank, world_size=world_size,
-                        export_hf=lambda path: actor.save_hf(path, parts["tokenizer"]))
+        path = checkpoint.save(cfg, step=step, actor=actor, sampler_state=sampler_state, rank=rank, world_size=world_size,
+                               export_hf=lambda path: actor.save_hf(path, parts["tokenizer"]))
+        actor.offload()  # the export gathered the shards onto the device; the next generation needs that memory
+        return path
 
     install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
     bad_steps = 0  # consecutive steps with a skipped (non-finite) update
@@ -219,14 +221,16 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
         timings: dict[str, float] = {}
         sampler_before = parts["sampler"].state_dict()  # a step aborted below is saved as not having drawn its prompts
         with timed(timings, "step"):
-            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
-            batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
-                                                    world_size=world_size, rank=rank, timings=timings)
-            engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
-            try:  # rewards that cannot be trusted stop the run (exit 3) before they train anything
+            gen_metrics = {}
+            try:  # rewards that cannot be trusted (or DAPO finding no usable group) stop the run, exit 3, before training
+                # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
+                batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
+                                                        world_size=world_size, rank=rank, timings=timings)
+                engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=scorer.last_error_samples)
-            except S.RunAborted as error:
-                logger.log(step, gen_metrics)
+            except S.RunAborted as error:  # raised on every process alike (from reduced numbers)
+                if gen_metrics:
+                    logger.log(step, gen_metrics)
                 return stop_run(cfg, parts, error, last_step=step - 1, save=lambda s: save(s, sampler_before))
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
@@ -246,11 +250,12 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
             test_signal_point("update", step)  # test hook (grpo_lib/stopping.py)
             # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
+            # (actor.offload in between: with param/optimizer offload the shards leave the device before the KV cache maps)
             with timed(timings, "push"):
-                engine.prepare_for_generation(actor.named_weights())
-            if cfg.trainer.check_weight_sync:
+                engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+            if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
-            actor.offload()  # actor.fsdp_config.param_offload: shards leave the device while vLLM generates
+                actor.offload()
         # 8. log / validate / checkpoint / stop
         logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()})
         logger.advance()

@@ -162,9 +162,18 @@ class Actor:
             fsdp.move_params(self.policy, self.device)
 
     def offload(self) -> None:
-        """Parameter shards to CPU while vLLM generates (called after the push); no-op without param_offload."""
-        if self.cfg.actor.fsdp_config.param_offload:
+        """Between phases the actor rests on the host: its parameter shards (actor.fsdp_config.param_offload) and AdamW
+        state (optimizer_offload) leave the device, and the freed blocks go back to it, so the vLLM KV cache can be
+        mapped. Called before every generation phase (at start, after the push, after a checkpoint's export, which
+        all bring the shards back); a no-op without the offload keys and on CPU."""
+        fc = self.cfg.actor.fsdp_config
+        if fc.param_offload:
             fsdp.move_params(self.policy, self.offload_device)
+        if fc.optimizer_offload:
+            fsdp.move_optimizer_state(self.optimizer, self.offload_device)
+        if self.device.type == "cuda" and (fc.param_offload or fc.optimizer_offload):
+            torch.cuda.synchronize()  # the non-blocking copies to the host are complete before anything reads them
+            torch.cuda.empty_cache()
 
     def autocast(self):
         """Compute-dtype context of every actor forward on CPU (a no-op unless actor.fsdp_config.param_dtype < master;
@@ -275,7 +284,10 @@ class Actor:
             seen += size
             ends.append(seen * len(groups) // total)
         starts = [0, *ends[:-1]]
-        return [[i for g in groups[lo:hi] for i in rows_of[g]] for lo, hi in zip(starts, ends)]
+        # A mini-batch left empty (DAPO kept fewer groups than there are mini-batches) is dropped: an optimizer step on
+        # zero gradients would still move the weights (weight decay, momentum). Every process holds the same number of
+        # groups, so all drop the same ones.
+        return [[i for g in groups[lo:hi] for i in rows_of[g]] for lo, hi in zip(starts, ends) if hi > lo]
 
     @perf.with_trainer_threads
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -295,7 +307,7 @@ class Actor:
                     summed[k] += v
                 num_updates += 1
         self.steps_done += 1
-        if a.fsdp_config.optimizer_offload:
+        if a.fsdp_config.optimizer_offload:  # not needed again before the next update: make room for the push
             fsdp.move_optimizer_state(self.optimizer, self.offload_device)
         metrics = {k: v / num_updates for k, v in summed.items()}
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard

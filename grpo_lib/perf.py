@@ -177,14 +177,18 @@ def freeze_static_heap() -> None:
     gc.freeze()
 
 
-def engine_logprobs_needed(cfg) -> bool:
+def engine_logprobs_needed(cfg, gpu: bool | None = None) -> bool:
     """The engine's sampling logprobs are requested only when something reads them.
 
     algorithm.rollout_correction (its importance weights), and the rollout/logprob_abs_diff_mean gap metric when the
     engine or the actor computes below float32 (the gap is then no longer ~1e-6 and worth watching). Skipping them
-    saves the engine a log-softmax over the vocabulary per sampled token.
+    saves the engine a log-softmax over the vocabulary per sampled token. "auto" is bfloat16 for both on a GPU
+    (`gpu`: default, whether CUDA is present, as the trainer decides its device), float32 on CPU.
     """
-    low = ("bfloat16", "float16")
+    import torch
+
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    low = ("bfloat16", "float16") + (("auto",) if gpu else ())
     return cfg.algorithm.rollout_correction.mode != "none" or cfg.rollout.dtype in low or cfg.actor.fsdp_config.param_dtype in low
 
 

@@ -7,7 +7,7 @@ written down once:
 
     awake --release()--> asleep --prepare_for_generation(weights)--> awake
                                    = empty the trainer's device cache -> wake weights -> push -> reset prefix
-                                     cache -> wake KV cache
+                                     cache -> the actor's offload (free_trainer_memory) -> wake KV cache
 
     states: awake (weights + KV cache mapped) | asleep | weights (weights mapped, no KV cache)
     generate / score_logprobs: awake only.   push / reset_prefix_cache: weights or awake.
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
@@ -85,7 +85,8 @@ class RolloutEngine(Protocol):
 
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
-    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None: ...
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                               free_trainer_memory: Callable[[], None] | None = None) -> None: ...
 
     def release(self) -> None: ...
 
@@ -223,14 +224,19 @@ def wake_transition(tags: list[str] | None) -> str:
 class LifecycleGlue:
     """The phase-level calls both engines share, over their `lifecycle` and `sleep()`."""
 
-    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                               free_trainer_memory: Callable[[], None] | None = None) -> None:
         """asleep -> awake with the actor's weights: empty the trainer's cache, wake weights, push, reset prefix cache,
-        wake KV cache. `weights` None (nothing changed since the last push) is refused after a level-2 sleep."""
+        `free_trainer_memory()` (the actor's offload: the shards the push gathered leave the device BEFORE the KV cache
+        is mapped, which needs that memory free at once), wake KV cache. `weights` None (nothing changed since the
+        last push) is refused after a level-2 sleep."""
         self.lifecycle.empty_trainer_cache()
         self.wake_up(["weights"])
         if weights is not None:
             self.push_weights(weights)
             self.reset_prefix_cache()
+        if free_trainer_memory is not None:
+            free_trainer_memory()
         self.wake_up(["kv_cache"])
 
     def release(self) -> None:

@@ -165,7 +165,9 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
                                               step=step, round=rounds, sampling=train_sampling(cfg))
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
-        sums["rollout/preemptions"] = sums.get("rollout/preemptions", 0.0) + getattr(engine, "last_preemptions", 0)
+        # the t processes of a TP group drive one engine and each sees all of its preemptions: count them once
+        leader = rank % cfg.rollout.tensor_model_parallel_size == 0
+        sums["rollout/preemptions"] = sums.get("rollout/preemptions", 0.0) + (getattr(engine, "last_preemptions", 0) if leader else 0)
         batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
         if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
@@ -202,8 +204,9 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
             failed = {k: all_reduce_sum(sums[k]) for k in ("reward/error_fraction", "reward/errors", "reward/timeouts")}
             failed["reward/error_fraction"] /= all_reduce_sum(sums["count"])
             check_reward_errors(cfg, failed, step=step, samples=scorer.last_error_samples)
-            raise RuntimeError(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds; "
-                               "raise algorithm.filter_groups.max_num_gen_batches or check the reward")
+            raise RunAborted(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds "
+                             "(every response of each prompt scored the same); raise algorithm.filter_groups.max_num_gen_batches "
+                             "or check the reward")
     count = all_reduce_sum(sums.pop("count"))
     max_len = sums.pop("response/length_max")
     for k, v in sums.items():

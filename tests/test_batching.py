@@ -258,3 +258,21 @@ def test_mini_batches_follow_verls_split_and_each_process_holds_its_part():
             rows = Actor.mini_batch_rows(SimpleNamespace(cfg=cfg), batch)
             held = [sorted({prompts[i // n] for i in mini}) for mini in rows]
             assert held == [[p for p in range(lo, hi) if p % world == rank] for lo, hi in ((0, 4), (4, 8), (8, 10))], (world, rank)
+
+
+def test_fewer_kept_groups_than_mini_batches_leave_no_empty_mini_batch():
+    """DAPO can train on fewer groups than planned (max_num_gen_batches reached): one kept group and two planned
+    mini-batches gives ONE mini-batch, not an empty one first (it failed balancing's `assert pieces`, and without
+    balancing AdamW stepped on all-zero gradients: weight decay and momentum still moved the weights)."""
+    from types import SimpleNamespace
+
+    from grpo_lib.actor import Actor
+    from grpo_lib.config import Config
+
+    cfg = Config()
+    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.shuffle = 8, 4, False
+    for kept in (1, 2, 3):
+        batch = SimpleNamespace(group_ids=[f"p{p}" for p in range(kept) for _ in range(2)])
+        rows = Actor.mini_batch_rows(SimpleNamespace(cfg=cfg), batch)
+        assert all(rows) and sorted(i for mini in rows for i in mini) == list(range(2 * kept)), (kept, rows)
+    assert len(Actor.mini_batch_rows(SimpleNamespace(cfg=cfg), SimpleNamespace(group_ids=["a", "a"]))) == 1

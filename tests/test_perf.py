@@ -91,6 +91,9 @@ def test_engine_logprobs_only_when_read(tiny_model_dir):
     assert perf.engine_logprobs_needed(load_config(None, base + ["algorithm.rollout_correction.mode=token"]))
     assert perf.engine_logprobs_needed(load_config(None, base + ["actor.fsdp_config.param_dtype=bfloat16"]))  # the gap metric
     assert perf.engine_logprobs_needed(load_config(None, base + ["rollout.dtype=bfloat16"]))
+    assert perf.engine_logprobs_needed(load_config(None, base), gpu=True), "auto is bf16 on a GPU: the gap is logged"
+    fp32 = load_config(None, base + ["rollout.dtype=float32", "actor.fsdp_config.param_dtype=float32"])
+    assert not perf.engine_logprobs_needed(fp32, gpu=True)
 
 
 def test_compute_dtype_and_cpu_autocast():

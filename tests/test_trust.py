@@ -129,6 +129,21 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
     assert (sampler["epoch"], sampler["position"]) == (0, 4), f"a resume must redraw the aborted step's 4 prompts: {sampler}"
 
 
+def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tiny_model_dir, arith_data, tmp_path):
+    """The stops raised while collecting rollouts (DAPO finding no group whose scores differ, or rewards that all
+    fail under filter_groups) reach train_grpo's exit-3 path: they used to escape it as a traceback with exit 1."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    out = tmp_path / "run"
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), "trainer.total_training_steps=2",
+                      "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2",
+                      f"reward.custom.path={reward}", "reward.num_workers=0"], check=False)
+    assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
+    assert "step 1: dynamic sampling found no group with different scores in 2 rounds" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "global_step_1").exists(), "nothing completed, nothing saved"
+
+
 def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
     run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), "trainer.val_only=true",
@@ -227,3 +242,23 @@ def test_dynamic_sampling_with_a_failing_reward_stops_with_exit_3():
         step.collect_rollouts(cfg, FakeEngine(), FailingScorer(), FakeData(), CyclingSampler(), step=1, world_size=1, rank=0,
                               timings={})
     assert info.value.exit_code == 3
+
+
+def test_preemptions_of_a_tensor_parallel_engine_are_counted_once():
+    """Both processes of a TP-2 group see every preemption of their one engine (each runs the scheduler): only the
+    group's first process counts them, so the summed rollout/preemptions is the engine's count, not twice it."""
+    from grpo_lib import step
+    from grpo_lib.config import load_config
+    from tests.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine, FakeScorer
+
+    cfg = load_config(None, ["model.path=unused", "data.train_files=[unused.parquet]", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2",
+                             "rollout.tensor_model_parallel_size=2"], world_size=2)
+    engine = FakeEngine()
+    engine.last_preemptions = 5
+    counted = []
+    for rank in (0, 1):  # no process group here: each rank's local count is what it adds to the all-reduce
+        _, metrics = step.collect_rollouts(cfg, engine, FakeScorer(), FakeData(), CyclingSampler(), step=1, world_size=2,
+                                           rank=rank, timings={})
+        counted.append(metrics["rollout/preemptions"])
+    assert counted == [5.0, 0.0], counted

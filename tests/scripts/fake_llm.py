@@ -2,7 +2,8 @@
 
 `FakeLLM` records every raw engine call (start, sleep, wake_up, reload_weights, reset_prefix_cache, generate with
 its requests and seeds) in `FakeLLM.events`; `grpo_lib.rollout.empty_trainer_cache` is wrapped to record
-"empty_cache" in the same list, so a test sees the exact order the GPU would see. The engine's own state machine
+"empty_cache" in the same list, and the actor's `load_params` / `offload` record "actor_on_device" /
+"actor_on_host", so a test sees the exact order the GPU would see. The engine's own state machine
 is NOT faked: `VLLMEngine` runs as is, only its `llm` is this fake, and its lifecycle is told that sleep is real
 (as on a GPU with rollout.free_cache_engine).
 
@@ -101,9 +102,23 @@ def install(monkeypatch=None):
         FakeLLM.events.append(("empty_cache",))
         real_empty()
 
+    from grpo_lib.actor import Actor
+
+    real_load, real_offload = Actor.load_params, Actor.offload
+
+    def load_params(actor):  # the actor's shards must be on the device from here (a no-op move on CPU)
+        FakeLLM.events.append(("actor_on_device",))
+        real_load(actor)
+
+    def offload(actor):  # ... and may rest on the host from here (with param_offload)
+        FakeLLM.events.append(("actor_on_host",))
+        real_offload(actor)
+
     setter = monkeypatch.setattr if monkeypatch is not None else lambda obj, name, value: setattr(obj, name, value)
     setter(rollout, "build_engine", build_engine)
     setter(rollout, "empty_trainer_cache", empty_trainer_cache)
+    setter(Actor, "load_params", load_params)
+    setter(Actor, "offload", offload)
     assert real_build is not None
     return FakeLLM
 
