@@ -201,8 +201,10 @@ def prepare_run_folder(cfg, plan: ResumePlan) -> None:
 # ------------------------------------------------------------------------------------------ save
 def _rng_state() -> dict:
     np_state = np.random.get_state()
+    # CUDA: this process's own device only (every process saves its own file). Not get_rng_state_all(): a resume
+    # that sees fewer devices (one GPU per task under a scheduler) could not restore the others (IndexError).
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "python": json.dumps(random.getstate()),
             "numpy": {"key": np_state[0], "state": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                       "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
@@ -210,8 +212,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available() and isinstance(state["cuda"], torch.Tensor):
+        torch.cuda.set_rng_state(state["cuda"])
     py = json.loads(state["python"])
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -313,13 +315,21 @@ def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, wo
     if rank == 0:
         attempt(publish)
     agree()
-    if rank == 0:
-        keep = cfg.trainer.max_ckpt_to_keep
-        if keep is not None:
-            for old_step, folder in list(complete_checkpoints(run_dir).items())[:-keep]:
-                shutil.rmtree(folder)
+    if rank == 0 and cfg.trainer.max_ckpt_to_keep is not None:
+        prune(run_dir, cfg.trainer.max_ckpt_to_keep)
     barrier()
     return final
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints. The new one is complete already, so a folder that
+    cannot be removed (permissions, a file held open on NFS) is a warning, not a failed run."""
+    for folder in list(complete_checkpoints(run_dir).values())[:-keep]:
+        try:
+            shutil.rmtree(folder)
+        except OSError as exc:
+            print(f"warning: trainer.max_ckpt_to_keep={keep}: could not remove the old checkpoint {folder} ({exc}); "
+                  "remove it by hand", file=sys.stderr)
 
 
 def _save_failure_message(run_dir: Path, step: int, exc: BaseException | None) -> str:

@@ -82,7 +82,8 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     # reshard_after_forward=True on the root too (FSDP2's default keeps the ROOT unsharded after its forward, which
     # would leave the embeddings and head whole after every no-grad pass, forever for the reference).
     kwargs = dict(mesh=mesh, reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-                  offload_policy=CPUOffloadPolicy(pin_memory=False) if cpu_offload and device.type != "cpu" else OffloadPolicy())
+                  # pinned host memory: each forward copies every unit to the device, asynchronously only from pinned pages
+                  offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload and device.type != "cpu" else OffloadPolicy())
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(policy, **kwargs)
@@ -100,19 +101,24 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def gathered_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) of every entry of `model.state_dict()`, gathered ONE AT A TIME.
 
-    Only the tensor being yielded is whole; a tensor shared by two names (tied embeddings) is gathered once and
-    yielded under both. Every process must consume the iterator to its end, in step (each item is a collective).
+    Only the tensor being yielded is whole; a parameter shared by several names (tied embeddings: the embedding and
+    `lm_head.weight`) is gathered once and yielded under all of them in a row. Every process must consume the
+    iterator to its end, in step (each gather is a collective; the grouping follows the model's structure, the same
+    on every process).
     """
     state = model.state_dict()
-    last_id, last_full = None, None
-    for name, tensor in state.items():
-        if id(tensor) != last_id:
-            last_id, last_full = id(tensor), full_tensor(tensor.detach())
-        yield name, last_full
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied names map to ONE Parameter object
+    names_of: dict[object, list[str]] = {}  # a parameter (or buffer) -> its names, in state_dict order
+    for name in state:
+        names_of.setdefault(id(params[name]) if name in params else name, []).append(name)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in state:  # the engine keeps its old head unless it is pushed (vLLM fact)
-        embed = model.get_input_embeddings().weight
-        yield "lm_head.weight", full_tensor(embed.detach())
+        names_of.setdefault(id(model.get_input_embeddings().weight), []).append("lm_head.weight")
+    for names in names_of.values():
+        source = state[names[0]] if names[0] in state else model.get_input_embeddings().weight
+        full = full_tensor(source.detach())
+        for name in names:
+            yield name, full
 
 
 # ------------------------------------------------------------------------------------------ offload

@@ -193,18 +193,20 @@ def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bo
     start a run from it with `model.lora_adapter_path=path/adapter`.
     """
     adapter_dir, merged_dir = Path(path) / "adapter", Path(path) / "merged"
+    # Every gather (a collective) comes before any write: a write failing on process 0 (a full disk) must not leave
+    # the other processes waiting in a gather process 0 never joins (checkpoint.save then stops all of them).
     state = adapter_state(actor.model)
-    if write:
-        adapter_dir.mkdir(parents=True, exist_ok=True)
-        actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
-        tokenizer.save_pretrained(adapter_dir)
-    if not save_merged_folder:
-        return
     merged = {}
-    for name, tensor in merged_named_weights(actor.model):
-        if write:
-            merged[name] = tensor.to("cpu", copy=True)
-    if write:
+    if save_merged_folder:
+        for name, tensor in merged_named_weights(actor.model):
+            if write:
+                merged[name] = tensor.to("cpu", copy=True)
+    if not write:
+        return
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
+    tokenizer.save_pretrained(adapter_dir)
+    if save_merged_folder:
         merged_dir.mkdir(parents=True, exist_ok=True)
         actor.model.get_base_model().save_pretrained(merged_dir, state_dict=merged)
         tokenizer.save_pretrained(merged_dir)

@@ -30,7 +30,7 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
         for g in group:
             rows.append((prompts.prompt_ids[p], g))
             meta.append(p)
-    width = max(len(pids) + len(g.token_ids) for pids, g in rows)
+    width = max((len(pids) + len(g.token_ids) for pids, g in rows), default=0)  # no rows: a process without prompts
     B = len(rows)
     input_ids = torch.full((B, width), pad_id, dtype=torch.long)  # [B, T]
     attention_mask = torch.zeros((B, width), dtype=torch.long)  # [B, T]
@@ -134,6 +134,8 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     rank 0 keeps dataset rows [7, 9], rank 1 keeps [3, 4] (as with TP=1).
     """
     submit, keep = tp_group_share(len(global_idx), world_size=world_size, rank=rank, tp_size=cfg.rollout.tensor_model_parallel_size)
+    if not submit:  # a validation set smaller than the process count: this TP group has no prompt (all its members agree)
+        return dataset.batch([]), []
     group = dataset.batch([global_idx[i] for i in submit])
     seeds = [sample_seed(cfg.trainer.seed, purpose=purpose, step=step, round=round, prompt_index=i, n=sampling["n"]) for i in submit]
     generations = engine.generate(group.prompt_ids, seeds=seeds, **sampling)
@@ -283,6 +285,7 @@ def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
     length = int(batch.attention_mask[0].sum())
     seq = torch.tensor(broadcast_object(batch.input_ids[0, :length].tolist()))  # [L]
     engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
+    actor.load_params()  # after the push the shards may rest on the host (param_offload); the caller offloads again
     actor.policy.eval()
     with torch.no_grad():
         actor_lp, _ = actor.policy(seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))  # [1, L]

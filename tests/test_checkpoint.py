@@ -195,6 +195,40 @@ def test_config_differences_lists_step_keys_only():
     assert config_differences(saved, now) == ["data.train_batch_size: 8 -> 16", "trainer.seed: 1 -> 2"]
 
 
+def test_cuda_rng_is_saved_for_this_process_device_only(monkeypatch):
+    """Each process saves the RNG of its own CUDA device: restoring every visible device's state (get/set_rng_state_all)
+    raised IndexError on a resume that sees fewer devices (one GPU per task under a scheduler)."""
+    from grpo_lib import checkpoint
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: restored.append(state.tolist()))
+    for name in ("get_rng_state_all", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail(f"torch.cuda.{name} touches every device"))
+    state = checkpoint._rng_state()
+    checkpoint._set_rng_state(state)
+    assert restored == [[7]]
+
+
+def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning(tmp_path, monkeypatch, capsys):
+    """Pruning runs after the new checkpoint is complete: a failure to delete an old one (permissions, NFS) warns
+    instead of killing process 0 while the others wait in a barrier."""
+    from grpo_lib import checkpoint
+
+    for step in (1, 2, 3):
+        (tmp_path / f"global_step_{step}").mkdir()
+        (tmp_path / f"global_step_{step}" / MARKER).write_text(f"step {step}\n")
+
+    def rmtree(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    checkpoint.prune(tmp_path, keep=1)
+    err = capsys.readouterr().err
+    assert "could not remove the old checkpoint" in err and "global_step_1" in err and "global_step_2" in err, err
+
+
 def test_jsonl_cut_at_resume_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 3, "val/acc": 1}\n{"st')

@@ -26,10 +26,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def names(events, *, actor: bool = False) -> list[str]:
     """Raw calls as short names: generate:train (n > 1), generate:val, score, wake_up:weights, ... (with `actor`, also
-    the actor's placement: actor_on_device / actor_on_host)."""
+    the actor's placement and passes: actor_on_device / actor_on_host / actor_forward)."""
     out = []
     for e in events:
-        if e[0].startswith("actor_on_") and not actor:
+        if e[0].startswith("actor_") and not actor:
             continue
         if e[0] == "generate":
             out.append("generate:train" if e[2][0][0] > 1 else "generate:val")
@@ -87,27 +87,32 @@ def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, ari
     """With actor.fsdp_config.param_offload / optimizer_offload the actor's shards are on the host whenever the engine
     maps its KV cache or generates: at the first generation, after the push (before wake_up(kv_cache), not after it:
     mapping the KV cache needs the memory at once), after a checkpoint's export (which gathers the shards) and after
-    a resume. On CPU the moves are no-ops, so the placement the code asks for is recorded (tests/scripts/fake_llm.py)."""
+    a resume; and on the device for each of its forward passes (the weight-sync check runs after the offload). On CPU
+    the moves are no-ops, so the placement the code asks for is recorded (tests/scripts/fake_llm.py). No KL term:
+    every recorded forward is the actor's."""
     fake = install(monkeypatch)
     import train_grpo
 
     out = tmp_path / "run"
     base = [str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(tiny_model_dir, arith_data, out), "rollout.free_cache_engine=true",
             "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true", "trainer.val_before_train=true",
-            "trainer.test_freq=1", "trainer.save_freq=1", "reward.num_workers=0", "trainer.logger=[jsonl]"]
+            "trainer.test_freq=1", "trainer.save_freq=1", "trainer.check_weight_sync=true", "actor.use_kl_loss=false",
+            "reward.num_workers=0", "trainer.logger=[jsonl]"]
     assert train_grpo.main(base + ["trainer.total_training_steps=2"]) == 0
     first = names(fake.events, actor=True)
     fake.events.clear()
     assert train_grpo.main(base + ["trainer.total_training_steps=3"]) == 0  # resumes from step 2
     resumed = names(fake.events, actor=True)
     for calls in (first, resumed):
-        check_gpu_order([c for c in calls if not c.startswith("actor_on_")])
+        check_gpu_order([c for c in calls if not c.startswith("actor_")])
         actor = "device"  # built on the device
         for i, c in enumerate(calls):
             if c.startswith("actor_on_"):
                 actor = c.removeprefix("actor_on_")
             elif c == "wake_up:kv_cache" or c.startswith("generate"):
                 assert actor == "host", f"call {i} ({c}) with the actor's shards on the device: {calls}"
+            elif c == "actor_forward":
+                assert actor == "device", f"call {i}: an actor forward with its shards on the host: {calls}"
     assert "reload_weights" in resumed[:resumed.index("generate:train")], "a resume serves the checkpoint's weights"
     assert len(read_metrics(out)) == 3
 

@@ -186,6 +186,23 @@ def test_push_streams_in_bounded_buckets_and_casts():
     assert max(llm.produced_ahead) <= 3, f"tensors held ahead of the engine: {llm.produced_ahead}"
 
 
+def test_tied_embedding_gathered_once_per_push(tiny_model_dir, monkeypatch):
+    """The embedding and the tied lm_head are one parameter: one gather (a full all-gather of the largest tensor),
+    yielded under both names, and every other tensor gathered exactly once."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lib import fsdp
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.tie_word_embeddings, "the tiny model ties its embeddings"
+    gathered = []
+    monkeypatch.setattr(fsdp, "full_tensor", lambda t: gathered.append(t.shape) or t)
+    pushed = dict(fsdp.gathered_state(model))
+    assert "lm_head.weight" in pushed and pushed["lm_head.weight"] is pushed["model.embed_tokens.weight"]
+    assert len(gathered) == len(pushed) - 1, f"{len(gathered)} gathers for {len(pushed)} names"
+    assert set(pushed) == set(model.state_dict()) | {"lm_head.weight"}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: on CPU the host is the device")
 def test_offload_moves_shards_to_host_and_back_on_gpu(tiny_model_dir):
     cfg = make_cfg(tiny_model_dir, "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true",

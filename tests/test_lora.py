@@ -183,3 +183,27 @@ def test_two_processes_match_one(model_dir, tmp_path):
         mine = [i for i, g in enumerate(batch.group_ids) if g in share]
         width = two[r]["ref"].shape[1]
         torch.testing.assert_close(two[r]["ref"], one["ref"][mine][:, :width], rtol=0, atol=1e-5)
+
+
+def test_lora_export_gathers_everything_before_writing(monkeypatch, tmp_path):
+    """Every gather of the LoRA export (collectives under FSDP2) comes before process 0's first write: a write that
+    fails on process 0 (full disk) must not leave the others waiting in a gather it never joins."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    events = []
+    monkeypatch.setattr(lora, "adapter_state", lambda model: events.append("gather adapter") or {})
+
+    def merged(model):
+        events.append("gather merged")
+        yield "w", torch.zeros(1)
+
+    monkeypatch.setattr(lora, "merged_named_weights", merged)
+    writer = SimpleNamespace(save_pretrained=lambda path, **kw: events.append(f"write {Path(path).name}"))
+    model = SimpleNamespace(save_pretrained=writer.save_pretrained, get_base_model=lambda: writer)
+    tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
+    lora.save_lora_checkpoint(SimpleNamespace(model=model), tokenizer, tmp_path, save_merged_folder=True, write=True)
+    assert events == ["gather adapter", "gather merged", "write adapter", "write merged"], events
+    events.clear()
+    lora.save_lora_checkpoint(SimpleNamespace(model=model), tokenizer, tmp_path, save_merged_folder=True, write=False)
+    assert events == ["gather adapter", "gather merged"], "the other processes gather the same, write nothing"

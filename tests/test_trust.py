@@ -262,3 +262,26 @@ def test_preemptions_of_a_tensor_parallel_engine_are_counted_once():
                                            rank=rank, timings={})
         counted.append(metrics["rollout/preemptions"])
     assert counted == [5.0, 0.0], counted
+
+
+def test_a_process_without_validation_prompts_still_reports_the_metrics():
+    """A validation set smaller than the process count leaves some processes without prompts: they take part in the
+    metric reductions with empty batches (it raised on max() of nothing while the others waited in a reduction)."""
+    from grpo_lib import step
+    from grpo_lib.config import load_config
+    from tests.test_algorithm_recipes import FakeData, FakeEngine, FakeScorer
+
+    class OnePrompt(FakeData):
+        data_sources = ["fake"]
+
+        def __len__(self):
+            return 1
+
+    cfg = load_config(None, ["model.path=unused", "data.train_files=[unused.parquet]", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2"], world_size=2)
+    engine = FakeEngine()
+    metrics, rows = step.validate(cfg, engine, FakeScorer(), OnePrompt(), world_size=2, rank=1)
+    assert engine.calls == [], "nothing to generate on process 1"
+    assert rows == [] and metrics["val/reward_mean"] == 0.0 and "val/fake/acc" not in metrics, metrics
+    metrics, rows = step.validate(cfg, engine, FakeScorer(), OnePrompt(), world_size=2, rank=0)
+    assert engine.calls == [[100]] and metrics["val/fake/acc"] == 0.0, (engine.calls, metrics)

@@ -2,8 +2,8 @@
 
 `FakeLLM` records every raw engine call (start, sleep, wake_up, reload_weights, reset_prefix_cache, generate with
 its requests and seeds) in `FakeLLM.events`; `grpo_lib.rollout.empty_trainer_cache` is wrapped to record
-"empty_cache" in the same list, and the actor's `load_params` / `offload` record "actor_on_device" /
-"actor_on_host", so a test sees the exact order the GPU would see. The engine's own state machine
+"empty_cache" in the same list, and the actor's `load_params` / `offload` / forward passes record "actor_on_device" /
+"actor_on_host" / "actor_forward", so a test sees the exact order the GPU would see. The engine's own state machine
 is NOT faked: `VLLMEngine` runs as is, only its `llm` is this fake, and its lifecycle is told that sleep is real
 (as on a GPU with rollout.free_cache_engine).
 
@@ -114,11 +114,20 @@ def install(monkeypatch=None):
         FakeLLM.events.append(("actor_on_host",))
         real_offload(actor)
 
+    from grpo_lib.fsdp import LogprobModel
+
+    real_forward = LogprobModel.forward
+
+    def forward(policy, *args, **kwargs):  # a forward of the actor (or of the reference, when one is built)
+        FakeLLM.events.append(("actor_forward",))
+        return real_forward(policy, *args, **kwargs)
+
     setter = monkeypatch.setattr if monkeypatch is not None else lambda obj, name, value: setattr(obj, name, value)
     setter(rollout, "build_engine", build_engine)
     setter(rollout, "empty_trainer_cache", empty_trainer_cache)
     setter(Actor, "load_params", load_params)
     setter(Actor, "offload", offload)
+    setter(LogprobModel, "forward", forward)
     assert real_build is not None
     return FakeLLM
 
