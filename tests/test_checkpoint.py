@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -181,12 +182,47 @@ def test_nonfinite_updates_skipped_counted_then_exit_3(base, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ cheap unit checks
-def test_second_signal_aborts_at_once():
-    script = ("import os, signal, time\nfrom grpo_lib.stopping import install_stop_handlers, stop_requested\n"
-              "install_stop_handlers()\nos.kill(os.getpid(), signal.SIGTERM)\nassert stop_requested()\nprint('FIRST OK', flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('STILL ALIVE')\n")
+def test_the_same_signal_twice_at_once_is_one_stop_request(capfd):
+    """scancel signals every process and the launcher forwards its own copy: a trainer under `accelerate launch` gets
+    SIGTERM twice within milliseconds. That is one request (finish the step, save), not the abort of a second one."""
+    from grpo_lib import stopping
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stopping.install_stop_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # os.kill runs this process's handler before it returns
+        assert stopping.stop_requested(), "still alive, and the stop is requested"
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        stopping._received.clear()
+    err = capfd.readouterr().err
+    assert "SIGTERM received: finishing this step" in err and "SIGTERM received again within 5 s: the same stop request" in err, err
+
+
+@pytest.mark.parametrize("second", ["SIGTERM after the repeat window", "SIGINT at once"])
+def test_a_second_stop_request_aborts_at_once(second):
+    """The same signal after REPEAT_WINDOW_S (shortened to 0.5 s here), or another stop signal at any time, aborts."""
+    late = second.startswith("SIGTERM")
+    script = ("import os, signal, time\nfrom grpo_lib import stopping\nstopping.REPEAT_WINDOW_S = 0.5\n"
+              "stopping.install_stop_handlers()\nos.kill(os.getpid(), signal.SIGTERM)\nassert stopping.stop_requested()\n"
+              f"print('FIRST OK', flush=True)\ntime.sleep({0.6 if late else 0})\n"
+              f"os.kill(os.getpid(), signal.{second.split()[0]})\ntime.sleep(5)\nprint('STILL ALIVE')\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert "FIRST OK" in proc.stdout and "STILL ALIVE" not in proc.stdout and proc.returncode == -15, (proc.stdout, proc.stderr)
+    expected = -signal.SIGTERM if late else -signal.SIGINT
+    assert "FIRST OK" in proc.stdout and "STILL ALIVE" not in proc.stdout and proc.returncode == expected, \
+        (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_launcher_timeout_warning():
+    from grpo_lib.stopping import launcher_timeout_warning
+
+    assert launcher_timeout_warning({}) is None, "not under torch elastic: no launcher to kill us"
+    assert "only 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT unset" in launcher_timeout_warning({"TORCHELASTIC_RUN_ID": "x"})
+    assert "only 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120)" in \
+        launcher_timeout_warning({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"})
+    assert launcher_timeout_warning({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1800"}) is None
 
 
 def test_config_differences_lists_step_keys_only():
