@@ -154,6 +154,10 @@ def main(argv: list[str]) -> int:
     if folder_problems:
         print("error: " + "\n".join(folder_problems), file=sys.stderr)
         return 2
+    from grpo_lib.stopping import launcher_timeout_warning
+
+    if rank == 0 and (warning := launcher_timeout_warning()):  # accelerate launch would kill us before a stop saves
+        print(warning, file=sys.stderr, flush=True)
     if cfg.ignored and rank == 0:  # once, at start
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
               flush=True)
@@ -270,12 +274,12 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
         stopping = stop_requested()  # agreed by all processes
         if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"] or stopping:
             try:
-                save(step)
+                saved = save(step)
             except checkpoint.SaveError as error:  # a full disk: the previous checkpoint stays resumable
                 print(f"error: {error}", file=sys.stderr)
                 return error.exit_code
-        if stopping:
-            print(f"stopped after step {step}; resume with the same command", file=sys.stderr)
+        if stopping:  # every process says so: under a launcher, each one's own proof that it finished and saved
+            print(f"process {rank}: stopped after step {step}, saved {saved}; resume with the same command", file=sys.stderr)
             break
     return 0
 

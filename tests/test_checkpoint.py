@@ -8,9 +8,11 @@ Each run is the tiny model with real vLLM on CPU (tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -181,12 +183,47 @@ def test_nonfinite_updates_skipped_counted_then_exit_3(base, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ cheap unit checks
-def test_second_signal_aborts_at_once():
-    script = ("import os, signal, time\nfrom grpo_lib.stopping import install_stop_handlers, stop_requested\n"
-              "install_stop_handlers()\nos.kill(os.getpid(), signal.SIGTERM)\nassert stop_requested()\nprint('FIRST OK', flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('STILL ALIVE')\n")
+def test_the_same_signal_twice_at_once_is_one_stop_request(capfd):
+    """scancel signals every process and the launcher forwards its own copy: a trainer under `accelerate launch` gets
+    SIGTERM twice within milliseconds. That is one request (finish the step, save), not the abort of a second one."""
+    from grpo_lib import stopping
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stopping.install_stop_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # os.kill runs this process's handler before it returns
+        assert stopping.stop_requested(), "still alive, and the stop is requested"
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        stopping._received.clear()
+    err = capfd.readouterr().err
+    assert "SIGTERM received: finishing this step" in err and "SIGTERM received again within 5 s: the same stop request" in err, err
+
+
+@pytest.mark.parametrize("second", ["SIGTERM after the repeat window", "SIGINT at once"])
+def test_a_second_stop_request_aborts_at_once(second):
+    """The same signal after REPEAT_WINDOW_S (shortened to 0.5 s here), or another stop signal at any time, aborts."""
+    late = second.startswith("SIGTERM")
+    script = ("import os, signal, time\nfrom grpo_lib import stopping\nstopping.REPEAT_WINDOW_S = 0.5\n"
+              "stopping.install_stop_handlers()\nos.kill(os.getpid(), signal.SIGTERM)\nassert stopping.stop_requested()\n"
+              f"print('FIRST OK', flush=True)\ntime.sleep({0.6 if late else 0})\n"
+              f"os.kill(os.getpid(), signal.{second.split()[0]})\ntime.sleep(5)\nprint('STILL ALIVE')\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert "FIRST OK" in proc.stdout and "STILL ALIVE" not in proc.stdout and proc.returncode == -15, (proc.stdout, proc.stderr)
+    expected = -signal.SIGTERM if late else -signal.SIGINT
+    assert "FIRST OK" in proc.stdout and "STILL ALIVE" not in proc.stdout and proc.returncode == expected, \
+        (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_launcher_timeout_warning():
+    from grpo_lib.stopping import launcher_timeout_warning
+
+    assert launcher_timeout_warning({}) is None, "not under torch elastic: no launcher to kill us"
+    assert "only 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT unset" in launcher_timeout_warning({"TORCHELASTIC_RUN_ID": "x"})
+    assert "only 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120)" in \
+        launcher_timeout_warning({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"})
+    assert launcher_timeout_warning({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1800"}) is None
 
 
 def test_config_differences_lists_step_keys_only():
@@ -245,6 +282,75 @@ def test_all_processes_agree_to_stop_when_one_gets_sigterm(tmp_path):
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"before": False, "after": True}, f"rank {rank}"
 
+
+
+SIGNALLING_REWARD = '''
+import os, signal, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # the first call after the test wrote the pid file SIGTERMs the launcher named there and is still running when the
+    # launcher forwards the signal: the case in which a reward forkserver killed by that signal loses calls in flight
+    try:
+        os.rename(PID_FILE, PID_FILE + ".taken")  # one call of all, in either process, claims it
+    except FileNotFoundError:
+        pass
+    else:
+        with open(PID_FILE + ".taken") as fh:
+            os.kill(int(fh.read()), signal.SIGTERM)
+        time.sleep(2)
+    return float(len(solution_str) % 3 == 0) + 0.1 * solution_str.count("1")
+'''
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_after_the_step_with_a_checkpoint(base, tmp_path):
+    """Ctrl-C / SIGTERM to `accelerate launch` itself (its workers run in sessions of their own, so only the launcher
+    gets it): torch elastic forwards it with os.killpg to each process's group, which holds the reward forkserver
+    and workers too, and SIGKILLs them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT s. Once step 1 is logged, a reward call
+    sends the launcher SIGTERM and is still running when the forwarded signal arrives. Both processes must finish
+    the step, save it and exit without reward errors, and nothing may be left running."""
+    import psutil
+
+    out, log, pid_file, reward = tmp_path / "run", tmp_path / "launch.log", tmp_path / "launcher.pid", tmp_path / "reward.py"
+    reward.write_text(SIGNALLING_REWARD.replace("PID_FILE", repr(str(pid_file))))
+    cmd = [*accelerate_launch(2), str(REPO / "train_grpo.py"), *base(out, "trainer.save_freq=-1", "data.train_batch_size=2",
+                                                                      "actor.ppo_mini_batch_size=2", f"reward.custom.path={reward}")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+    with open(log, "w") as fh:  # a file, not a pipe: a leftover process would keep a pipe open
+        launcher = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    family: list = []
+    try:
+        deadline = time.monotonic() + 400
+        while launcher.poll() is None and time.monotonic() < deadline and \
+                not ((out / "metrics.jsonl").is_file() and '"step": 1,' in (out / "metrics.jsonl").read_text()):
+            time.sleep(0.5)
+        assert launcher.poll() is None, f"the run ended before step 1 was logged\n{log.read_text()[-3000:]}"
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        assert any("forkserver" in " ".join(p.cmdline()) for p in family), "no reward forkserver: the test proves less"
+        (tmp_path / "pid.tmp").write_text(str(launcher.pid))
+        (tmp_path / "pid.tmp").rename(pid_file)  # whole, for the reward call that takes it
+        code = launcher.wait(timeout=300)
+        gone_by = time.monotonic() + 10
+        while (left := [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+    finally:  # never leave a run behind, whatever failed
+        if launcher.poll() is None:
+            launcher.kill()
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    text = log.read_text()
+    context = f"launcher exit code {code} (torch elastic re-raises the signal after its workers exit)\n{text[-4000:]}"
+    assert (tmp_path / "launcher.pid.taken").is_file(), f"no reward call signalled the launcher\n{context}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # every line parses
+    last = max(r["step"] for r in rows)
+    assert 1 < last < STEPS, context
+    for rank in (0, 1):
+        assert f"process {rank}: stopped after step {last}, saved {out / f'global_step_{last}'}" in text, f"rank {rank}\n{context}"
+    assert sorted(p.name for p in out.glob("global_step_*")) == [f"global_step_{last}"], context
+    assert (out / f"global_step_{last}" / MARKER).is_file() and (out / POINTER).read_text().strip() == str(last), context
+    assert (rows[-1]["reward/errors"], rows[-1]["reward/timeouts"]) == (0, 0) and "reward worker process died" not in text, context
+    assert text.count("gives the processes only 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120)") == 1, "rank 0 warns, once"
+    assert not left, f"left running: {[(p.pid, p.name()) for p in left]}\n{context}"
 
 def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
     """2 processes (gloo, FSDP2-sharded actor): a straight 6-step run, and one where both processes are SIGKILLed right

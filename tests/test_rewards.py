@@ -400,6 +400,34 @@ def test_pool_crashing_worker_is_counted(pool_scorer):
     assert _score(pool_scorer, ["7"]).scores == [1.0], "a fresh pool serves the next call"
 
 
+def test_pool_survives_a_stop_signal_to_the_trainers_process_group(custom_file):
+    """torch elastic forwards a Ctrl-C / SIGTERM with os.killpg to the trainer's whole process group: the forkserver
+    and the reward workers are hit too. They must keep serving the step the trainer is finishing: no error, no
+    respawn. (Sent here to each pool process by pid: a killpg would also hit pytest.)"""
+    import signal
+
+    import psutil
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with RewardScorer(functions=[{"name": "custom", "weight": 1.0}], custom_path=custom_file, timeout_s=5.0,
+                      num_workers=2) as scorer:
+        assert _score(scorer, ["7", "8"]).scores == [1.0, 0.0]
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "the trainer must still receive stop signals"
+        workers = [w.process.pid for w in scorer._pool._workers]
+        forkserver = psutil.Process(workers[0]).parent()  # the workers' parent, a child of this process
+        assert "forkserver" in " ".join(forkserver.cmdline()) and forkserver.ppid() == os.getpid(), forkserver
+        targets = [forkserver, *(psutil.Process(pid) for pid in workers)]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            for process in targets:
+                process.send_signal(sig)
+        time.sleep(1.0)  # a process killed by the signal would be gone by now
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in targets), \
+            f"a stop signal killed a pool process: {[(p.pid, p.is_running()) for p in targets]}"
+        out = _score(scorer, ["7", "8"] * 20)
+        assert (out.num_errors, out.num_timeouts) == (0, 0) and out.scores == [1.0, 0.0] * 20, out
+        assert [w.process.pid for w in scorer._pool._workers] == workers, "the workers were replaced"
+
+
 # ------------------------------------------------------------------------------- untrustworthy rewards (issue 11)
 def test_null_ground_truth_never_scores():
     """`#### None` against a None / NaN / empty answer scores 0 (str(None) == "None" used to match: 1.0)."""

@@ -23,6 +23,9 @@ A worker that dies (segfault, os._exit) costs only the call it was running (an e
 Workers never outlive the trainer: each asks Linux to SIGKILL it when its parent (the forkserver, which exits
 with the trainer) dies (`prctl(PR_SET_PDEATHSIG)`), and a thread also exits the worker within a second once the
 trainer's pid is gone (the fallback elsewhere). The trainer's `close()` kills them on a normal exit.
+Stop signals (SIGTERM, SIGINT) are the trainer's: torch elastic forwards them to the trainer's whole process group,
+so the forkserver and the workers start with them blocked (the workers also ignore them) and keep serving the
+trainer's last step (tests/test_rewards.py).
 
 Like every spawn/forkserver pool, each worker imports the entry script once as `__mp_main__`: keep its
 work under `if __name__ == "__main__":` (train_grpo.py does), or the workers would run the script.
@@ -39,9 +42,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import connection
+from multiprocessing import connection, resource_tracker
 
 _SPAWNED: list = []  # every worker process this interpreter started
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # the trainer's to handle (grpo_lib/stopping.py), never the pool's
 
 
 @atexit.register
@@ -255,7 +259,18 @@ class TimeoutPool:
         parent_end, child_end = self._context.Pipe()
         process = self._context.Process(target=_worker_main, name="reward-worker", daemon=True,
                                         args=(child_end, os.getpid(), self._factory, self._factory_args))
-        process.start()
+        # The first start also starts the forkserver, in the trainer's process group. torch elastic forwards a stop
+        # signal to the whole group (os.killpg), and the forkserver dies of SIGTERM (taking the workers with it via
+        # PDEATHSIG) while the trainer is still finishing its step. A blocked mask is inherited through fork and exec,
+        # so the forkserver and the workers never act on these signals; the trainer gets them once unblocked here.
+        # multiprocessing's resource tracker is started first, by itself: starting it ends with an UNBLOCK of exactly
+        # these two signals, which would undo ours before the forkserver starts (it is started by process.start()).
+        resource_tracker.ensure_running()
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         _SPAWNED.append(process)
         child_end.close()
         self._workers.append(_Worker(process, parent_end))
