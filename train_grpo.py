@@ -169,7 +169,11 @@ def main(argv: list[str]) -> int:
         tune_allocator()
     capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
-    from grpo_lib.distributed import barrier, init_distributed
+    from grpo_lib.distributed import barrier, gpu_visibility_problem, init_distributed
+
+    if problem := gpu_visibility_problem():  # a driver too old for this CUDA build: not a silent CPU run
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     try:  # a folder holding another run, or a resume whose config changes what a step computes: exit 2 now
         plan = checkpoint.plan_resume(cfg)

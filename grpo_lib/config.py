@@ -107,7 +107,8 @@ class ActorFSDPConfig:
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype: each FSDP2 unit is gathered and cast to it for forward/backward; master weights stay float32.
     auto: bfloat16 on GPU, float32 on CPU (verl's mixed_precision.param_dtype). On CPU a lower dtype runs the actor's
-    passes under torch.autocast (grpo_lib/perf.py); it pays only on CPUs with AMX / AVX512-BF16."""
+    passes under torch.autocast (grpo_lib/perf.py); it pays only on CPUs with AMX / AVX512-BF16. float16 is refused
+    (it would need loss scaling)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
 
@@ -877,6 +878,9 @@ def _value_ranges(cfg: Config) -> list[str]:
         p.append(f"trainer.total_training_steps={t.total_training_steps}: must be >= 1 (null: trainer.total_epochs x steps per epoch)")
     if t.val_only and not cfg.data.val_files:
         p.append("trainer.val_only=true needs data.val_files (the validation set to evaluate)")
+    if a.fsdp_config.param_dtype == "float16":  # bf16 has float32's exponent range; float16 does not
+        p.append("actor.fsdp_config.param_dtype=float16: float16 gradients need loss scaling, which this trainer does not do "
+                 "(small per-token gradients would underflow to 0); use bfloat16 (or auto: bfloat16 on GPU)")
     names = [fn.get("name") for fn in rw.functions if isinstance(fn, dict)]
     for i, fn in enumerate(rw.functions):
         if not isinstance(fn, dict) or "name" not in fn:

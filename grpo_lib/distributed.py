@@ -51,6 +51,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one entry per GPU the NVIDIA kernel driver knows
+
+
+def gpu_visibility_problem() -> str | None:
+    """A CUDA build of torch that sees no GPU on a machine whose driver lists some: the run would silently train on
+    the CPU. Usually the driver is older than the CUDA version torch was built for. None when all is as expected (a
+    CPU build, no NVIDIA driver, GPUs visible, or CUDA_VISIBLE_DEVICES set to an empty list on purpose)."""
+    if torch.version.cuda is None or torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return None
+    try:
+        gpus = len(os.listdir(NVIDIA_GPUS_DIR))
+    except OSError:
+        return None
+    if not gpus:
+        return None
+    return (f"this machine's NVIDIA driver lists {gpus} GPU(s) but torch {torch.__version__} (built for CUDA "
+            f"{torch.version.cuda}) cannot use them, so the run would train on the CPU: the driver is probably older than "
+            "that CUDA version needs (`nvidia-smi` shows the highest CUDA version the driver supports); update the driver "
+            "or install a torch / vllm build for the driver's CUDA. To run on the CPU on purpose: CUDA_VISIBLE_DEVICES=")
+
+
 def init_distributed() -> None:
     """Join the process group the launcher set up; on one GPU without a launcher, start a 1-process group."""
     if dist.is_initialized():

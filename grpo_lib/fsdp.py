@@ -87,6 +87,14 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(policy, **kwargs)
+    # FSDP2 fixes each unit's mixed-precision dtypes (the reduce dtype among them) at its first forward, from the
+    # parameters that require grad AT THAT MOMENT. With LoRA the first forward would be the reference pass inside
+    # peft's disable_adapter(), which turns requires_grad off on the adapters: every unit would then keep no reduce
+    # dtype, the update's bf16 gradients would be reduce-scattered in bf16 and fail to land on the fp32 shards. So
+    # the first forward runs here, on every process (it all-gathers), while the trainable set is the real one.
+    with torch.no_grad():
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # [1, 2]
+        policy(ids, torch.ones_like(ids))
     return policy
 
 

@@ -26,6 +26,10 @@ def test_every_recipe_loads_and_validates(recipe):
     world_size = int(header[0].split(":")[1]) if header else 1
     cfg = load_config(recipe, world_size=world_size)
     assert cfg.model.path and cfg.data.train_files, f"{recipe.name} needs model.path and data.train_files"
+    if cfg.model.path.startswith("Qwen/Qwen3"):  # Qwen3's chat template thinks unless told not to: rewards near 0
+        assert cfg.data.apply_chat_template_kwargs.get("enable_thinking") is False, f"{recipe.name}: thinking left on"
+    if cfg.model.path.startswith("Qwen/"):  # a real model: each checkpoint is ~12 bytes/param + the export
+        assert cfg.trainer.max_ckpt_to_keep, f"{recipe.name}: keeps every checkpoint"
 
 
 def test_verl_long_override_lands_on_same_field():

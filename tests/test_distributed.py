@@ -47,3 +47,29 @@ def test_helpers_are_the_identity_without_a_group():
     assert D.all_reduce_sum(2) == 2.0 and D.all_reduce_min(3) == 3.0 and D.all_reduce_max(4) == 4.0
     assert D.all_gather_object("x") == ["x"] and D.broadcast_object("y") == "y"
     D.barrier()
+
+
+def test_gpus_the_cuda_build_cannot_use_are_an_error_not_a_cpu_run(tmp_path, monkeypatch):
+    """A CUDA build of torch on a machine whose driver lists GPUs, yet torch.cuda.is_available() is False (a driver
+    older than the build's CUDA): the trainer would silently pick the CPU. It is reported instead, unless the
+    machine has no NVIDIA GPU, the build is a CPU one, or CUDA_VISIBLE_DEVICES hides the GPUs on purpose."""
+    import torch
+
+    from grpo_lib import distributed
+
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    monkeypatch.setattr(distributed, "NVIDIA_GPUS_DIR", str(gpus))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert distributed.gpu_visibility_problem() is None, "no GPU listed by the driver"
+    for i in range(4):
+        (gpus / f"0000:0{i}:00.0").mkdir()
+    problem = distributed.gpu_visibility_problem()
+    assert problem and "lists 4 GPU(s)" in problem and "CUDA 13.0" in problem and "CUDA_VISIBLE_DEVICES=" in problem, problem
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert distributed.gpu_visibility_problem() is None, "GPUs hidden on purpose"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert distributed.gpu_visibility_problem() is None, "a CPU build of torch: a CPU run is what was installed"

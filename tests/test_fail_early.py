@@ -47,6 +47,7 @@ def assert_fails_early(proc: subprocess.CompletedProcess, cpu_s: float, *needles
     ("actor.lr=nan", "actor.lr=nan"),
     ("rollout.temperature=0", "rollout.temperature=0.0: training needs a temperature > 0; 0 is greedy decoding: the rollout.n=8"),
     ("actor.clip_ratio=1.5", "actor.clip_ratio=1.5: the PPO clip epsilon must lie in (0, 1)"),
+    ("actor.fsdp_config.param_dtype=float16", "actor.fsdp_config.param_dtype=float16: float16 gradients need loss scaling"),
     ("actor.clip_ratio=0", "actor.clip_ratio=0.0"),
     ("actor.clip_ratio_low=5", "actor.clip_ratio_low=5.0: a clip epsilon must lie in (0, 1)"),
     ("actor.clip_ratio_high=5", "actor.clip_ratio_high=5.0"),

