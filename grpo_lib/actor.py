@@ -45,6 +45,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype `path`'s weights were saved in (its config's dtype: bfloat16 for most hub models), for the Hugging Face
+    export; float32 when the config names none or a non-float type. Read before loading: loading in float32 rewrites
+    the in-memory config's dtype."""
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
     return model.to(device)
@@ -125,6 +136,7 @@ class Actor:
         self.param_dtype, reduce_dtype = resolve_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
         # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
+        self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.enable_gradient_checkpointing:
@@ -377,11 +389,10 @@ class Actor:
     # -- save ------------------------------------------------------------------------------------------
 
     def save_hf(self, path, tokenizer) -> None:
-        """Hugging Face folder loadable by AutoModelForCausalLM and vLLM. EVERY process calls it (the tensors are
-        gathered from the shards one by one); process 0 keeps a CPU copy of each and writes the folder.
+        """Hugging Face folder loadable by AutoModelForCausalLM and vLLM, in the dtype model.path was saved in
+        (`export_dtype`; the exact float32 master weights are in the checkpoint's sharded state). EVERY process calls
+        it (the tensors are gathered from the shards one by one); process 0 keeps a CPU copy of each and writes.
         With LoRA: path/adapter (peft format) and, with trainer.save_merged, path/merged (`lora.save_lora_checkpoint`)."""
-        from pathlib import Path
-
         if lora.lora_on(self.cfg):
             self.load_params()
             lora.save_lora_checkpoint(self, tokenizer, path, save_merged_folder=self.cfg.trainer.save_merged, write=_rank() == 0)
@@ -390,12 +401,10 @@ class Actor:
         state = {}
         for name, tensor in self.named_weights():
             tied_head = name == "lm_head.weight" and self.model.config.tie_word_embeddings  # saved as the embedding
-            if _rank() == 0 and not tied_head:
-                state[name] = tensor.detach().to("cpu", copy=True)
+            if _rank() == 0 and not tied_head:  # in the dtype the model came in (bf16 for hub models: half of fp32)
+                state[name] = tensor.detach().to("cpu", dtype=self.export_dtype, copy=True)
         if _rank() == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=state)
-            tokenizer.save_pretrained(path)
+            fsdp.write_hf_folder(self.model, path, state, tokenizer, self.export_dtype)
 
 
 class Reference:

@@ -129,6 +129,21 @@ def gathered_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, full
 
 
+def write_hf_folder(model: nn.Module, path, state: dict[str, torch.Tensor], tokenizer, dtype: torch.dtype) -> None:
+    """Write `state` (full tensors on the host, in `dtype`) as a Hugging Face folder of `model`'s architecture, with
+    the tokenizer. config.json names `dtype`: save_pretrained alone would record the in-memory float32 master dtype,
+    and loaders reading "auto" would upcast the weights."""
+    import copy
+    from pathlib import Path
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state)
+    config = copy.deepcopy(model.config)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 # ------------------------------------------------------------------------------------------ offload
 
 

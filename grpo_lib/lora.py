@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_lib.fsdp import full_tensor
+from grpo_lib.fsdp import full_tensor, write_hf_folder
 
 # peft's parameter names inside a LoRA-wrapped linear layer: <layer>.base_layer.weight (the frozen W),
 # <layer>.lora_A.<adapter>.weight, <layer>.lora_B.<adapter>.weight (and lora_embedding_* for embeddings).
@@ -200,13 +200,11 @@ def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bo
     if save_merged_folder:
         for name, tensor in merged_named_weights(actor.model):
             if write:
-                merged[name] = tensor.to("cpu", copy=True)
+                merged[name] = tensor.to("cpu", dtype=actor.export_dtype, copy=True)
     if not write:
         return
     adapter_dir.mkdir(parents=True, exist_ok=True)
     actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
     tokenizer.save_pretrained(adapter_dir)
-    if save_merged_folder:
-        merged_dir.mkdir(parents=True, exist_ok=True)
-        actor.model.get_base_model().save_pretrained(merged_dir, state_dict=merged)
-        tokenizer.save_pretrained(merged_dir)
+    if save_merged_folder:  # in the dtype model.path was saved in, like the full export
+        write_hf_folder(actor.model.get_base_model(), merged_dir, merged, tokenizer, actor.export_dtype)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from grpo_lib.config import (Config, ConfigError, environment_problems, launch_world_size, load_config, mini_batch_sizes,
                              read_raw)
+from grpo_lib.preflight import hub_snapshot
 from grpo_lib.step import needs_old_logprobs  # the step's own rule, so the plan says what the run will do
 
 GIB = 2**30
@@ -89,14 +90,13 @@ def find_model_config(model_path: str, explicit: str | None) -> tuple[dict | Non
     if explicit:
         candidates.append(Path(explicit))
     candidates.append(Path(model_path).expanduser() / "config.json")
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
-    snapshots = hub / f"models--{model_path.replace('/', '--')}" / "snapshots"
-    if snapshots.is_dir():
-        candidates += sorted(snapshots.glob("*/config.json"))
+    snapshot = hub_snapshot(model_path)
+    if snapshot is not None:
+        candidates.append(snapshot / "config.json")
     for path in candidates:
         if path.is_file():
             return json.loads(path.read_text()), str(path)
-    return None, f"no config.json for model.path={model_path!r} (not a local folder, not in the hub cache {hub})"
+    return None, f"no config.json for model.path={model_path!r} (not a local folder, not in the Hugging Face hub cache)"
 
 
 def count_rows(files: list[str]) -> int | None:

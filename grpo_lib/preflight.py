@@ -8,7 +8,8 @@ the data or the engine. Only the standard library is imported here, so a bad fol
 The size of one checkpoint is estimated from the model folder without loading it: the parameter count is read
 from the safetensors headers (8-byte length + JSON of dtype/shape per tensor), then
 
-    checkpoint bytes = params x 12 (fp32 weights + AdamW's two fp32 moments) + the HF export (the model's size on disk)
+    checkpoint bytes = params x 12 (fp32 weights + AdamW's two fp32 moments) + the HF export (the model's size on disk:
+                       the export keeps the dtype the model was saved in, `Actor.export_dtype`)
 
 Example: Qwen2.5-0.5B (494 M params, 0.99 GB of bf16 safetensors) -> 494e6 x 12 + 0.99e9 = about 6.9 GB.
 Without safetensors files the count is assumed from the files' size at 2 bytes per parameter (bf16).
@@ -36,10 +37,21 @@ def _safetensors_params(path: Path) -> int:
     return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
 
 
+def hub_snapshot(model_path: str) -> Path | None:
+    """The newest downloaded snapshot folder of hub model `model_path` in the Hugging Face cache, or None."""
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
+    snapshots = hub / f"models--{model_path.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    return found[-1].parent if found else None
+
+
 def model_size(model_path: str) -> tuple[int, int] | None:
-    """(parameter count, bytes on disk) of a local model folder; None if it is not a local folder with weights."""
+    """(parameter count, bytes on disk) of a local model folder, or of a hub model's downloaded snapshot; None if
+    neither has weights (a hub model not downloaded yet: the check is then skipped)."""
     folder = Path(model_path).expanduser()
     if not folder.is_dir():
+        folder = hub_snapshot(model_path)
+    if folder is None:
         return None
     tensors = sorted(folder.glob("*.safetensors"))
     if tensors:
@@ -75,7 +87,7 @@ def check_run_folder(cfg) -> list[str]:
                 "for example trainer.default_local_dir=outputs/run"]
     size = model_size(cfg.model.path)
     if size is None:
-        return []  # a hub name or a folder without weights: model.path is checked when the tokenizer loads
+        return []  # a hub model not downloaded yet, or no weights: model.path is checked when the tokenizer loads
     params, export_bytes = size
     need = checkpoint_bytes(params, export_bytes)
     free = shutil.disk_usage(folder).free

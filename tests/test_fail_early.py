@@ -126,6 +126,20 @@ def test_checkpoint_estimate_of_the_tiny_model(tiny_model_dir):
     assert checkpoint_bytes(params, disk_bytes) == params * 12 + disk_bytes
 
 
+def test_checkpoint_estimate_of_a_hub_model_reads_its_downloaded_snapshot(tiny_model_dir, tmp_path, monkeypatch):
+    """model.path=Org/Name (a hub name): the disk check reads the weights of its snapshot in the Hugging Face cache
+    (it used to skip every hub model, so a real run was never checked); not downloaded yet: skipped."""
+    import shutil
+
+    from grpo_lib.preflight import model_size
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_size("Org/Tiny") is None, "not downloaded: nothing to read"
+    snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "0123abc"
+    shutil.copytree(tiny_model_dir, snapshot)
+    assert model_size("Org/Tiny") == model_size(str(tiny_model_dir))
+
+
 def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path):
     """A row with a null ground truth and data.invalid_rows=error exits 2 naming file and row, before the engine."""
     import pandas as pd

@@ -105,6 +105,30 @@ def test_lora_with_bf16_compute_trains_after_a_reference_pass_came_first(tiny_mo
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped_nonfinite_steps"] == 0, metrics
 
 
+def test_hf_export_keeps_the_dtype_the_model_was_saved_in(tiny_model_dir, tmp_path):
+    """A bf16 hub model trains with float32 master weights; its Hugging Face export is bf16 again (half the disk of the
+    master weights, what the preflight disk estimate assumes) and its config.json says so, so loaders reading
+    "auto" do not upcast it. A float32 model exports float32 (the CPU tests' exactness)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    bf16_dir = tmp_path / "bf16_model"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for model_dir, want in ((bf16_dir, torch.bfloat16), (tiny_model_dir, torch.float32)):
+        actor = Actor(make_cfg(model_dir), device=torch.device("cpu"))
+        assert actor.master_dtype == torch.float32 and actor.export_dtype == want
+        out = tmp_path / f"export_{want}".replace("torch.", "")
+        actor.save_hf(out, tokenizer)
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert dtypes == {"BF16" if want == torch.bfloat16 else "F32"}, dtypes
+        assert AutoConfig.from_pretrained(out).dtype == want
+        exported = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+        for name, p in actor.model.named_parameters():
+            torch.testing.assert_close(exported[name], p.detach().to(want).float(), rtol=0, atol=0, msg=name)
+
+
 def test_fsdp_update_equals_unsharded_update(tiny_model_dir):
     """Same batch, same seed: the FSDP2 actor (1 process, float32, with gradient checkpointing) and the plain actor
     give the same metrics and weights."""

@@ -199,11 +199,12 @@ def test_lora_export_gathers_everything_before_writing(monkeypatch, tmp_path):
         yield "w", torch.zeros(1)
 
     monkeypatch.setattr(lora, "merged_named_weights", merged)
-    writer = SimpleNamespace(save_pretrained=lambda path, **kw: events.append(f"write {Path(path).name}"))
-    model = SimpleNamespace(save_pretrained=writer.save_pretrained, get_base_model=lambda: writer)
+    monkeypatch.setattr(lora, "write_hf_folder", lambda model, path, *a: events.append(f"write {Path(path).name}"))
+    model = SimpleNamespace(save_pretrained=lambda path, **kw: events.append(f"write {Path(path).name}"), get_base_model=lambda: None)
     tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
-    lora.save_lora_checkpoint(SimpleNamespace(model=model), tokenizer, tmp_path, save_merged_folder=True, write=True)
+    actor = SimpleNamespace(model=model, export_dtype=torch.float32)
+    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=True, write=True)
     assert events == ["gather adapter", "gather merged", "write adapter", "write merged"], events
     events.clear()
-    lora.save_lora_checkpoint(SimpleNamespace(model=model), tokenizer, tmp_path, save_merged_folder=True, write=False)
+    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=True, write=False)
     assert events == ["gather adapter", "gather merged"], "the other processes gather the same, write nothing"
