@@ -55,10 +55,18 @@ NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one entry per GPU the NVIDIA ker
 
 
 def gpu_visibility_problem() -> str | None:
-    """A CUDA build of torch that sees no GPU on a machine whose driver lists some: the run would silently train on
-    the CPU. Usually the driver is older than the CUDA version torch was built for. None when all is as expected (a
-    CPU build, no NVIDIA driver, GPUs visible, or CUDA_VISIBLE_DEVICES set to an empty list on purpose)."""
-    if torch.version.cuda is None or torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+    """What would stop this process from getting its own GPU, as a message (None when all is as expected):
+    more processes on this machine than visible GPUs, or a CUDA build of torch that sees no GPU on a machine whose
+    driver lists some (usually a driver older than torch's CUDA: the run would silently train on the CPU). A CPU
+    build, no NVIDIA driver, or CUDA_VISIBLE_DEVICES set to an empty list on purpose is a CPU run, not a problem."""
+    if torch.cuda.is_available():
+        local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= visible:  # torch.cuda.set_device would fail with "invalid device ordinal"
+            return (f"process LOCAL_RANK={local_rank} but only {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch at most {visible} process(es) per machine "
+                    "(accelerate launch --num_processes, or the config's num_processes), one per GPU")
+        return None
+    if torch.version.cuda is None or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return None
     try:
         gpus = len(os.listdir(NVIDIA_GPUS_DIR))

@@ -73,3 +73,18 @@ def test_gpus_the_cuda_build_cannot_use_are_an_error_not_a_cpu_run(tmp_path, mon
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr(torch.version, "cuda", None)
     assert distributed.gpu_visibility_problem() is None, "a CPU build of torch: a CPU run is what was installed"
+
+
+def test_more_processes_than_visible_gpus_is_an_error(monkeypatch):
+    """LOCAL_RANK 2 with 2 visible GPUs: named with the fix instead of "invalid device ordinal" from set_device."""
+    import torch
+
+    from grpo_lib import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.gpu_visibility_problem() is None
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    problem = distributed.gpu_visibility_problem()
+    assert problem and "LOCAL_RANK=2 but only 2 GPU(s) are visible" in problem and "--num_processes" in problem, problem
