@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     from grpo_lib.data import DataError
     from grpo_lib.distributed import barrier, gpu_visibility_problem, init_distributed
 
-    if problem := gpu_visibility_problem():  # a driver too old for this CUDA build: not a silent CPU run
+    if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
         print(f"error: {problem}", file=sys.stderr)
         return 2
 
@@ -256,9 +256,9 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
             test_signal_point("update", step)  # test hook (grpo_lib/stopping.py)
-            # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> wake KV cache: the engine
-            # serves the actor's current weights from here on (check, validation and the next step's generation)
-            # (actor.offload in between: with param/optimizer offload the shards leave the device before the KV cache maps)
+            # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param/optimizer
+            # offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine serves the
+            # actor's current weights from here on (check, validation and the next step's generation)
             with timed(timings, "push"):
                 engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
