@@ -352,6 +352,7 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_step_with_a_chec
     assert text.count("gives the processes only 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120)") == 1, "rank 0 warns, once"
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}\n{context}"
 
+
 def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
     """2 processes (gloo, FSDP2-sharded actor): a straight 6-step run, and one where both processes are SIGKILLed right
     after step 4's update, resumed from the step-2 checkpoint (each process's DCP shard and RNG file); same metrics,
