@@ -28,7 +28,8 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from grpo_lib.config import ConfigError, environment_problems, load_config  # noqa: E402  (light imports first: config errors exit fast)
+from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
+from grpo_lib.config_checks import environment_problems  # noqa: E402
 
 
 class SetupError(RuntimeError):
@@ -143,8 +144,8 @@ def main(argv: list[str]) -> int:
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)
-        if environment_problems(cfg):
-            raise ConfigError(environment_problems(cfg))
+        if problems := environment_problems(cfg):
+            raise ConfigError(problems)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -66,7 +66,7 @@ def gpu_visibility_problem() -> str | None:
                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch at most {visible} process(es) per machine "
                     "(accelerate launch --num_processes, or the config's num_processes), one per GPU")
         return None
-    if torch.version.cuda is None or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+    if torch.version.cuda is None or os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return None
     try:
         gpus = len(os.listdir(NVIDIA_GPUS_DIR))

@@ -115,18 +115,25 @@ def gathered_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     on every process).
     """
     state = model.state_dict()
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied names map to ONE Parameter object
-    names_of: dict[object, list[str]] = {}  # a parameter (or buffer) -> its names, in state_dict order
-    for name in state:
-        names_of.setdefault(id(params[name]) if name in params else name, []).append(name)
+    groups = names_by_tensor(model, state)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in state:  # the engine keeps its old head unless it is pushed (vLLM fact)
-        names_of.setdefault(id(model.get_input_embeddings().weight), []).append("lm_head.weight")
-    for names in names_of.values():
-        source = state[names[0]] if names[0] in state else model.get_input_embeddings().weight
-        full = full_tensor(source.detach())
+        groups[id(model.get_input_embeddings().weight)].append("lm_head.weight")
+    for names in groups.values():
+        full = full_tensor(state[names[0]].detach())
         for name in names:
             yield name, full
+
+
+def names_by_tensor(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[object, list[str]]:
+    """The names of `state` (model.state_dict()) grouped by the parameter they hold, in state_dict order: tied names
+    (an embedding and `lm_head.weight`) share one group, keyed by the Parameter's id; a buffer is its own group.
+    state_dict() detaches each entry, so tied entries are distinct tensor objects: only the parameters tell."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied names map to ONE Parameter object
+    groups: dict[object, list[str]] = {}
+    for name in state:
+        groups.setdefault(id(params[name]) if name in params else name, []).append(name)
+    return groups
 
 
 def write_hf_folder(model: nn.Module, path, state: dict[str, torch.Tensor], tokenizer, dtype: torch.dtype) -> None:

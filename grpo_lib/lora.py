@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_lib.fsdp import full_tensor, write_hf_folder
+from grpo_lib.fsdp import full_tensor, names_by_tensor, write_hf_folder
 
 # peft's parameter names inside a LoRA-wrapped linear layer: <layer>.base_layer.weight (the frozen W),
 # <layer>.lora_A.<adapter>.weight, <layer>.lora_B.<adapter>.weight (and lora_embedding_* for embeddings).
@@ -121,17 +121,16 @@ def merged_named_weights(model: torch.nn.Module, *, merge: bool = True) -> Itera
 
     lora_layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     states = model.state_dict()
-    last_id, last_full = None, None
-    for name, tensor in states.items():
-        if _ADAPTER_PARAM.search(name):
+    for names in names_by_tensor(model, states).values():
+        if _ADAPTER_PARAM.search(names[0]):
             continue
-        if id(tensor) != last_id:
-            last_id, last_full = id(tensor), full_tensor(tensor.detach())
-        full = last_full
-        module = lora_layers.get(name)
-        if merge and module is not None:
-            full = (full.float() + _delta_weight(module, states, name)).to(full.dtype)  # [out, in]
-        yield hf_name(name), full
+        stored = full_tensor(states[names[0]].detach())
+        for name in names:
+            module = lora_layers.get(name)
+            full = stored
+            if merge and module is not None:
+                full = (stored.float() + _delta_weight(module, states, name)).to(stored.dtype)  # [out, in]
+            yield hf_name(name), full
 
 
 def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str) -> torch.Tensor:

@@ -3,7 +3,8 @@
     problems = check_run_folder(cfg)   # [] or one message per problem, each naming its key and the fix
 
 `train_grpo.py` calls this right after the config loads (exit code 2 on any problem), before the tokenizer,
-the data or the engine. Only the standard library is imported here, so a bad folder fails in about a second.
+the data or the engine. Only the standard library is imported here (huggingface_hub's cache lookup only for a hub
+name), so a bad folder fails in about a second.
 
 The size of one checkpoint is estimated from the model folder without loading it: the parameter count is read
 from the safetensors headers (8-byte length + JSON of dtype/shape per tensor), then
@@ -38,11 +39,16 @@ def _safetensors_params(path: Path) -> int:
 
 
 def hub_snapshot(model_path: str) -> Path | None:
-    """The newest downloaded snapshot folder of hub model `model_path` in the Hugging Face cache, or None."""
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
-    snapshots = hub / f"models--{model_path.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
-    return found[-1].parent if found else None
+    """The downloaded snapshot folder of hub model `model_path` (its main revision, as transformers would load it)
+    in the Hugging Face cache, or None (not downloaded, or not a hub name)."""
+    from huggingface_hub import try_to_load_from_cache  # ~0.15 s: only when model.path is not a local folder
+    from huggingface_hub.errors import HFValidationError
+
+    try:  # HF_HUB_CACHE read now, not at huggingface_hub's import
+        found = try_to_load_from_cache(model_path, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE"))
+    except HFValidationError:  # not a repo id (a missing local path such as /data/model)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def model_size(model_path: str) -> tuple[int, int] | None:

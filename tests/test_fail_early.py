@@ -137,6 +137,8 @@ def test_checkpoint_estimate_of_a_hub_model_reads_its_downloaded_snapshot(tiny_m
     assert model_size("Org/Tiny") is None, "not downloaded: nothing to read"
     snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "0123abc"
     shutil.copytree(tiny_model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")  # as a download leaves it
     assert model_size("Org/Tiny") == model_size(str(tiny_model_dir))
 
 

@@ -91,6 +91,8 @@ def test_model_config_from_local_folder_and_hub_cache(capsys, tmp_path, monkeypa
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-4B" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(QWEN3_4B.read_text())
+    (tmp_path / "hub" / "models--Qwen--Qwen3-4B" / "refs").mkdir()
+    (tmp_path / "hub" / "models--Qwen--Qwen3-4B" / "refs" / "main").write_text("abc123")  # as a download leaves it
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     out = plan(capsys, str(REPO / "recipes/qwen3_4b_gsm8k.yaml"))[1]
     assert "models--Qwen--Qwen3-4B" in out and "model: 4.02B parameters" in out

@@ -296,7 +296,7 @@ DR_GRPO = SEQ_BALANCE + """
 """
 
 # run_qwen3-1.7b.sh: train_batch_size 1024 with ppo_mini_batch_size 80 (1024 / 80 = 12.8). verl makes the last
-# mini-batch smaller (64 prompts), and so does this trainer (config.mini_batch_sizes).
+# mini-batch smaller (64 prompts), and so does this trainer (config_checks.mini_batch_sizes).
 QWEN3_1_7B = """
     algorithm.adv_estimator=grpo
     data.train_files=$TRAIN

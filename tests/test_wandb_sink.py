@@ -10,7 +10,8 @@ import sys
 import types
 from pathlib import Path
 
-from grpo_lib.config import environment_problems, load_config
+from grpo_lib.config import load_config
+from grpo_lib.config_checks import environment_problems
 
 REPO = Path(__file__).resolve().parents[1]
 

