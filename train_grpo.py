@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config_checks import environment_problems  # noqa: E402
+from grpo_lib.config.checks import environment_problems  # noqa: E402
 
 
 class SetupError(RuntimeError):

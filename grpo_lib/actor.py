@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
-from grpo_lib.config_checks import mini_batch_sizes
+from grpo_lib.config.checks import mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
@@ -275,7 +275,7 @@ class Actor:
         """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
 
         Global mini-batches hold actor.ppo_mini_batch_size prompts each, the last one fewer when it does not divide
-        data.train_batch_size (verl's split; `config_checks.mini_batch_sizes`). Without shuffling, local mini-batch m of
+        data.train_batch_size (verl's split; `config.checks.mini_batch_sizes`). Without shuffling, local mini-batch m of
         every process holds that process's part of global mini-batch m (prompts are dealt out strided), so the
         process count never changes what an update sees. Shuffling permutes each process's groups locally: the
         mini-batches then depend on the process count.

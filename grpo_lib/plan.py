@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
-from grpo_lib.config_checks import environment_problems, mini_batch_sizes
+from grpo_lib.config.checks import environment_problems, mini_batch_sizes
 from grpo_lib.preflight import hub_snapshot
 from grpo_lib.step import needs_old_logprobs  # the step's own rule, so the plan says what the run will do
 

@@ -3,18 +3,17 @@ the config asks of the installation.
 
     problems = validate(cfg, world_size=4)   # [] or one message per problem, each naming its key and the fix
 
-`config.load_config` calls `validate` and raises ConfigError with every problem; `environment_problems` is checked by
-train_grpo.py (and printed by --print-plan) before anything loads. `mini_batch_sizes` is verl's mini-batch split,
-shared by the actor and the plan.
+`grpo_lib.config.load.load_config` calls `validate` and raises ConfigError with every problem; `environment_problems` is
+checked by train_grpo.py (and printed by --print-plan) before anything loads. `mini_batch_sizes` is verl's mini-batch
+split, shared by the actor and the plan. The middle layer of `grpo_lib.config` (schema <- checks <- load): it reads the
+dataclasses of `schema` and never loads a recipe.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from grpo_lib.config import Config
+from grpo_lib.config.schema import Config
 
 
 def _per_process(global_count: int | None, world_size: int) -> int | None:
