@@ -291,7 +291,8 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    from grpo_lib.distributed import close_distributed
+    if "grpo_lib.distributed" in sys.modules:  # a process group exists only past the config checks (no torch before)
+        from grpo_lib.distributed import close_distributed
 
-    close_distributed()  # every process leaves the group before exit (a clean launcher report on every path)
+        close_distributed()  # every process leaves the group before exit (a clean launcher report on every path)
     sys.exit(code)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from grpo_lib import names  # the registries' names without torch (grpo_lib.algorithms asserts they match)
 from grpo_lib.config.schema import Config
 
 
@@ -79,8 +80,6 @@ def environment_problems(cfg: Config) -> list[str]:
 
 def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
-    from grpo_lib import algorithms  # registries of the supported names
-
     p: list[str] = []
     for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
                           (cfg.ref, "log_prob_micro_batch_size")):
@@ -138,11 +137,11 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (default 3.0)")
     checks = (
-        ("actor.loss_agg_mode", a.loss_agg_mode, algorithms.LOSS_AGG_MODES),
-        ("actor.kl_loss_type", a.kl_loss_type, algorithms.KL_TYPES),
-        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algorithms.KL_TYPES),
-        ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, algorithms.POLICY_LOSSES),
-        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, algorithms.ADV_ESTIMATORS),
+        ("actor.loss_agg_mode", a.loss_agg_mode, names.LOSS_AGG_MODES),
+        ("actor.kl_loss_type", a.kl_loss_type, names.KL_TYPES),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names.KL_TYPES),
+        ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, names.POLICY_LOSS_MODES),
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names.ADV_ESTIMATORS),
     )
     for key, value, supported in checks:
         if value not in supported:
