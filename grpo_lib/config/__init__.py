@@ -12,7 +12,8 @@ Imports go one way only, schema <- checks <- load, and no submodule imports this
 re-exports them. Nothing here imports torch, so a bad config exits before anything heavy loads (DESIGN invariant 4).
 """
 
-from grpo_lib.config.checks import environment_problems, mini_batch_sizes, resolve_defaults, validate
+from grpo_lib.config.checks import (engine_logprobs_needed, environment_problems, mini_batch_sizes, resolve_defaults,
+                                    validate)
 from grpo_lib.config.load import launch_world_size, load_config, parse_overrides, read_raw
 from grpo_lib.config.schema import (ActorConfig, ActorFSDPConfig, AlgorithmConfig, Config, ConfigError, CustomRewardConfig,
                                     DataConfig, FilterGroupsConfig, Gsm8kRewardConfig, KLCtrlConfig, ModelConfig,
@@ -23,6 +24,6 @@ __all__ = [
     "ActorConfig", "ActorFSDPConfig", "AlgorithmConfig", "Config", "ConfigError", "CustomRewardConfig", "DataConfig",
     "FilterGroupsConfig", "Gsm8kRewardConfig", "KLCtrlConfig", "ModelConfig", "PolicyLossConfig", "RefConfig",
     "RefFSDPConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "ValKwargsConfig",
-    "environment_problems", "launch_world_size", "load_config", "mini_batch_sizes",
+    "engine_logprobs_needed", "environment_problems", "launch_world_size", "load_config", "mini_batch_sizes",
     "parse_overrides", "read_raw", "reference_markdown", "resolve_defaults", "validate",
 ]

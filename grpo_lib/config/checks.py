@@ -4,16 +4,19 @@ the config asks of the installation.
     problems = validate(cfg, world_size=4)   # [] or one message per problem, each naming its key and the fix
 
 `grpo_lib.config.load.load_config` calls `validate` and raises ConfigError with every problem; `environment_problems` is
-checked by train_grpo.py (and printed by --print-plan) before anything loads. `mini_batch_sizes` is verl's mini-batch
-split, shared by the actor and the plan. The middle layer of `grpo_lib.config` (schema <- checks <- load): it reads the
-dataclasses of `schema` and never loads a recipe.
+checked by train_grpo.py (and printed by --print-plan) before anything loads. Two derived rules are read later:
+`mini_batch_sizes`, verl's mini-batch split (the actor and the plan), and `engine_logprobs_needed`, whether the engine
+records its sampling logprobs (the step and the actor).
+
+The middle layer of `grpo_lib.config` (schema <- checks <- load): it reads the dataclasses of `schema`, never loads a
+recipe, and imports no torch (the supported names come from grpo_lib/names.py).
 """
 
 from __future__ import annotations
 
 import math
 
-from grpo_lib import names  # the registries' names without torch (grpo_lib.algorithms asserts they match)
+from grpo_lib import dtypes, names  # names: the registries' names without torch (grpo_lib.algorithms asserts they match)
 from grpo_lib.config.schema import Config
 
 
@@ -61,6 +64,23 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
             logprob_pass.log_prob_micro_batch_size_per_gpu = a.ppo_micro_batch_size_per_gpu
     if t.n_gpus_per_node is not None and t.nnodes is None:
         t.nnodes = 1  # verl's default
+
+
+def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
+    """The engine's sampling logprobs are requested only when something reads them.
+
+    algorithm.rollout_correction (its importance weights), and the rollout/logprob_abs_diff_mean gap metric when the
+    engine or the actor computes below float32 (the gap is then no longer ~1e-6 and worth watching). Skipping them
+    saves the engine a log-softmax over the vocabulary per sampled token. "auto" is bfloat16 for both on a GPU
+    (`gpu`: default, whether CUDA is present, as the trainer decides its device), float32 on CPU (grpo_lib/dtypes.py).
+    """
+    if gpu is None:
+        import torch  # called by the step and the actor, never by validation
+
+        gpu = torch.cuda.is_available()
+    low = ("bfloat16", "float16")
+    return (cfg.algorithm.rollout_correction.mode != "none" or dtypes.resolve(cfg.rollout.dtype, on_gpu=gpu) in low
+            or dtypes.resolve(cfg.actor.fsdp_config.param_dtype, on_gpu=gpu) in low)
 
 
 def environment_problems(cfg: Config) -> list[str]:
