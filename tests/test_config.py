@@ -103,6 +103,22 @@ def test_loading_and_validating_imports_no_torch():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_config_layers_import_one_way():
+    """grpo_lib/config/: schema <- checks <- load, and no submodule imports the package's own names (its __init__ only
+    re-exports): the import circle config <-> config_checks cannot come back."""
+    import ast
+
+    allowed = {"schema": set(), "verl_keys": set(), "checks": {"schema"}, "load": {"schema", "checks", "verl_keys"},
+               "__main__": {"schema"}}
+    for name, may_import in allowed.items():
+        tree = ast.parse((REPO / "grpo_lib" / "config" / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "grpo_lib.config" not in imported, f"config/{name}.py imports from the package __init__"
+        layers = {m.removeprefix("grpo_lib.config.") for m in imported if m.startswith("grpo_lib.config.")}
+        assert layers <= may_import, f"config/{name}.py imports {sorted(layers - may_import)}: imports go schema <- checks <- load"
+
+
 def test_validation_names_match_the_code():
     """grpo_lib/names.py lists what validation accepts; the algorithm registries assert at import that they hold exactly
     those names, and algorithm.rollout_correction.mode's choices are the rollout IS modes."""
