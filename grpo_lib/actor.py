@@ -30,19 +30,12 @@ from dataclasses import fields
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, fsdp, lora, perf
+from grpo_lib import algorithms, dtypes, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
-from grpo_lib.config_checks import mini_batch_sizes
+from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" -> float32 on CPU, bfloat16 on GPU; otherwise the named torch dtype."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
 
 
 def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
@@ -133,7 +126,7 @@ class Actor:
     def __init__(self, cfg, *, device: torch.device):
         self.cfg, self.device = cfg, device
         fc = cfg.actor.fsdp_config
-        self.param_dtype, reduce_dtype = resolve_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
+        self.param_dtype, reduce_dtype = dtypes.torch_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
         # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
@@ -143,7 +136,7 @@ class Actor:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         self.master_dtype = next(self.model.parameters()).dtype
-        self.compute_dtype = perf.compute_dtype(cfg.actor.fsdp_config.param_dtype, self.master_dtype, device)
+        self.compute_dtype = dtypes.torch_dtype(cfg.actor.fsdp_config.param_dtype, device, cpu_auto=self.master_dtype)
         if device.type == "cpu" and self.compute_dtype != self.master_dtype and not perf.native_bf16_cpu():
             warnings.warn(f"actor.fsdp_config.param_dtype={cfg.actor.fsdp_config.param_dtype} on a CPU without native bf16 "
                           f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=2)
@@ -254,7 +247,7 @@ class Actor:
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
-        if perf.engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
+        if engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
             gap = ((old - mb.rollout_logprobs.to(self.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
             metrics["rollout/logprob_abs_diff_mean"] = gap.item()
         if a.use_kl_loss:
@@ -275,7 +268,7 @@ class Actor:
         """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
 
         Global mini-batches hold actor.ppo_mini_batch_size prompts each, the last one fewer when it does not divide
-        data.train_batch_size (verl's split; `config_checks.mini_batch_sizes`). Without shuffling, local mini-batch m of
+        data.train_batch_size (verl's split; `config.checks.mini_batch_sizes`). Without shuffling, local mini-batch m of
         every process holds that process's part of global mini-batch m (prompts are dealt out strided), so the
         process count never changes what an update sees. Shuffling permutes each process's groups locally: the
         mini-batches then depend on the process count.
@@ -418,9 +411,9 @@ class Reference:
     def __init__(self, cfg, *, device: torch.device):
         self.cfg, self.device = cfg, device
         fc = cfg.actor.fsdp_config
-        param_dtype = resolve_dtype(fc.param_dtype, device)
+        param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
         offload = cfg.ref.fsdp_config.param_offload
-        self.model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
+        self.model = load_model(cfg.model.path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code)
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
@@ -428,7 +421,7 @@ class Reference:
         print(fsdp.describe(self.model, name="reference", param_dtype=param_dtype, trainable=False)
               + (", shards in CPU memory between uses" if offload else ""), flush=True)
         master = next(self.model.parameters()).dtype
-        self.autocast = lambda: perf.compute_autocast(device, perf.compute_dtype(fc.param_dtype, master, device), master)
+        self.autocast = lambda: perf.compute_autocast(device, dtypes.torch_dtype(fc.param_dtype, device, cpu_auto=master), master)
 
     @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Everything here is torch-only and stateless; the training loop picks behaviour by *name* through the
 small registries below (``ADV_ESTIMATORS``, ``KL_TYPES``, ``LOSS_AGG_MODES``, ``POLICY_LOSSES``,
 ``ROLLOUT_IS_MODES``) and never branches on a loss name itself. An unknown name raises ``ValueError``
-listing the supported names. Formulas follow docs/ALGORITHMS.md (DeepSeekMath GRPO, Dr. GRPO,
+listing the supported names. Their names are also in ``grpo_lib/names.py`` (torch-free, for config validation); an
+assert at the end of this module keeps the two equal. Formulas follow docs/ALGORITHMS.md (DeepSeekMath GRPO, Dr. GRPO,
 DAPO, GSPO, verl's ``core_algos.py``).
 
 Departures from the papers / verl, on purpose:
@@ -28,6 +29,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
+
+from grpo_lib import names
 
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp, so exp never overflows
 
@@ -295,3 +298,11 @@ def rollout_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
             log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)  # [batch, seq_len]
         weights = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)  # [batch, seq_len]
         return torch.where(valid, weights, ones)  # [batch, seq_len]
+
+
+# The config checks names against grpo_lib/names.py without importing torch: the registries must hold exactly those.
+assert tuple(ADV_ESTIMATORS) == names.ADV_ESTIMATORS, f"ADV_ESTIMATORS {tuple(ADV_ESTIMATORS)} != names.ADV_ESTIMATORS"
+assert KL_TYPES == names.KL_TYPES, f"KL_TYPES {KL_TYPES} != names.KL_TYPES {names.KL_TYPES}"
+assert LOSS_AGG_MODES == names.LOSS_AGG_MODES, f"LOSS_AGG_MODES {LOSS_AGG_MODES} != names.LOSS_AGG_MODES"
+assert tuple(POLICY_LOSSES) == names.POLICY_LOSS_MODES, f"POLICY_LOSSES {tuple(POLICY_LOSSES)} != names.POLICY_LOSS_MODES"
+assert ROLLOUT_IS_MODES == names.ROLLOUT_IS_MODES, f"ROLLOUT_IS_MODES {ROLLOUT_IS_MODES} != names.ROLLOUT_IS_MODES"

@@ -28,7 +28,8 @@ DCP reshards; exact equality is promised only for the same count).
 Resume (`trainer.resume_mode`, verl's names): `auto` continues from the newest complete checkpoint in the run
 folder (a fresh folder starts at step 0), `disable` refuses a folder that already holds a run (exit 2),
 `resume_path` continues from `trainer.resume_from_path`. A config that changes what a step computes exits 2
-listing the differences; the keys in `MAY_CHANGE_ON_RESUME` (speed, memory, logging, length of the run) may change.
+listing the differences; the keys in `MAY_CHANGE_ON_RESUME` (speed, memory, logging, length of the run) may change:
+the fields declared `may_change_on_resume` in grpo_lib/config/schema.py.
 """
 
 from __future__ import annotations
@@ -46,30 +47,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpo_lib.config.schema import resume_may_change_keys
+
 MARKER = "COMPLETE"
 POINTER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 # Keys that may differ between a checkpoint and the run resuming it: they change speed, memory, logging or how
-# long the run goes, never what one step computes. Any other difference exits 2. (A prefix ends with ".".)
-MAY_CHANGE_ON_RESUME = (
-    "trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.save_hf", "trainer.max_ckpt_to_keep",
-    "trainer.test_freq", "trainer.val_before_train", "trainer.logger", "trainer.default_local_dir", "trainer.resume_mode",
-    "trainer.resume_from_path", "trainer.project_name", "trainer.experiment_name", "trainer.check_weight_sync",
-    "trainer.max_bad_steps", "trainer.balance_batch",
-    "actor.ppo_micro_batch_size_per_gpu", "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
-    "actor.log_prob_micro_batch_size_per_gpu", "actor.log_prob_max_token_len_per_gpu",
-    "ref.", "model.enable_gradient_checkpointing", "model.use_remove_padding",
-    "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes", "rollout.free_cache_engine", "rollout.enforce_eager",
-    "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
-    "data.val_files", "reward.num_workers", "reward.timeout_s",
-    "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
-    "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
-    "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
-    "trainer.val_only", "trainer.val_generations_to_log", "reward.max_error_fraction",
-    "trainer.tune_allocator", "actor.use_torch_compile",
-    "ignored.",  # verl keys accepted without effect
-)
+# long the run goes, never what one step computes. Any other difference exits 2. (A prefix ends with ".".) Declared
+# on the fields of grpo_lib/config/schema.py (`may_change_on_resume`), next to their docstrings.
+MAY_CHANGE_ON_RESUME = resume_may_change_keys()
 
 
 class ResumeError(ValueError):

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo_lib.perf import compute_dtype
+from grpo_lib.dtypes import torch_dtype
 from grpo_lib.rollout import Lifecycle, LifecycleGlue, wake_transition
 from grpo_lib.types import Generation
 
@@ -57,7 +57,7 @@ class HFEngine(LifecycleGlue):
 
         self.cfg = cfg
         self.device = torch.device("cpu") if on_cpu else torch.device(f"cuda:{torch.cuda.current_device()}")
-        dtype = compute_dtype(cfg.dtype, torch.float32, self.device)  # auto: float32 on CPU, bfloat16 on GPU
+        dtype = torch_dtype(cfg.dtype, self.device)  # auto: float32 on CPU, bfloat16 on GPU
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)

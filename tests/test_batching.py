@@ -246,7 +246,7 @@ def test_mini_batches_follow_verls_split_and_each_process_holds_its_part():
 
     from grpo_lib.actor import Actor
     from grpo_lib.config import Config
-    from grpo_lib.config_checks import mini_batch_sizes
+    from grpo_lib.config.checks import mini_batch_sizes
 
     assert mini_batch_sizes(1024, 80) == [80] * 12 + [64] and mini_batch_sizes(512, 256) == [256, 256]
     cfg = Config()

@@ -232,6 +232,49 @@ def test_config_differences_lists_step_keys_only():
     assert config_differences(saved, now) == ["data.train_batch_size: 8 -> 16", "trainer.seed: 1 -> 2"]
 
 
+# The hand-written list grpo_lib/checkpoint.py held before the keys were declared on the fields (config/schema.py,
+# may_change_on_resume), kept once here: the declared set must be this list without its alias spellings
+# (actor.log_prob_* are verl's older names of rollout.log_prob_*; a saved config never holds them).
+HAND_LIST_BEFORE_METADATA = (
+    "trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.save_hf", "trainer.max_ckpt_to_keep",
+    "trainer.test_freq", "trainer.val_before_train", "trainer.logger", "trainer.default_local_dir", "trainer.resume_mode",
+    "trainer.resume_from_path", "trainer.project_name", "trainer.experiment_name", "trainer.check_weight_sync",
+    "trainer.max_bad_steps", "trainer.balance_batch",
+    "actor.ppo_micro_batch_size_per_gpu", "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
+    "actor.log_prob_micro_batch_size_per_gpu", "actor.log_prob_max_token_len_per_gpu",
+    "ref.", "model.enable_gradient_checkpointing", "model.use_remove_padding",
+    "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes", "rollout.free_cache_engine", "rollout.enforce_eager",
+    "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
+    "data.val_files", "reward.num_workers", "reward.timeout_s",
+    "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
+    "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
+    "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
+    "trainer.val_only", "trainer.val_generations_to_log", "reward.max_error_fraction",
+    "trainer.tune_allocator", "actor.use_torch_compile",
+    "ignored.",
+)
+
+
+def test_keys_that_may_change_on_resume_come_from_the_fields():
+    import dataclasses
+
+    from grpo_lib.checkpoint import MAY_CHANGE_ON_RESUME
+    from grpo_lib.config import Config
+    from grpo_lib.config.verl_keys import _canonical
+
+    aliases = {"actor.log_prob_micro_batch_size_per_gpu", "actor.log_prob_max_token_len_per_gpu"}
+    assert {_canonical(k) for k in aliases} == {"rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu"}
+    assert len(set(MAY_CHANGE_ON_RESUME)) == len(MAY_CHANGE_ON_RESUME)
+    assert set(MAY_CHANGE_ON_RESUME) == set(HAND_LIST_BEFORE_METADATA) - aliases
+    assert all(_canonical(k.rstrip(".")) == k.rstrip(".") for k in MAY_CHANGE_ON_RESUME), "an alias spelling is listed"
+    saved = json.loads(json.dumps(dataclasses.asdict(Config())))  # what a checkpoint's trainer_state.json holds
+    for key in MAY_CHANGE_ON_RESUME:  # each names a key (or, ending in ".", a section) that a saved config holds
+        node = saved
+        for part in key.rstrip(".").split("."):
+            assert part in node, f"{key}: not a key of the saved config"
+            node = node[part]
+
+
 def test_cuda_rng_is_saved_for_this_process_device_only(monkeypatch):
     """Each process saves the RNG of its own CUDA device: restoring every visible device's state (get/set_rng_state_all)
     raised IndexError on a resume that sees fewer devices (one GPU per task under a scheduler)."""

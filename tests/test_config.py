@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,53 @@ def test_cli_bad_config_exits_2_naming_the_key(override, needle):
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_loading_and_validating_imports_no_torch():
+    """Loading and checking a config never imports torch (the registries' names are in grpo_lib/names.py): a typo is
+    reported before anything heavy loads. In a subprocess, so the test run's own imports do not count."""
+    code = textwrap.dedent("""
+        import sys
+        from grpo_lib.config import ConfigError, load_config
+        try:
+            load_config("recipes/tiny_cpu.yaml", ["actor.lr_typo=1"])
+        except ConfigError as exc:
+            assert "unknown key 'actor.lr_typo'" in str(exc), exc
+        else:
+            raise AssertionError("the typo was not reported")
+        assert "torch" not in sys.modules, "config loading + validation imported torch"
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_config_layers_import_one_way():
+    """grpo_lib/config/: schema <- checks <- load, and no submodule imports the package's own names (its __init__ only
+    re-exports): the import circle config <-> config_checks cannot come back."""
+    import ast
+
+    allowed = {"schema": set(), "verl_keys": set(), "checks": {"schema"}, "load": {"schema", "checks", "verl_keys"},
+               "__main__": {"schema"}}
+    for name, may_import in allowed.items():
+        tree = ast.parse((REPO / "grpo_lib" / "config" / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "grpo_lib.config" not in imported, f"config/{name}.py imports from the package __init__"
+        layers = {m.removeprefix("grpo_lib.config.") for m in imported if m.startswith("grpo_lib.config.")}
+        assert layers <= may_import, f"config/{name}.py imports {sorted(layers - may_import)}: imports go schema <- checks <- load"
+
+
+def test_validation_names_match_the_code():
+    """grpo_lib/names.py lists what validation accepts; the algorithm registries assert at import that they hold exactly
+    those names, and algorithm.rollout_correction.mode's choices are the rollout IS modes."""
+    import typing
+
+    from grpo_lib import algorithms, names
+    from grpo_lib.config import RolloutCorrectionConfig
+
+    assert set(algorithms.POLICY_LOSSES) == set(names.POLICY_LOSS_MODES)  # (and the rest: the import asserts them)
+    hint = typing.get_type_hints(RolloutCorrectionConfig)["mode"]
+    assert typing.get_args(hint) == names.ROLLOUT_IS_MODES
 
 
 def test_cli_missing_recipe_exits_2():

@@ -8,6 +8,7 @@ import resource
 import struct
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from tests.conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 # The machine is shared (load average 10-25 on 2 cores while 7 engineers test): wall time says little, so the
-# check is the CPU time the run used. Light imports (yaml, torch for the algorithm registries) cost ~2 CPU-s;
-# loading a model and starting vLLM costs 20+.
+# check is the CPU time the run used. A config error costs ~0.1 CPU-s (yaml, no torch: see
+# test_config_error_exits_2_without_importing_torch), a later check ~2 (torch); loading a model and starting vLLM 20+.
 FAST_CPU_S = 5.0
 WALL_LIMIT_S = 60.0
 
@@ -68,6 +69,22 @@ def assert_fails_early(proc: subprocess.CompletedProcess, cpu_s: float, *needles
 def test_value_out_of_range_exits_2_naming_the_key(override, needle):
     proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", override)
     assert_fails_early(proc, elapsed_s, needle)
+
+
+def test_config_error_exits_2_without_importing_torch():
+    """`python train_grpo.py recipes/tiny_cpu.yaml actor.lr_typo=1` exits 2 naming the key and never imports torch
+    (train_grpo.py runs as __main__, its exit path included; only --print-plan and later checks need torch)."""
+    code = textwrap.dedent("""
+        import runpy, sys
+        sys.argv = ["train_grpo.py", "recipes/tiny_cpu.yaml", "actor.lr_typo=1"]
+        try:
+            runpy.run_path("train_grpo.py", run_name="__main__")
+        except SystemExit as exc:
+            print("exit", exc.code, "torch imported" if "torch" in sys.modules else "no torch")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["exit", "2", "no", "torch"], proc.stdout + proc.stderr[-3000:]
+    assert "unknown key 'actor.lr_typo'; did you mean 'actor.lr'?" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_yaml_syntax_error_in_recipe_names_file_and_line(tmp_path):

@@ -14,6 +14,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from grpo_lib import perf
 from grpo_lib.config import load_config
+from grpo_lib.config.checks import engine_logprobs_needed
+from grpo_lib.dtypes import torch_dtype
 from grpo_lib.logprobs import token_logprobs
 
 
@@ -87,19 +89,19 @@ def test_tuned_allocator_reuses_freed_memory_instead_of_faulting_it_back(tmp_pat
 def test_engine_logprobs_only_when_read(tiny_model_dir):
     base = [f"model.path={tiny_model_dir}", "data.train_files=[x.parquet]", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
             "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4"]
-    assert not perf.engine_logprobs_needed(load_config(None, base))
-    assert perf.engine_logprobs_needed(load_config(None, base + ["algorithm.rollout_correction.mode=token"]))
-    assert perf.engine_logprobs_needed(load_config(None, base + ["actor.fsdp_config.param_dtype=bfloat16"]))  # the gap metric
-    assert perf.engine_logprobs_needed(load_config(None, base + ["rollout.dtype=bfloat16"]))
-    assert perf.engine_logprobs_needed(load_config(None, base), gpu=True), "auto is bf16 on a GPU: the gap is logged"
+    assert not engine_logprobs_needed(load_config(None, base))
+    assert engine_logprobs_needed(load_config(None, base + ["algorithm.rollout_correction.mode=token"]))
+    assert engine_logprobs_needed(load_config(None, base + ["actor.fsdp_config.param_dtype=bfloat16"]))  # the gap metric
+    assert engine_logprobs_needed(load_config(None, base + ["rollout.dtype=bfloat16"]))
+    assert engine_logprobs_needed(load_config(None, base), gpu=True), "auto is bf16 on a GPU: the gap is logged"
     fp32 = load_config(None, base + ["rollout.dtype=float32", "actor.fsdp_config.param_dtype=float32"])
-    assert not perf.engine_logprobs_needed(fp32, gpu=True)
+    assert not engine_logprobs_needed(fp32, gpu=True)
 
 
 def test_compute_dtype_and_cpu_autocast():
     cpu = torch.device("cpu")
-    assert perf.compute_dtype("auto", torch.float32, cpu) == torch.float32  # the demo stays fp32 and exact
-    assert perf.compute_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert torch_dtype("auto", cpu, cpu_auto=torch.float32) == torch.float32  # the demo stays fp32 and exact
+    assert torch_dtype("bfloat16", cpu, cpu_auto=torch.float32) == torch.bfloat16
     layer = torch.nn.Linear(4, 4)
     with perf.compute_autocast(cpu, torch.bfloat16, torch.float32):
         assert layer(torch.ones(1, 4)).dtype == torch.bfloat16

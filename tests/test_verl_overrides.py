@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_lib.config import Config, ConfigError, _all_leaf_keys, _canonical, _coerce, _match, IGNORED, load_config
+from grpo_lib.config import Config, ConfigError, load_config
+from grpo_lib.config.load import _coerce
+from grpo_lib.config.schema import _all_leaf_keys
+from grpo_lib.config.verl_keys import IGNORED, _canonical, _match
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -296,7 +299,7 @@ DR_GRPO = SEQ_BALANCE + """
 """
 
 # run_qwen3-1.7b.sh: train_batch_size 1024 with ppo_mini_batch_size 80 (1024 / 80 = 12.8). verl makes the last
-# mini-batch smaller (64 prompts), and so does this trainer (config_checks.mini_batch_sizes).
+# mini-batch smaller (64 prompts), and so does this trainer (config.checks.mini_batch_sizes).
 QWEN3_1_7B = """
     algorithm.adv_estimator=grpo
     data.train_files=$TRAIN

@@ -11,7 +11,7 @@ import types
 from pathlib import Path
 
 from grpo_lib.config import load_config
-from grpo_lib.config_checks import environment_problems
+from grpo_lib.config.checks import environment_problems
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,18 +3,21 @@ the config asks of the installation.
 
     problems = validate(cfg, world_size=4)   # [] or one message per problem, each naming its key and the fix
 
-`config.load_config` calls `validate` and raises ConfigError with every problem; `environment_problems` is checked by
-train_grpo.py (and printed by --print-plan) before anything loads. `mini_batch_sizes` is verl's mini-batch split,
-shared by the actor and the plan.
+`grpo_lib.config.load.load_config` calls `validate` and raises ConfigError with every problem; `environment_problems` is
+checked by train_grpo.py (and printed by --print-plan) before anything loads. Two derived rules are read later:
+`mini_batch_sizes`, verl's mini-batch split (the actor and the plan), and `engine_logprobs_needed`, whether the engine
+records its sampling logprobs (the step and the actor).
+
+The middle layer of `grpo_lib.config` (schema <- checks <- load): it reads the dataclasses of `schema`, never loads a
+recipe, and imports no torch (the supported names come from grpo_lib/names.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from grpo_lib.config import Config
+from grpo_lib import dtypes, names  # names: the registries' names without torch (grpo_lib.algorithms asserts they match)
+from grpo_lib.config.schema import Config
 
 
 def _per_process(global_count: int | None, world_size: int) -> int | None:
@@ -63,6 +66,23 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
         t.nnodes = 1  # verl's default
 
 
+def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
+    """The engine's sampling logprobs are requested only when something reads them.
+
+    algorithm.rollout_correction (its importance weights), and the rollout/logprob_abs_diff_mean gap metric when the
+    engine or the actor computes below float32 (the gap is then no longer ~1e-6 and worth watching). Skipping them
+    saves the engine a log-softmax over the vocabulary per sampled token. "auto" is bfloat16 for both on a GPU
+    (`gpu`: default, whether CUDA is present, as the trainer decides its device), float32 on CPU (grpo_lib/dtypes.py).
+    """
+    if gpu is None:
+        import torch  # called by the step and the actor, never by validation
+
+        gpu = torch.cuda.is_available()
+    low = ("bfloat16", "float16")
+    return (cfg.algorithm.rollout_correction.mode != "none" or dtypes.resolve(cfg.rollout.dtype, on_gpu=gpu) in low
+            or dtypes.resolve(cfg.actor.fsdp_config.param_dtype, on_gpu=gpu) in low)
+
+
 def environment_problems(cfg: Config) -> list[str]:
     """What the config asks of the installation (optional packages); checked by train_grpo.py before loading."""
     import importlib.util
@@ -80,8 +100,6 @@ def environment_problems(cfg: Config) -> list[str]:
 
 def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
-    from grpo_lib import algorithms  # registries of the supported names
-
     p: list[str] = []
     for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
                           (cfg.ref, "log_prob_micro_batch_size")):
@@ -139,11 +157,11 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (default 3.0)")
     checks = (
-        ("actor.loss_agg_mode", a.loss_agg_mode, algorithms.LOSS_AGG_MODES),
-        ("actor.kl_loss_type", a.kl_loss_type, algorithms.KL_TYPES),
-        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algorithms.KL_TYPES),
-        ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, algorithms.POLICY_LOSSES),
-        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, algorithms.ADV_ESTIMATORS),
+        ("actor.loss_agg_mode", a.loss_agg_mode, names.LOSS_AGG_MODES),
+        ("actor.kl_loss_type", a.kl_loss_type, names.KL_TYPES),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names.KL_TYPES),
+        ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, names.POLICY_LOSS_MODES),
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names.ADV_ESTIMATORS),
     )
     for key, value, supported in checks:
         if value not in supported:

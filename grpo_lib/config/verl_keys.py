@@ -1,6 +1,6 @@
 """verl's config spellings: aliases onto this trainer's keys, keys accepted and ignored (performance only), keys refused.
 
-`grpo_lib.config` reads overrides through `_canonical` and checks the tables here; they are data, no dataclasses.
+`grpo_lib.config.load` reads overrides through `_canonical` and checks the tables here; they are data, no dataclasses.
 """
 
 from __future__ import annotations
