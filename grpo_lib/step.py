@@ -15,7 +15,7 @@ from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.distributed import all_reduce_min, all_reduce_sum, broadcast_object, is_on
 from grpo_lib.perf import engine_logprobs_needed
-from grpo_lib.rollout import sample_seed, tp_group_share
+from grpo_lib.seeds import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 
 
