@@ -50,11 +50,11 @@ def setup(cfg, world_size: int, rank: int, *, resume_step: int = 0):
 
     from grpo_lib.actor import Actor, Reference
     from grpo_lib.data import PromptSampler, load_prompts
+    from grpo_lib.engines import build_engine
     from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
     from grpo_lib.metrics import MetricLogger
     from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
     from grpo_lib.rewards import RewardScorer, registered_sources
-    from grpo_lib.rollout import build_engine
 
     torch.manual_seed(cfg.trainer.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
@@ -265,8 +265,8 @@ def run_training(cfg, parts, plan, *, world_size: int, rank: int) -> int:
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()
-        # 8. log / validate / checkpoint / stop
-        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()})
+        # 8. log / validate / checkpoint / stop (the engine's memory/* counters; rollout/preemptions is in gen_metrics)
+        logger.log(step, {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/")})
         logger.advance()
         bad_steps = bad_steps + 1 if train_metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
         if bad_steps >= cfg.trainer.max_bad_steps:

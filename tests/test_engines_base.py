@@ -1,7 +1,9 @@
-"""grpo_lib.rollout without an engine: the lifecycle state machine, validation sampling, config.
+"""grpo_lib.engines without an engine: the lifecycle state machine, the registry, the hf sampler's logits processing,
+validation sampling and the rollout config checks.
 
 Each test would fail if the behaviour broke: an illegal order must raise (it would hang or re-map memory on a
-GPU). Seeds and TP shares: tests/test_seeds.py.
+GPU); the registry names the engines without importing torch.
+Seeds and TP shares: tests/test_seeds.py.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import pytest
 import torch
 
 from grpo_lib.config import ConfigError, load_config
-from grpo_lib.hf_engine import process_logits
-from grpo_lib.rollout import Lifecycle, LifecycleError
+from grpo_lib.engines.base import Lifecycle, LifecycleError
+from grpo_lib.engines.hf import process_logits
 from grpo_lib.step import val_sampling
 from tests.conftest import REPO
 
@@ -27,33 +29,74 @@ def walk(lifecycle: Lifecycle, names: list[str]) -> None:
 
 
 def test_lifecycle_legal_cycle():
-    life = Lifecycle(raw_sleep=True, sleep_level=1)
-    cycle = ["generate", "sleep", "wake_weights", "push", "reset_prefix_cache", "wake_kv_cache", "generate"]
+    life = Lifecycle(frees_memory=True, discards_weights=False)
+    cycle = ["generate", "release", "restore_weights", "push", "reset_prefix_cache", "restore_cache", "generate"]
     walk(life, cycle + cycle[1:])
-    assert life.state == "awake"
+    assert life.state == "ready"
 
 
 @pytest.mark.parametrize("names,message", [
-    (["sleep", "generate"], "generate while asleep"),
-    (["sleep", "wake_weights", "generate"], "generate while weights"),  # no generation while partly awake
-    (["sleep", "wake_weights", "wake_all"], "wake_all while weights"),  # no untagged wake after a partial wake
-    (["sleep", "wake_kv_cache"], "wake_kv_cache while asleep"),
-    (["sleep", "push"], "push while asleep"),
-    (["wake_weights"], "wake_weights while awake"),
-    (["sleep", "sleep"], "sleep while asleep"),
+    (["release", "generate"], "generate while released"),
+    (["release", "restore_weights", "generate"], "generate while weights_only"),  # no generation while partly restored
+    (["release", "restore_weights", "restore_all"], "restore_all while weights_only"),  # no full restore after a partial one
+    (["release", "restore_cache"], "restore_cache while released"),
+    (["release", "push"], "push while released"),
+    (["restore_weights"], "restore_weights while ready"),
+    (["release", "release"], "release while released"),
 ])
 def test_lifecycle_refuses_illegal_order(names, message):
-    life = Lifecycle(raw_sleep=False, sleep_level=1)  # checked on CPU too, where the raw calls are no-ops
+    life = Lifecycle(frees_memory=False, discards_weights=False)  # checked on CPU too, where the engines move nothing
     with pytest.raises(LifecycleError, match=message):
         walk(life, names)
 
 
-def test_level2_sleep_needs_a_push_before_the_kv_cache():
-    life = Lifecycle(raw_sleep=True, sleep_level=2)
-    walk(life, ["sleep", "wake_weights"])
-    with pytest.raises(LifecycleError, match="level-2 sleep discarded the weights"):
-        walk(life, ["wake_kv_cache"])
-    walk(life, ["push", "reset_prefix_cache", "wake_kv_cache", "generate"])
+def test_a_release_that_discards_the_weights_needs_a_push_before_the_cache():
+    life = Lifecycle(frees_memory=True, discards_weights=True)  # vLLM's sleep level 2
+    walk(life, ["release", "restore_weights"])
+    with pytest.raises(LifecycleError, match="release discarded the weights"):
+        walk(life, ["restore_cache"])
+    walk(life, ["push", "reset_prefix_cache", "restore_cache", "generate"])
+
+
+# ------------------------------------------------------------------------------------------------ registry
+def test_the_registry_imports_without_torch():
+    """Config validation reads ENGINE_NAMES: importing the registry must pull in neither torch nor an engine module."""
+    code = ("import sys, grpo_lib.engines as e; names = list(e.ENGINE_NAMES); "
+            "heavy = [m for m in ('torch', 'vllm', 'transformers', 'grpo_lib.engines.base') if m in sys.modules]; "
+            "assert not heavy, heavy; print(names)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "['vllm', 'hf']", proc.stdout
+
+
+def test_every_registered_name_resolves_to_an_engine_class():
+    from grpo_lib.engines import ENGINE_NAMES, engine_class
+    from grpo_lib.engines.base import RolloutEngine
+
+    methods = [m for m in vars(RolloutEngine) if not m.startswith("_") and callable(getattr(RolloutEngine, m))]
+    assert "pop_metrics" in methods and "release" in methods, methods
+    for name in ENGINE_NAMES:
+        cls = engine_class(name)
+        missing = [m for m in methods + ["from_config"] if not callable(getattr(cls, m, None))]
+        assert not missing, f"engine {name!r} ({cls.__name__}) lacks {missing}"
+    with pytest.raises(ValueError, match=r"unknown engine 'sglang': the registered engines are \['vllm', 'hf'\]"):
+        engine_class("sglang")
+
+
+def test_engine_modules_import_base_never_each_other():
+    """No import circle: vllm.py and hf.py build on base.py; base.py knows neither; the registry imports none at load."""
+    import ast
+
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((REPO / "grpo_lib" / "engines" / f"{name}.py").read_text())
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module} | \
+               {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+
+    engines = {"grpo_lib.engines.base", "grpo_lib.engines.vllm", "grpo_lib.engines.hf"}
+    assert imported("base") & engines == set()
+    assert imported("vllm") & engines == {"grpo_lib.engines.base"}
+    assert imported("hf") & engines == {"grpo_lib.engines.base"}
+    assert imported("__init__") & engines == {"grpo_lib.engines.base"}  # under TYPE_CHECKING only (the test above)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
