@@ -80,7 +80,7 @@ def environment_problems(cfg: Config) -> list[str]:
 
 def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
-    from grpo_lib import algorithms  # registries of the supported names
+    from grpo_lib import algorithms, engines  # registries of the supported names
 
     p: list[str] = []
     for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
@@ -144,6 +144,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algorithms.KL_TYPES),
         ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, algorithms.POLICY_LOSSES),
         ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, algorithms.ADV_ESTIMATORS),
+        ("rollout.name", r.name, engines.ENGINE_NAMES),
     )
     for key, value, supported in checks:
         if value not in supported:

@@ -2,7 +2,7 @@
 validation sampling and the rollout config checks.
 
 Each test would fail if the behaviour broke: an illegal order must raise (it would hang or re-map memory on a
-GPU); the registry names the engines without importing torch.
+GPU); an unknown rollout.name is a config error naming the registered engines, found without importing torch.
 Seeds and TP shares: tests/test_seeds.py.
 """
 
@@ -59,6 +59,15 @@ def test_a_release_that_discards_the_weights_needs_a_push_before_the_cache():
 
 
 # ------------------------------------------------------------------------------------------------ registry
+def test_unknown_rollout_name_exits_2_naming_the_registered_engines(capsys):
+    """verl spells SGLang rollout.name=sglang; here it is a config error (exit 2) listing the engines there are."""
+    import train_grpo
+
+    assert train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), "rollout.name=sglang"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.name='sglang' is not supported: use one of ['hf', 'vllm']" in err, err
+
+
 def test_the_registry_imports_without_torch():
     """Config validation reads ENGINE_NAMES: importing the registry must pull in neither torch nor an engine module."""
     code = ("import sys, grpo_lib.engines as e; names = list(e.ENGINE_NAMES); "
