@@ -83,11 +83,11 @@ class GRPOTrainer:
         from grpo_lib import checkpoint, dtypes
         from grpo_lib.actor import Actor, Reference
         from grpo_lib.data import PromptSampler, load_prompts
+        from grpo_lib.engines import build_engine
         from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
         from grpo_lib.metrics import MetricLogger
         from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
         from grpo_lib.rewards import RewardScorer, registered_sources
-        from grpo_lib.rollout import build_engine
 
         cfg, rank = self.cfg, self.rank
         torch.manual_seed(cfg.trainer.seed)
@@ -239,7 +239,8 @@ class GRPOTrainer:
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()
-        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics()}
+        # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
+        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/")}
 
     def validate(self, step: int) -> None:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""

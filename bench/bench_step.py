@@ -210,7 +210,7 @@ def bare_worker(work: Path, setting: str) -> None:
     from grpo_lib import dtypes
     from grpo_lib.config import load_config
     from grpo_lib.perf import resolve_kv_cache_bytes
-    from grpo_lib.rollout import VLLMEngine
+    from grpo_lib.engines.vllm import VLLMEngine
 
     cfg = load_config(None, overrides(work, setting))
     cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(

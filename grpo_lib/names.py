@@ -1,7 +1,7 @@
-"""The supported names of the algorithm registries, torch-free, so config validation can check them without torch.
+"""The supported names of the algorithm and engine registries, torch-free, so config validation can check them without torch.
 
 `grpo_lib.algorithms` holds the functions behind these names and asserts at import that its registries match
-these tuples exactly (they cannot drift); `grpo_lib.config.checks` refuses any other name with the list.
+these tuples exactly (they cannot drift), as `grpo_lib.engines` does for ENGINE_NAMES; `grpo_lib.config.checks` refuses any other name with the list.
 """
 
 ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
@@ -16,3 +16,5 @@ POLICY_LOSS_MODES: tuple[str, ...] = ("vanilla", "gspo")
 """actor.policy_loss.loss_mode."""
 ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token", "sequence")
 """algorithm.rollout_correction.mode."""
+ENGINE_NAMES: tuple[str, ...] = ("vllm", "hf")
+"""rollout.name (grpo_lib/engines/__init__.py maps each to its class)."""

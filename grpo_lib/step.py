@@ -15,7 +15,7 @@ from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.config.checks import engine_logprobs_needed
 from grpo_lib.distributed import all_reduce_min, all_reduce_sum, broadcast_object, is_on
-from grpo_lib.rollout import sample_seed, tp_group_share
+from grpo_lib.seeds import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 
 
@@ -160,6 +160,7 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     sums: dict[str, float] = {"rollout/preemptions": 0.0}
     # the t processes of a TP group drive one engine and each sees all of its preemptions: only the first counts them
     tp_leader = rank % cfg.rollout.tensor_model_parallel_size == 0
+    engine.pop_metrics("rollout/")  # only the training rollouts count: drop what validation's generation preempted
     while True:
         rounds += 1
         global_idx = sampler.next_batch()
@@ -169,8 +170,9 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
                                               step=step, round=rounds, sampling=train_sampling(cfg))
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+        preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
         if tp_leader:
-            sums["rollout/preemptions"] += getattr(engine, "last_preemptions", 0)
+            sums["rollout/preemptions"] += preempted
         batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
         if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]

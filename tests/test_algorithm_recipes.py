@@ -159,18 +159,22 @@ class FakeEngine:
     """n responses per prompt: texts r0, r1, ...; records the prompts of each generate call."""
 
     pad_id = 0  # as VLLMEngine.pad_id
+    preemptions_per_generate = 0
 
     def __init__(self):
         self.calls = []
+        self.preemptions = 0.0
 
-    def wake_up(self, tags=None):
+    def release(self):
         pass
 
-    def sleep(self):
-        pass
+    def pop_metrics(self, prefix=""):  # as engines.base.EngineGlue.pop_metrics: the count since the last pop
+        counters, self.preemptions = {"rollout/preemptions": self.preemptions}, 0.0
+        return {k: v for k, v in counters.items() if k.startswith(prefix)}
 
     def generate(self, prompt_ids, *, n, **kwargs):
         self.calls.append([p[0] for p in prompt_ids])
+        self.preemptions += self.preemptions_per_generate
         return [[Generation(token_ids=[10 + j, 1], logprobs=[-1.0, -0.5], text=f"r{j}", finish_reason="stop") for j in range(n)]
                 for _ in prompt_ids]
 

@@ -49,7 +49,7 @@ def test_hf_greedy_equals_vllm_token_for_token(outputs):
 @pytest.mark.parametrize("name", ["vllm", "hf"])
 def test_engine_contract(outputs, name):
     (out,) = outputs[name]
-    assert out["protocol"], f"{name} engine does not satisfy grpo_lib.rollout.RolloutEngine"
+    assert out["protocol"], f"{name} engine does not satisfy grpo_lib.engines.base.RolloutEngine"
     assert out["child_rule"], f"{name}: sample 1 of a request seeded s differs from a request seeded s + 1"
     assert len({tuple(s) for s in out["sampled"][0]}) == 3, "the 3 samples of one prompt are not independent"
     lp, rescored = out["sampled_logprobs"][0][0], out["sampled_rescored"]

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from grpo_lib import fsdp
 from grpo_lib.actor import Actor, Reference
-from grpo_lib.rollout import Lifecycle, VLLMEngine
+from grpo_lib.engines.base import Lifecycle
+from grpo_lib.engines.vllm import VLLMEngine
 from tests.test_ratio import fake_batch, make_cfg
 
 
@@ -222,7 +223,7 @@ def test_push_streams_in_bounded_buckets_and_casts():
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.cfg = llm, SimpleNamespace(update_weights_bucket_megabytes=2)
-    engine.lifecycle = Lifecycle(raw_sleep=False, sleep_level=1)  # a fresh engine: awake, a push is legal
+    engine.lifecycle = Lifecycle(frees_memory=False, discards_weights=False)  # a fresh engine: ready, a push is legal
     engine.push_weights(lazily_gathered())
     assert [n for n, _ in llm.loaded] == [n for n, _ in tensors]
     assert all(t.dtype == torch.bfloat16 for _, t in llm.loaded)

@@ -72,7 +72,7 @@ def test_checkpoint_adapter_and_merged_folder(lora_run, tiny_model_dir):
         from grpo_lib import lora
         from grpo_lib.config import RolloutConfig
         from grpo_lib.logprobs import token_logprobs
-        from grpo_lib.rollout import VLLMEngine
+        from grpo_lib.engines.vllm import VLLMEngine
         seq = [1, 20, 30, 40, 50, 60, 70, 80, 90, 100]
         def hf(model):
             with torch.no_grad():

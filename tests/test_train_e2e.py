@@ -97,7 +97,7 @@ def test_checkpoint_loads_in_vllm(e2e_run):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from types import SimpleNamespace
         from transformers import AutoModelForCausalLM
-        from grpo_lib.rollout import VLLMEngine
+        from grpo_lib.engines.vllm import VLLMEngine
         from grpo_lib.config import RolloutConfig
         from grpo_lib.logprobs import token_logprobs
         cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20)

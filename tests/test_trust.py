@@ -255,7 +255,7 @@ def test_preemptions_of_a_tensor_parallel_engine_are_counted_once():
                              "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2",
                              "rollout.tensor_model_parallel_size=2"], world_size=2)
     engine = FakeEngine()
-    engine.last_preemptions = 5
+    engine.preemptions_per_generate = 5
     counted = []
     for rank in (0, 1):  # no process group here: each rank's local count is what it adds to the all-reduce
         _, metrics = step.collect_rollouts(cfg, engine, FakeScorer(), FakeData(), CyclingSampler(), step=1, world_size=2,

@@ -162,6 +162,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names.KL_TYPES),
         ("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, names.POLICY_LOSS_MODES),
         ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names.ADV_ESTIMATORS),
+        ("rollout.name", r.name, names.ENGINE_NAMES),
     )
     for key, value, supported in checks:
         if value not in supported:

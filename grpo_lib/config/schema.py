@@ -198,7 +198,7 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm", "hf"] = "vllm"
+    name: str = "vllm"
     """Generation engine: vllm (colocated vLLM) or hf (transformers, a hand-written sampling loop with a KV cache;
     for machines without vLLM; no tensor parallelism)."""
     n: int = 1

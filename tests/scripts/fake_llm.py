@@ -1,10 +1,10 @@
 """A recording stand-in for `vllm.LLM`, and a runner of train_grpo.main with it (in-process or under a launcher).
 
 `FakeLLM` records every raw engine call (start, sleep, wake_up, reload_weights, reset_prefix_cache, generate with
-its requests and seeds) in `FakeLLM.events`; `grpo_lib.rollout.empty_trainer_cache` is wrapped to record
+its requests and seeds) in `FakeLLM.events`; `grpo_lib.engines.base.empty_trainer_cache` is wrapped to record
 "empty_cache" in the same list, and the actor's `load_params` / `offload` / forward passes record "actor_on_device" /
 "actor_on_host" / "actor_forward", so a test sees the exact order the GPU would see. The engine's own state machine
-is NOT faked: `VLLMEngine` runs as is, only its `llm` is this fake, and its lifecycle is told that sleep is real
+is NOT faked: `VLLMEngine` runs as is, only its `llm` is this fake, and its lifecycle is told that it frees memory
 (as on a GPU with rollout.free_cache_engine).
 
 Generation is deterministic per sample seed (the seed of sample k is the request's seed + k, vLLM's rule).
@@ -87,15 +87,17 @@ class FakeLLM:
 
 def install(monkeypatch=None):
     """Make train_grpo build a VLLMEngine over FakeLLM with real sleep, and record empty_cache; returns FakeLLM."""
-    from grpo_lib import rollout
+    from grpo_lib import engines
+    from grpo_lib.engines import base
+    from grpo_lib.engines.vllm import VLLMEngine
 
     FakeLLM.events, FakeLLM.starts = [], 0
-    real_build, real_empty = rollout.build_engine, rollout.empty_trainer_cache
+    real_build, real_empty = engines.build_engine, base.empty_trainer_cache
 
     def build_engine(cfg, *, on_cpu, world_size):
-        engine = rollout.VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=64, seed=cfg.trainer.seed,
-                                    on_cpu=on_cpu, world_size=world_size, llm_factory=FakeLLM)
-        engine.lifecycle.raw_sleep = cfg.rollout.free_cache_engine  # as on a GPU
+        engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=64, seed=cfg.trainer.seed,
+                            on_cpu=on_cpu, world_size=world_size, llm_factory=FakeLLM)
+        engine.lifecycle.frees_memory = cfg.rollout.free_cache_engine  # as on a GPU
         return engine
 
     def empty_trainer_cache():
@@ -123,8 +125,8 @@ def install(monkeypatch=None):
         return real_forward(policy, *args, **kwargs)
 
     setter = monkeypatch.setattr if monkeypatch is not None else lambda obj, name, value: setattr(obj, name, value)
-    setter(rollout, "build_engine", build_engine)
-    setter(rollout, "empty_trainer_cache", empty_trainer_cache)
+    setter(engines, "build_engine", build_engine)
+    setter(base, "empty_trainer_cache", empty_trainer_cache)
     setter(Actor, "load_params", load_params)
     setter(Actor, "offload", offload)
     setter(LogprobModel, "forward", forward)

@@ -1,24 +1,23 @@
-"""grpo_lib.rollout without an engine: the lifecycle state machine, seeds, TP shares, validation sampling, config.
+"""grpo_lib.engines without an engine: the lifecycle state machine, the registry, the hf sampler's logits processing,
+validation sampling and the rollout config checks.
 
 Each test would fail if the behaviour broke: an illegal order must raise (it would hang or re-map memory on a
-GPU), seeds must be unique per sample and independent of the topology, the ranks of a TP group must submit
-identical requests and keep disjoint slices that equal the TP-1 shares.
+GPU); an unknown rollout.name is a config error naming the registered engines, found without importing torch.
+Seeds and TP shares: tests/test_seeds.py.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo_lib.config import ConfigError, load_config
-from grpo_lib.hf_engine import process_logits
-from grpo_lib.rollout import Lifecycle, LifecycleError, sample_seed, tp_group_share
-from grpo_lib.step import generate_share, val_sampling
-from grpo_lib.types import Generation, PromptBatch
+from grpo_lib.engines.base import Lifecycle, LifecycleError
+from grpo_lib.engines.hf import process_logits
+from grpo_lib.step import val_sampling
 from tests.conftest import REPO
 
 
@@ -30,99 +29,83 @@ def walk(lifecycle: Lifecycle, names: list[str]) -> None:
 
 
 def test_lifecycle_legal_cycle():
-    life = Lifecycle(raw_sleep=True, sleep_level=1)
-    cycle = ["generate", "sleep", "wake_weights", "push", "reset_prefix_cache", "wake_kv_cache", "generate"]
+    life = Lifecycle(frees_memory=True, discards_weights=False)
+    cycle = ["generate", "release", "restore_weights", "push", "reset_prefix_cache", "restore_cache", "generate"]
     walk(life, cycle + cycle[1:])
-    assert life.state == "awake"
+    assert life.state == "ready"
 
 
 @pytest.mark.parametrize("names,message", [
-    (["sleep", "generate"], "generate while asleep"),
-    (["sleep", "wake_weights", "generate"], "generate while weights"),  # no generation while partly awake
-    (["sleep", "wake_weights", "wake_all"], "wake_all while weights"),  # no untagged wake after a partial wake
-    (["sleep", "wake_kv_cache"], "wake_kv_cache while asleep"),
-    (["sleep", "push"], "push while asleep"),
-    (["wake_weights"], "wake_weights while awake"),
-    (["sleep", "sleep"], "sleep while asleep"),
+    (["release", "generate"], "generate while released"),
+    (["release", "restore_weights", "generate"], "generate while weights_only"),  # no generation while partly restored
+    (["release", "restore_weights", "restore_all"], "restore_all while weights_only"),  # no full restore after a partial one
+    (["release", "restore_cache"], "restore_cache while released"),
+    (["release", "push"], "push while released"),
+    (["restore_weights"], "restore_weights while ready"),
+    (["release", "release"], "release while released"),
 ])
 def test_lifecycle_refuses_illegal_order(names, message):
-    life = Lifecycle(raw_sleep=False, sleep_level=1)  # checked on CPU too, where the raw calls are no-ops
+    life = Lifecycle(frees_memory=False, discards_weights=False)  # checked on CPU too, where the engines move nothing
     with pytest.raises(LifecycleError, match=message):
         walk(life, names)
 
 
-def test_level2_sleep_needs_a_push_before_the_kv_cache():
-    life = Lifecycle(raw_sleep=True, sleep_level=2)
-    walk(life, ["sleep", "wake_weights"])
-    with pytest.raises(LifecycleError, match="level-2 sleep discarded the weights"):
-        walk(life, ["wake_kv_cache"])
-    walk(life, ["push", "reset_prefix_cache", "wake_kv_cache", "generate"])
+def test_a_release_that_discards_the_weights_needs_a_push_before_the_cache():
+    life = Lifecycle(frees_memory=True, discards_weights=True)  # vLLM's sleep level 2
+    walk(life, ["release", "restore_weights"])
+    with pytest.raises(LifecycleError, match="release discarded the weights"):
+        walk(life, ["restore_cache"])
+    walk(life, ["push", "reset_prefix_cache", "restore_cache", "generate"])
 
 
-# ------------------------------------------------------------------------------------------------ seeds
-def test_sample_seeds_unique_across_steps_rounds_prompts_samples_and_purposes():
-    n, seen = 4, {}
-    for purpose in ("train", "val"):
-        for step in range(4):
-            for rnd in range(1, 4):
-                for prompt in range(16):
-                    base = sample_seed(7, purpose=purpose, step=step, round=rnd, prompt_index=prompt, n=n)
-                    for k in range(n):  # vLLM seeds the n children of a request base, base + 1, ...
-                        key = (purpose, step, rnd, prompt, k)
-                        assert base + k not in seen, f"{key} shares seed {base + k} with {seen[base + k]}"
-                        seen[base + k] = key
-    assert sample_seed(8, purpose="train", step=1, round=1, prompt_index=0, n=4) != sample_seed(7, purpose="train", step=1, round=1,
-                                                                                               prompt_index=0, n=4)
+# ------------------------------------------------------------------------------------------------ registry
+def test_unknown_rollout_name_exits_2_naming_the_registered_engines(capsys):
+    """verl spells SGLang rollout.name=sglang; here it is a config error (exit 2) listing the engines there are."""
+    import train_grpo
+
+    assert train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), "rollout.name=sglang"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.name='sglang' is not supported: use one of ['hf', 'vllm']" in err, err
 
 
-# ------------------------------------------------------------------------------------------------ TP shares
-class RecordingEngine:
-    """Answers each sample with [seed of that sample] and records what it was asked."""
-
-    pad_id = 0
-
-    def __init__(self):
-        self.calls = []
-
-    def generate(self, prompt_ids, *, n, seeds, **sampling):
-        self.calls.append((prompt_ids, seeds, n, sampling))
-        return [[Generation(token_ids=[s + k], logprobs=[0.0], text="", finish_reason="length") for k in range(n)] for s in seeds]
+def test_the_registry_imports_without_torch():
+    """Config validation reads ENGINE_NAMES: importing the registry must pull in neither torch nor an engine module."""
+    code = ("import sys, grpo_lib.engines as e; names = list(e.ENGINE_NAMES); "
+            "heavy = [m for m in ('torch', 'vllm', 'transformers', 'grpo_lib.engines.base') if m in sys.modules]; "
+            "assert not heavy, heavy; print(names)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "['vllm', 'hf']", proc.stdout
 
 
-class Rows:
-    """A dataset whose prompt i is [i]."""
+def test_every_registered_name_resolves_to_an_engine_class():
+    from grpo_lib.engines import ENGINE_NAMES, engine_class
+    from grpo_lib.engines.base import RolloutEngine
 
-    def batch(self, idx):
-        return PromptBatch(prompt_ids=[[i] for i in idx], group_ids=[str(i) for i in idx], data_sources=["s"] * len(idx),
-                           ground_truths=[None] * len(idx), extra_infos=[{}] * len(idx))
-
-
-def share(world_size: int, rank: int, tp: int, global_idx: list[int]):
-    cfg = SimpleNamespace(rollout=SimpleNamespace(tensor_model_parallel_size=tp), trainer=SimpleNamespace(seed=3))
-    engine = RecordingEngine()
-    prompts, gens = generate_share(cfg, engine, Rows(), global_idx, world_size=world_size, rank=rank, purpose="train", step=2,
-                                   round=1, sampling=dict(n=2, temperature=1.0))
-    kept = {p[0]: [g.token_ids[0] for g in group] for p, group in zip(prompts.prompt_ids, gens)}  # prompt -> its sample seeds
-    return engine.calls[0], kept
+    methods = [m for m in vars(RolloutEngine) if not m.startswith("_") and callable(getattr(RolloutEngine, m))]
+    assert "pop_metrics" in methods and "release" in methods, methods
+    for name in ENGINE_NAMES:
+        cls = engine_class(name)
+        missing = [m for m in methods + ["from_config"] if not callable(getattr(cls, m, None))]
+        assert not missing, f"engine {name!r} ({cls.__name__}) lacks {missing}"
+    with pytest.raises(ValueError, match=r"unknown engine 'sglang': the registered engines are \['vllm', 'hf'\]"):
+        engine_class("sglang")
 
 
-@pytest.mark.parametrize("world_size,tp", [(2, 2), (4, 2), (4, 4), (4, 1)])
-def test_tp_group_submits_identical_requests_and_keeps_disjoint_slices(world_size, tp):
-    global_idx = [50 + 3 * i for i in range(8)]
-    single = {r: share(world_size, r, 1, global_idx)[1] for r in range(world_size)}  # the TP-1 shares
-    for first in range(0, world_size, tp):
-        calls = [share(world_size, r, tp, global_idx) for r in range(first, first + tp)]
-        assert all(c == calls[0][0] for c, _ in calls), "ranks of one TP group submitted different requests"
-        kept = [k for _, k in calls]
-        for r, k in zip(range(first, first + tp), kept):
-            assert k == single[r], f"rank {r} with TP={tp} keeps {k}, with TP=1 {single[r]}"
-        assert sum(len(k) for k in kept) == len(set().union(*kept)), "slices of one group overlap"
-    assert sorted(p for k in single.values() for p in k) == sorted(global_idx)
+def test_engine_modules_import_base_never_each_other():
+    """No import circle: vllm.py and hf.py build on base.py; base.py knows neither; the registry imports none at load."""
+    import ast
 
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((REPO / "grpo_lib" / "engines" / f"{name}.py").read_text())
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module} | \
+               {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
 
-def test_tp_group_share_example():
-    assert tp_group_share(8, world_size=4, rank=1, tp_size=2) == ([0, 1, 4, 5], [1, 3])
-    assert tp_group_share(8, world_size=4, rank=2, tp_size=2) == ([2, 3, 6, 7], [0, 2])
+    engines = {"grpo_lib.engines.base", "grpo_lib.engines.vllm", "grpo_lib.engines.hf"}
+    assert imported("base") & engines == set()
+    assert imported("vllm") & engines == {"grpo_lib.engines.base"}
+    assert imported("hf") & engines == {"grpo_lib.engines.base"}
+    assert imported("__init__") & engines == {"grpo_lib.engines.base"}  # under TYPE_CHECKING only (the test above)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

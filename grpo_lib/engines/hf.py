@@ -1,6 +1,6 @@
 """`rollout.name: hf`: generation with transformers, for machines without vLLM (a Mac, a GPU image without vLLM).
 
-Same interface as `VLLMEngine` (`grpo_lib.rollout.RolloutEngine`) and the same lifecycle state machine. The
+Same interface as `VLLMEngine` (`grpo_lib.engines.base.RolloutEngine`) and the same lifecycle state machine. The
 sampling loop is written here rather than calling `model.generate`, because every sample needs its own seeded
 generator: sample k of prompt i draws from `torch.Generator().manual_seed(seeds[i] + k)` (vLLM's rule for the n
 children of a request), so a sample does not depend on which process, batch or row runs it.
@@ -14,9 +14,11 @@ generation config's eos ids (the eos token is kept in `token_ids`, finish reason
 
 Rows (prompt x sample) run in batches of rollout.max_num_seqs, left padded, with a KV cache (transformers'
 DynamicCache); finished rows keep decoding padding until the batch ends. Memory: with free_cache_engine on a
-GPU, sleep moves the weights to CPU memory and wake brings them back (levels 1 and 2 alike: transformers cannot
-drop and re-create parameter storage cheaply); the KV cache lives only inside a generate call. There is no
-prefix cache and no tensor parallelism (the config check refuses rollout.tensor_model_parallel_size > 1).
+GPU, release moves the weights to CPU memory and restore_weights brings them back; the KV cache lives only inside
+a generate call, so restore_cache moves nothing. `rollout.sleep_level: 2` (vLLM's "discard the weights") keeps the
+weights in CPU memory too (transformers cannot drop and re-create parameter storage cheaply), but the lifecycle
+holds this engine to the same order (`discards_weights`: a push before restore_cache). There is no prefix cache
+and no tensor parallelism (the config check refuses rollout.tensor_model_parallel_size > 1).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo_lib.dtypes import torch_dtype
-from grpo_lib.rollout import Lifecycle, LifecycleGlue, wake_transition
+from grpo_lib.engines.base import EngineGlue, Lifecycle
 from grpo_lib.types import Generation
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
@@ -49,7 +51,7 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
     return warpers(None, logits.float())
 
 
-class HFEngine(LifecycleGlue):
+class HFEngine(EngineGlue):
     """A transformers causal LM owned by this process, behind the RolloutEngine interface."""
 
     def __init__(self, *, model_path: str, cfg, on_cpu: bool, trust_remote_code: bool = False):
@@ -66,20 +68,38 @@ class HFEngine(LifecycleGlue):
         for source in (self.tokenizer.eos_token_id, _generation_eos(GenerationConfig, model_path)):
             eos.update([source] if isinstance(source, int) else (source or []))
         self.eos_ids = eos
-        self.lifecycle = Lifecycle(raw_sleep=cfg.free_cache_engine and not on_cpu, sleep_level=cfg.sleep_level)
+        self.lifecycle = Lifecycle(frees_memory=cfg.free_cache_engine and not on_cpu, discards_weights=cfg.sleep_level == 2)
 
-    # -- lifecycle (grpo_lib.rollout's docstring) ------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg, *, on_cpu: bool, world_size: int) -> HFEngine:
+        """The engine of a run's config (`grpo_lib.engines.build_engine`). `world_size` is not used: each process
+        generates alone (no tensor parallelism)."""
+        return cls(model_path=cfg.model.path, cfg=cfg.rollout, on_cpu=on_cpu, trust_remote_code=cfg.model.trust_remote_code)
 
-    def sleep(self) -> None:
-        with self.lifecycle.transition("sleep"):
-            if self.lifecycle.raw_sleep:
+    # -- lifecycle (grpo_lib/engines/base.py) -----------------------------------------------------------
+
+    def release(self) -> None:
+        """ready -> released, after the generation phase and before the update: the weights move to CPU memory."""
+        with self.lifecycle.transition("release"):
+            if self.lifecycle.frees_memory:
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        name = wake_transition(tags)
-        with self.lifecycle.transition(name):
-            if self.lifecycle.raw_sleep and name != "wake_kv_cache":  # the KV cache exists only inside generate
+    def restore_weights(self) -> None:
+        """released -> weights_only: the weights move back to the device."""
+        with self.lifecycle.transition("restore_weights"):
+            if self.lifecycle.frees_memory:
+                self.model.to(self.device)
+
+    def restore_cache(self) -> None:
+        """weights_only -> ready: nothing to move (the KV cache exists only inside generate)."""
+        with self.lifecycle.transition("restore_cache"):
+            pass
+
+    def restore_all(self) -> None:
+        """released -> ready in one call: the weights move back to the device."""
+        with self.lifecycle.transition("restore_all"):
+            if self.lifecycle.frees_memory:
                 self.model.to(self.device)
 
     def reset_prefix_cache(self) -> None:

@@ -1,0 +1,40 @@
+"""The generation engines by `rollout.name`: a lazy name -> "module:Class" table, like verl's rollout registry.
+
+Importing this package imports neither torch nor an engine library, so config validation reads `ENGINE_NAMES`
+without them; `engine_class` imports only the module of the engine a run uses.
+
+    vllm  grpo_lib/engines/vllm.py  VLLMEngine: vLLM in the training process (the default)
+    hf    grpo_lib/engines/hf.py    HFEngine: a transformers sampling loop, for machines without vLLM
+
+Each registered class satisfies `RolloutEngine` (`grpo_lib/engines/base.py`, with the lifecycle both engines
+share) and has `from_config(cfg, *, on_cpu, world_size)`, the constructor `build_engine` calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from grpo_lib.names import ENGINE_NAMES
+
+if TYPE_CHECKING:
+    from grpo_lib.engines.base import RolloutEngine
+
+_ENGINES = {
+    "vllm": "grpo_lib.engines.vllm:VLLMEngine",
+    "hf": "grpo_lib.engines.hf:HFEngine",
+}
+assert tuple(_ENGINES) == ENGINE_NAMES, f"grpo_lib/names.py ENGINE_NAMES {ENGINE_NAMES} != the registry {tuple(_ENGINES)}"
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The class registered as `name`, its module imported now. engine_class("hf") -> grpo_lib.engines.hf.HFEngine."""
+    if name not in _ENGINES:
+        raise ValueError(f"unknown engine {name!r}: the registered engines are {list(ENGINE_NAMES)}")
+    module, _, class_name = _ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), class_name)
+
+
+def build_engine(cfg, *, on_cpu: bool, world_size: int) -> RolloutEngine:
+    """The engine `cfg.rollout.name` names, started once per process (all ranks together under a launcher)."""
+    return engine_class(cfg.rollout.name).from_config(cfg, on_cpu=on_cpu, world_size=world_size)

