@@ -88,7 +88,7 @@ def make_batch(model, *, seed: int = 0) -> RolloutBatch:
         response_mask[i, p:p + r] = 1.0
     advantages = torch.randn(batch_size, 1, generator=generator) * response_mask  # [B, T], both signs
     batch = RolloutBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, loss_mask=response_mask.clone(),
         rollout_logprobs=-torch.rand(batch_size, width, generator=generator) * response_mask,
         group_ids=[f"g{g}" for _, _, g in rows], response_texts=[""] * batch_size, data_sources=["synthetic"] * batch_size,
         ground_truths=[None] * batch_size, extra_infos=[{} for _ in rows], truncated=torch.zeros(batch_size, dtype=torch.bool),
