@@ -246,10 +246,14 @@ def needs_old_logprobs(cfg) -> bool:
 
 
 def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
-    """Token rewards (score on the last response token, minus the KL penalty if in reward) -> group advantages."""
+    """Token rewards (score on the last response token, minus the KL penalty on loss tokens if in reward) -> group
+    advantages, broadcast over the loss tokens."""
     alg = cfg.algorithm
-    mask = batch.response_mask  # [B, T]
-    last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # [B] index of each row's last response token
+    mask = batch.loss_mask  # [B, T]
+    # The score belongs to the whole response, so it sits on the response's last token even where that token is out
+    # of the loss (a tool's output, a masked truncation): every response's score enters its group's baseline.
+    response = batch.response_mask  # [B, T]
+    last = (response * torch.arange(response.shape[1])).argmax(-1)  # [B] index of each row's last response token
     token_rewards = torch.zeros_like(mask)  # [B, T]
     token_rewards[torch.arange(len(batch)), last] = batch.scores
     metrics = {}
