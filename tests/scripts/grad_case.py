@@ -4,7 +4,9 @@ different lengths, the config, and the plain full-batch loss the Actor's micro-b
 
 The mini-batch: 4 groups of 2 trajectories (a group shares its prompt), prompt + response from 5 to 60 tokens,
 random advantages of both signs, old logprobs = current logprobs + noise (so the PPO clip and the dual clip bind
-on some tokens), reference logprobs = current + noise (so the KL term has a gradient).
+on some tokens), reference logprobs = current + noise (so the KL term has a gradient). `with_holes` gives the same
+batch with holes in its loss mask (tool outputs of a multi-turn episode, a masked truncation): advantages, logprobs
+and engine logprobs stay nonzero in the holes, so a term that read response_mask instead would change the gradient.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ MAX_PROMPT, MAX_RESPONSE = 12, 48  # the longest trajectory is exactly 60 = the 
 # (prompt length, [response lengths]) per group: totals 5, 43 | 60, 21 | 30, 8 | 38, 22 (sum 227)
 GROUPS = [(3, [2, 40]), (12, [48, 9]), (5, [25, 3]), (8, [30, 14])]
 LONGEST, TOTAL_TOKENS = 60, 227
+# Loss-mask holes per row, (start, end) offsets into the response: row 1 two tool outputs, row 2 a hole and a masked
+# tail, row 3 masked whole (a masked truncation: no loss token, no sequence of the loss), row 4 a hole, row 6 a hole,
+# row 7 a masked head; rows 0 and 5 keep every token. 171 response tokens, 114 of them in the loss.
+HOLES = {1: [(10, 18), (25, 30)], 2: [(20, 35), (44, 48)], 3: [(0, 9)], 4: [(1, 6)], 6: [(12, 20)], 7: [(0, 3)]}
 TEMPERATURE = 0.8
 KL_COEF, ENTROPY_COEFF = 0.3, 0.05
 
@@ -100,11 +106,22 @@ def make_batch(model, *, seed: int = 0) -> RolloutBatch:
     return batch
 
 
+def with_holes(batch: RolloutBatch) -> RolloutBatch:
+    """`batch` with the loss-mask holes of HOLES (response_mask and every other field unchanged)."""
+    holed = batch.select(list(range(len(batch))))
+    holed.loss_mask = batch.loss_mask.clone()  # [B, T]
+    starts = (batch.attention_mask - batch.response_mask).sum(-1).long()  # [B] prompt lengths
+    for row, spans in HOLES.items():
+        for lo, hi in spans:
+            holed.loss_mask[row, starts[row] + lo:starts[row] + hi] = 0.0
+    return holed
+
+
 def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """The mini-batch loss written plainly (docs/ALGORITHMS.md), all rows in one padded forward, counts from the batch."""
     a = cfg.actor
     lp, entropy = naive_logprobs(model, batch)  # [B, T] each
-    mask = batch.response_mask  # [B, T]
+    mask = batch.loss_mask  # [B, T]
     counts = dict(loss_scale_factor=a.loss_scale_factor or cfg.data.max_response_length)
     is_weights = None
     if cfg.algorithm.rollout_correction.mode != "none":
