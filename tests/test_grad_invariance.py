@@ -18,7 +18,6 @@ from grpo_lib.actor import Actor
 from grpo_lib.algorithms import LOSS_AGG_MODES
 from tests.scripts import grad_case as case
 
-TOL = dict(rtol=1e-4, atol=1e-6)
 MICRO_SETTINGS = [dict(micro_batch_size=s) for s in case.FIXED_SIZES] + [dict(max_tokens=t) for t in case.TOKEN_BUDGETS]
 
 
@@ -49,9 +48,7 @@ def actor_grads(actor: Actor, cfg, batch) -> tuple[dict[str, torch.Tensor], dict
 
 
 def assert_same_grads(grads, expected, what: str) -> None:
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m: f"{what}: gradient of {name}: {m}")
+    case.assert_close_grads(grads, expected, what)  # tolerance derived in grad_case (GRAD_TOL)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
@@ -64,7 +61,7 @@ def test_micro_batching_never_changes_the_gradient(setup, loss_agg_mode, remove_
         cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=remove_padding, **micro)
         grads, metrics = actor_grads(actor, cfg, batch)
         assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} remove_padding={remove_padding}")
-        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
         assert metrics["actor/pg_clipfrac"] > 0 and metrics["actor/kl_loss"] > 0, "the clip and the KL term are active"
 
 
@@ -119,7 +116,7 @@ def test_holes_are_left_out_of_the_loss(setup, loss_agg_mode):
         cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=True, **micro)
         grads, metrics = actor_grads(actor, cfg, batch)
         assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} against the loss without the holes")
-        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
 
 
 def test_sweep_really_splits(setup):
@@ -175,7 +172,7 @@ def test_empty_micro_batches_run_a_zero_dummy(setup, monkeypatch, remove_padding
         counter.handle.remove()
     with torch.no_grad():
         naive, _ = case.naive_logprobs(actor.model, batch)
-    torch.testing.assert_close(logprobs, naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs, naive, atol=case.LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
@@ -188,9 +185,9 @@ def test_logprob_passes_return_original_order(setup, remove_padding):
         naive, _ = case.naive_logprobs(actor.model, batch)
     budgets = (f"rollout.log_prob_max_token_len_per_gpu={case.LONGEST}", f"ref.log_prob_max_token_len_per_gpu={case.LONGEST + 10}")
     actor.cfg = case.make_config(setup["model_dir"], remove_padding=remove_padding, max_tokens=case.TOTAL_TOKENS, extra=budgets)
-    torch.testing.assert_close(actor.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(actor.compute_logprobs(batch), naive, atol=case.LOGPROB_ATOL, rtol=0)
     reference_model = Reference(actor.cfg, device=torch.device("cpu"))
-    torch.testing.assert_close(reference_model.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reference_model.compute_logprobs(batch), naive, atol=case.LOGPROB_ATOL, rtol=0)
 
 
 def test_packing_check_runs_at_start_up(setup, monkeypatch):

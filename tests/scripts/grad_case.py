@@ -30,6 +30,22 @@ LONGEST, TOTAL_TOKENS = 60, 227
 # row 7 a masked head; rows 0 and 5 keep every token. 171 response tokens, 114 of them in the loss.
 HOLES = {1: [(10, 18), (25, 30)], 2: [(20, 35), (44, 48)], 3: [(0, 9)], 4: [(1, 6)], 6: [(12, 20)], 7: [(0, 3)]}
 TEMPERATURE = 0.8
+# Tolerances of the comparisons, from float32 round-off (eps = 2^-23 = 1.19e-7), never fitted to a machine.
+# Reordering a float32 sum of N terms moves it by at most ~N * eps times the size of its terms. Micro-batching,
+# packing, the head's chunks and the process count only regroup sums over the batch's TOTAL_TOKENS = 227 tokens
+# (every position's hidden state enters the backward: prompts and loss-mask holes too), so
+# - a gradient entry may move by N * eps of its tensor's scale, max |entry|: normwise, since an entry near 0 is a
+#   cancellation of terms about that large (a bound relative to the entry itself would say nothing there);
+# - the loss, a sum over the same tokens, by N * eps of its terms' total size, which exceeds the loss itself up to
+#   ~12x here (advantages of both signs cancel; 12x on the holed batch): bounded relative to the loss, on the
+#   margin of random-sign rounding below (sqrt(227) = 15);
+# - a logprob is no sum over the batch but one row's forward: its longest sums are the logsumexp over VOCAB = 256
+#   shifted exponentials (each <= 1, their sum >= 1: <= 256 eps after the log) and the layers' dot products (hidden
+#   64, intermediate 128, attention over <= 60 positions) of O(1) terms after the RMS norms: (256 + 64 + 128 + 60) eps.
+# These are worst cases; rounding errors of random sign grow like sqrt(N) * eps, far below them.
+GRAD_TOL = TOTAL_TOKENS * torch.finfo(torch.float32).eps  # 2.7e-5, times each tensor's max |entry|
+LOSS_REL_TOL = TOTAL_TOKENS * torch.finfo(torch.float32).eps  # 2.7e-5
+LOGPROB_ATOL = (VOCAB + 64 + 128 + LONGEST) * torch.finfo(torch.float32).eps  # 6.1e-5
 KL_COEF, ENTROPY_COEFF = 0.3, 0.05
 
 
@@ -151,6 +167,14 @@ def reference_grads(model, batch: RolloutBatch, cfg: Config) -> tuple[dict[str, 
     loss = reference_loss(model, batch, cfg)
     loss.backward()
     return grads_of(model), float(loss.detach())
+
+
+def assert_close_grads(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    """Same parameter names, every gradient within GRAD_TOL of its tensor's scale (see GRAD_TOL)."""
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        atol = GRAD_TOL * float(expected[name].abs().max())
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=atol, msg=lambda m: f"{what}: gradient of {name}: {m}")
 
 
 def metrics_loss(metrics: dict[str, float], cfg: Config) -> float:
