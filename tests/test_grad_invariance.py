@@ -119,6 +119,26 @@ def test_holes_are_left_out_of_the_loss(setup, loss_agg_mode):
         assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
 
 
+def test_metrics_are_means_over_loss_tokens(setup):
+    """actor/ppo_kl and rollout/logprob_abs_diff_mean (logged with rollout correction on) average over the loss tokens
+    of the whole mini-batch, whatever the micro-batching: mean over loss_mask of old - lp and of |old - rollout|."""
+    actor, batch = setup["actor"], setup["batch"]
+    with torch.no_grad():
+        lp, _ = case.naive_logprobs(actor.model, batch)  # [B, T]
+    mask = batch.loss_mask  # [B, T]
+    ppo_kl = float(((batch.old_logprobs - lp) * mask).sum() / mask.sum())
+    gap = float(((batch.old_logprobs - batch.rollout_logprobs).abs() * mask).sum() / mask.sum())
+    # Each term carries its logprob's error (LOGPROB_ATOL), plus the mean's float32 reordering over <= 227 terms: N eps
+    # times the largest term, < 8 (|old - lp| is noise of std 0.25; |old - rollout| <= |old| + 1 with the engine
+    # logprobs in [-1, 0] and old about -log(256) = -5.5 +- 1 for random tokens of the random model).
+    atol = case.LOGPROB_ATOL + case.GRAD_TOL * 8
+    for micro in (dict(micro_batch_size=3), dict(max_tokens=case.LONGEST)):
+        cfg = case.make_config(setup["model_dir"], remove_padding=True, extra=("algorithm.rollout_correction.mode=token",), **micro)
+        _, metrics = actor_grads(actor, cfg, batch)
+        assert metrics["actor/ppo_kl"] == pytest.approx(ppo_kl, rel=0, abs=atol), micro
+        assert metrics["rollout/logprob_abs_diff_mean"] == pytest.approx(gap, rel=0, abs=atol), micro
+
+
 def test_sweep_really_splits(setup):
     """The settings above make 8, 3, 1 (fixed) and 4+ .. 1 (budget) micro-batches: the sweep is not vacuous."""
     seq_lens = setup["batch"].seq_lens
