@@ -183,13 +183,13 @@ def minimal_update(cfg, batch, *, autocast) -> float:
     model, opt = _MINIMAL["model"], _MINIMAL["opt"]
     model.train()
     start = time.perf_counter()
-    num_tokens = batch.response_mask.sum()
+    num_tokens = batch.loss_mask.sum()  # the loss's tokens (= response tokens for single-turn rollouts)
     for lo in range(0, len(batch), MICRO_BATCH):
         ids = batch.input_ids[lo:lo + MICRO_BATCH]  # [b, T]
         mask = batch.attention_mask[lo:lo + MICRO_BATCH]  # [b, T]
         width = int(mask.sum(-1).max())
         ids, mask = ids[:, :width], mask[:, :width]
-        resp = batch.response_mask[lo:lo + MICRO_BATCH, 1:width]  # [b, T-1]
+        resp = batch.loss_mask[lo:lo + MICRO_BATCH, 1:width]  # [b, T-1]
         adv = batch.advantages[lo:lo + MICRO_BATCH, 1:width]  # [b, T-1]
         with autocast():
             logits = model(input_ids=ids, attention_mask=mask).logits  # [b, T, V]

@@ -93,7 +93,7 @@ def make_batch(*, num_rows: int, max_len: int, vocab: int, seed: int = 0) -> Rol
         attention_mask[i, :length] = 1
         response_mask[i, prompt_len:length] = 1.0
     return RolloutBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, loss_mask=response_mask,
         rollout_logprobs=torch.zeros(num_rows, max_len), group_ids=[f"p{i // GROUP_SIZE}" for i in range(num_rows)],
         response_texts=[""] * num_rows, data_sources=["bench"] * num_rows, ground_truths=[None] * num_rows,
         extra_infos=[{} for _ in range(num_rows)], truncated=torch.zeros(num_rows, dtype=torch.bool),

@@ -8,8 +8,8 @@ results in the original row order (DESIGN invariant 2).
 Sharding, mixed precision and offload live in `grpo_lib.fsdp` (read its docstring): the actor is loaded in
 float32 (master weights; AdamW state float32 too) and computes in `actor.fsdp_config.param_dtype`.
 
-The update divides every micro-batch loss by the mini-batch's *global* token / sequence counts (all-reduced
-over processes) and multiplies it by the world size; FSDP2's reduce-scatter then AVERAGES the gradients over
+The update divides every micro-batch loss by the mini-batch's *global* token / sequence counts (loss_mask tokens,
+rows with at least one; all-reduced over processes) and multiplies it by the world size; FSDP2's reduce-scatter then AVERAGES the gradients over
 processes (it divides by the world size), so `.grad` is the gradient of the whole mini-batch's loss for any
 micro-batching and process count (DESIGN invariant 1). There is no manual all-reduce: frozen parameters get
 no gradient at all (never a zero gradient that AdamW would decay).
@@ -63,7 +63,7 @@ def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_si
 
 
 def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
-    """One two-token row (token id 0, real tokens, EMPTY response mask) shaped like `template`'s fields.
+    """One two-token row (token id 0, real tokens, EMPTY response and loss masks) shaped like `template`'s fields.
 
     Run in place of an empty micro-batch so this process makes the same forward/backward calls as the others;
     its loss is multiplied by 0. Two tokens, so one token is scored and the output head is part of the graph.
@@ -88,17 +88,25 @@ HEAD_CHECKPOINT_MIN_BYTES = 128 * 2**20
 
 
 def response_scores(mb: RolloutBatch) -> torch.Tensor | None:
-    """The positions the loss reads (response tokens) as token_logprobs' score_mask; None for a micro-batch without
-    any (the zero-weighted dummy), which then scores every token so the output head stays in its graph."""
-    return mb.response_mask if bool(mb.response_mask.any()) else None
+    """The positions the loss reads (`loss_mask`) as token_logprobs' score_mask; None for a micro-batch without any
+    (the zero-weighted dummy, or rows whose loss mask is all 0), which then scores every token so the output head
+    stays in its graph.
+
+    The rule: the scored group (with grad in the update) is exactly the loss tokens. Every other position, the
+    prompt and the response's holes (tool output), is scored after it in chunks of its own, without grad
+    (score_unmasked=True): it has a value that nothing reads. The old-logprob pass and the update call this on the
+    same micro-batch, so both score the same positions in the same chunks (first update's ratio bitwise 1).
+    """
+    return mb.loss_mask if bool(mb.loss_mask.any()) else None
 
 
 @torch.no_grad()
 def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
                         micro_batch_size: int | None, device: torch.device, autocast=None) -> torch.Tensor:
     """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel.
-    Inside `autocast()` when given (the actor's compute dtype on CPU). Response tokens are scored in the same chunks as
-    the update scores them (so the first update's ratio is bitwise 1), the prompt's tokens after them in chunks of their own.
+    Inside `autocast()` when given (the actor's compute dtype on CPU). Loss tokens are scored in the same chunks as the
+    update scores them (so the first update's ratio is bitwise 1), the other tokens (prompt, response holes) after them
+    in chunks of their own (`response_scores`).
 
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
     """
@@ -226,7 +234,7 @@ class Actor:
     def micro_batch_loss(self, mb: RolloutBatch, *, num_tokens: float, num_seqs: float, compute_entropy: bool):
         """Loss of one micro-batch normalised by the mini-batch's global counts, and its metrics."""
         a, alg = self.cfg.actor, self.cfg.algorithm
-        mask = mb.response_mask.to(self.device)  # [b, T]
+        mask = mb.loss_mask.to(self.device)  # [b, T] every term, count and metric below reads the loss mask
         score_mask = response_scores(mb)
         with self.autocast():
             lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
@@ -353,8 +361,10 @@ class Actor:
         any micro-batching, packing and process count (DESIGN invariant 1). Losses in the metrics are global.
         """
         a = self.cfg.actor
-        num_tokens = all_reduce_sum(mini.response_mask.sum().item())
-        num_seqs = all_reduce_sum(int((mini.response_mask.sum(-1) > 0).sum().item()))
+        # Loss tokens, and rows with at least one (a row whose loss mask is all 0, e.g. a masked truncation, is no
+        # sequence of the loss: aggregate_loss's own default count, so the gradient equals the plain batch loss's).
+        num_tokens = all_reduce_sum(mini.loss_mask.sum().item())
+        num_seqs = all_reduce_sum(int((mini.loss_mask.sum(-1) > 0).sum().item()))
         compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
         metrics: dict[str, float] = defaultdict(float)
         weighted: dict[str, float] = defaultdict(float)

@@ -164,6 +164,8 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: str, *, num_tokens: Tenso
                    loss_scale_factor: float | None = None) -> Tensor:
     """Reduce per-token ``values`` [batch, seq_len] to a scalar with ``mode`` (see LOSS_AGG_MODES).
 
+    ``mask`` is the loss mask (the trainer passes ``RolloutBatch.loss_mask``); it may have holes: a position
+    with mask 0 adds nothing and is counted nowhere, exactly as if it were absent from its row.
     ``num_tokens`` / ``num_seqs`` are the counts of the whole mini-batch (all micro-batches, all
     processes); pass them when aggregating a micro-batch so micro-batch losses sum to the mini-batch
     loss. Defaults: this tensor's ``mask.sum()`` and its number of rows with any valid token.
@@ -185,6 +187,7 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: str, *, num_tokens: Tenso
     if mode == "seq-mean-token-mean":
         row_means = row_sums / mask.sum(dim=-1).clamp(min=1)  # [batch]; all-padding row -> 0
         return row_means.sum() / _at_least_one(total_seqs)
+    # a constant (data.max_response_length in the trainer), not a per-row length: holes do not change it
     scale = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
     if scale <= 0:
         raise ValueError(f"loss_scale_factor must be > 0, got {scale}")

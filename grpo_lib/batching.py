@@ -2,7 +2,9 @@
 
 Everything here is a memory knob only (docs/DESIGN.md invariant 1): how a mini-batch is cut into micro-batches,
 and whether a micro-batch is packed, never changes the gradient, because the loss of every micro-batch is
-divided by the mini-batch's global counts elsewhere (`algorithms`).
+divided by the mini-batch's global counts elsewhere (`algorithms`). Every token count here is compute, a row's
+real tokens (`RolloutBatch.seq_lens`: prompt + the whole response, the loss mask's holes included, since they cost
+a forward like any token); nothing here reads `response_mask` or `loss_mask`.
 
 - `partition_balanced`: split item indices into k parts with nearly equal weight sums, by the
   Karmarkar-Karp largest differencing method (as verl's `seqlen_balancing.py`). Guarantee used by the tests:

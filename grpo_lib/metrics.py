@@ -9,14 +9,14 @@ Metric names are namespaced and documented once here:
 | `reward/errors`, `reward/timeouts` | responses whose reward function raised / timed out (scored 0) |
 | `reward/error_fraction` | fraction of responses with a failed or timed-out reward call (over `reward.max_error_fraction` stops the run, exit 3) |
 | `data/invalid_rows` | training + validation rows dropped for a missing / None / NaN / empty ground truth |
-| `response/length_mean`, `response/length_max`, `response/clip_ratio` | response tokens; fraction cut at max_response_length |
+| `response/length_mean`, `response/length_max`, `response/clip_ratio` | tokens after the prompt (`response_mask`: a hole of the loss mask, e.g. a tool's output, counts); fraction cut at max_response_length |
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
-| `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (token-weighted) |
+| `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (weighted by loss tokens, `loss_mask`) |
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
 | `actor/skipped_nonfinite_steps` | optimizer updates of the step skipped on every process (non-finite loss or grad norm) |
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |
-| `rollout/logprob_abs_diff_mean` | mean over response tokens of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
+| `rollout/logprob_abs_diff_mean` | mean over loss tokens (`loss_mask`) of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |

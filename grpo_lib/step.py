@@ -22,8 +22,11 @@ from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]], *, pad_id: int = 0) -> RolloutBatch:
     """Prompts x their n generations -> right-padded trajectory rows, groups adjacent.
 
+    response_mask is 1 from the prompt's end to the sequence's end; loss_mask is the generation's own per-token
+    `loss_mask` placed there (None: all 1, i.e. equal to response_mask, as for every single-turn generation).
     Example: prompt [5, 6] with responses [7, 2] and [8] (pad 0) ->
-    input_ids [[5, 6, 7, 2], [5, 6, 8, 0]], response_mask [[0, 0, 1, 1], [0, 0, 1, 0]].
+    input_ids [[5, 6, 7, 2], [5, 6, 8, 0]], response_mask [[0, 0, 1, 1], [0, 0, 1, 0]], loss_mask the same;
+    a response [7, 9, 2] with loss_mask [1, 0, 1] (token 9 a tool's output) -> loss_mask row [0, 0, 1, 0, 1].
     """
     rows, meta = [], []
     for p, group in enumerate(generations):
@@ -35,15 +38,23 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
     input_ids = torch.full((B, width), pad_id, dtype=torch.long)  # [B, T]
     attention_mask = torch.zeros((B, width), dtype=torch.long)  # [B, T]
     response_mask = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
+    loss_mask = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
     rollout_logprobs = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
     for i, (pids, g) in enumerate(rows):
         P, R = len(pids), len(g.token_ids)
         input_ids[i, :P + R] = torch.tensor(list(pids) + g.token_ids)
         attention_mask[i, :P + R] = 1
         response_mask[i, P:P + R] = 1.0
+        if g.loss_mask is None:
+            loss_mask[i, P:P + R] = 1.0
+        else:
+            assert len(g.loss_mask) == R and set(g.loss_mask) <= {0, 1}, (
+                f"a generation's loss_mask must hold one 0 or 1 per response token: {R} tokens, loss_mask {g.loss_mask}")
+            loss_mask[i, P:P + R] = torch.tensor(g.loss_mask, dtype=torch.float32)
         rollout_logprobs[i, P:P + R] = torch.tensor(g.logprobs, dtype=torch.float32)
     return RolloutBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, rollout_logprobs=rollout_logprobs,
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, loss_mask=loss_mask,
+        rollout_logprobs=rollout_logprobs,
         group_ids=[prompts.group_ids[p] for p in meta], response_texts=[g.text for _, g in rows],
         data_sources=[prompts.data_sources[p] for p in meta], ground_truths=[prompts.ground_truths[p] for p in meta],
         extra_infos=[prompts.extra_infos[p] for p in meta],
@@ -237,10 +248,14 @@ def needs_old_logprobs(cfg) -> bool:
 
 
 def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
-    """Token rewards (score on the last response token, minus the KL penalty if in reward) -> group advantages."""
+    """Token rewards (score on the last response token, minus the KL penalty on loss tokens if in reward) -> group
+    advantages, broadcast over the loss tokens."""
     alg = cfg.algorithm
-    mask = batch.response_mask  # [B, T]
-    last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # [B] index of each row's last response token
+    mask = batch.loss_mask  # [B, T]
+    # The score belongs to the whole response, so it sits on the response's last token even where that token is out
+    # of the loss (a tool's output, a masked truncation): every response's score enters its group's baseline.
+    response = batch.response_mask  # [B, T]
+    last = (response * torch.arange(response.shape[1])).argmax(-1)  # [B] index of each row's last response token
     token_rewards = torch.zeros_like(mask)  # [B, T]
     token_rewards[torch.arange(len(batch)), last] = batch.scores
     metrics = {}

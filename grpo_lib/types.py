@@ -4,10 +4,20 @@ Layout of one trajectory row (B rows, T = longest prompt + response in the batch
 
     input_ids      [p0 p1 p2 r0 r1 r2 r3 pad pad]
     attention_mask [ 1  1  1  1  1  1  1   0   0]
-    response_mask  [ 0  0  0  1  1  1  1   0   0]   positions whose token was sampled by the policy
+    response_mask  [ 0  0  0  1  1  1  1   0   0]   where the response is: every position after the prompt
+    loss_mask      [ 0  0  0  1  1  1  1   0   0]   positions the loss trains on (here: all sampled tokens)
 
-Every per-token tensor (`*_logprobs`, `advantages`) is aligned with `input_ids`: entry t is about token t,
-predicted from tokens < t. Rows of one prompt group are adjacent and share a `group_id`.
+A row with a hole (a multi-turn episode: assistant tokens a*, then a tool's output t* that the policy did not
+sample, then assistant tokens again; a masked truncation is a row whose loss_mask is all 0):
+
+    input_ids      [p0 p1 a0 a1 t0 t1 t2 a2 a3 pad]
+    response_mask  [ 0  0  1  1  1  1  1  1  1   0]   one contiguous span: prompt end to sequence end
+    loss_mask      [ 0  0  1  1  0  0  0  1  1   0]   a subset of response_mask, holes allowed
+
+Every loss term, count and per-token metric reads `loss_mask`; `response_mask` says where the prompt ends (the
+response length metrics, the prompt text). Every per-token tensor (`*_logprobs`, `advantages`) is aligned with
+`input_ids`: entry t is about token t, predicted from tokens < t. Rows of one prompt group are adjacent and share
+a `group_id`.
 """
 
 from __future__ import annotations
@@ -36,9 +46,10 @@ class Generation:
     """What the engine returns for one sampled response."""
 
     token_ids: list[int]  # [response_len] (includes the eos token when the model stopped)
-    logprobs: list[float]  # [response_len] engine's logprob of each sampled token
+    logprobs: list[float]  # [response_len] engine's logprob of each sampled token (0 where none was sampled)
     text: str
     finish_reason: str  # "stop" or "length"
+    loss_mask: list[int] | None = None  # [response_len] 1 on tokens the loss trains on, 0 on holes; None: all 1
 
 
 @dataclass
@@ -47,7 +58,8 @@ class RolloutBatch:
 
     input_ids: torch.Tensor  # [B, T] long, prompt + response, right padded
     attention_mask: torch.Tensor  # [B, T] long
-    response_mask: torch.Tensor  # [B, T] float, 1 on sampled response tokens
+    response_mask: torch.Tensor  # [B, T] float, 1 on every response position (prompt end to sequence end)
+    loss_mask: torch.Tensor  # [B, T] float, 1 on the response tokens the loss trains on (a subset of response_mask)
     rollout_logprobs: torch.Tensor  # [B, T] float, engine's sampled-token logprobs (0 off-response)
     group_ids: list[str]  # [B]
     response_texts: list[str]  # [B]
@@ -56,8 +68,8 @@ class RolloutBatch:
     extra_infos: list[dict]  # [B]
     truncated: torch.Tensor  # [B] bool, hit max_response_length
     scores: torch.Tensor | None = None  # [B] float, weighted reward per response
-    token_rewards: torch.Tensor | None = None  # [B, T] score on the last response token (minus KL if in reward)
-    advantages: torch.Tensor | None = None  # [B, T] float, sequence advantage broadcast over response tokens
+    token_rewards: torch.Tensor | None = None  # [B, T] score on the last response token (minus KL on loss tokens if in reward)
+    advantages: torch.Tensor | None = None  # [B, T] float, sequence advantage broadcast over loss tokens
     old_logprobs: torch.Tensor | None = None  # [B, T] float, actor before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, frozen reference
 
@@ -71,6 +83,7 @@ class RolloutBatch:
 
     @property
     def response_lengths(self) -> torch.Tensor:
+        """Tokens after the prompt per row, holes included (the response/length_* metrics); not a loss count."""
         return self.response_mask.sum(-1)  # [B]
 
     def select(self, idx: list[int]) -> RolloutBatch:

@@ -109,7 +109,7 @@ def test_config_keys_reach_the_loss(tiny_model_dir, name):
     batch = fake_rollout()
     batch.scores = SCORES.clone()
     step.compute_advantages(cfg, batch)  # the step's own call: adv_estimator, norm_adv_by_std_in_grpo
-    m = batch.response_mask  # [12, T]
+    m = batch.loss_mask  # [12, T]
     torch.testing.assert_close(batch.advantages, hand_advantages(settings.get("estimator", "grpo"), settings.get("norm_by_std", True))[:, None] * m)
     with torch.no_grad():
         lp, entropy = token_logprobs(actor.model, batch.input_ids, batch.attention_mask, temperature=cfg.rollout.temperature,
@@ -139,12 +139,13 @@ def test_kl_in_reward_reaches_the_advantages(tiny_model_dir):
                                                   "algorithm.kl_penalty=mse", "algorithm.kl_ctrl.kl_coef=0.5"])
     batch = fake_rollout()
     batch.scores = SCORES.clone()
-    m = batch.response_mask  # [12, T]
+    m = batch.loss_mask  # [12, T]
     batch.old_logprobs = -1.0 - 0.1 * m.cumsum(-1) * m  # [12, T]
     batch.ref_logprobs = -1.2 * m  # [12, T]
     metrics = step.compute_advantages(cfg, batch)
     kl = 0.5 * (batch.old_logprobs - batch.ref_logprobs) ** 2 * m  # mse, [12, T]
-    last = m * (m.cumsum(-1) == m.sum(-1, keepdim=True))  # 1 on each row's last response token
+    r = batch.response_mask  # [12, T] the score sits on the response's last token, in the loss or not
+    last = r * (r.cumsum(-1) == r.sum(-1, keepdim=True))  # 1 on each row's last response token
     torch.testing.assert_close(batch.token_rewards, SCORES[:, None] * last - 0.5 * kl)
     s = batch.token_rewards.sum(-1).view(3, 4)  # sequence scores after the penalty
     adv = ((s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + 1e-6)).flatten()  # [12]

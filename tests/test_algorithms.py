@@ -229,6 +229,51 @@ def test_aggregate_seed_example_token_weights():
         torch.testing.assert_close(grad[1], torch.full((90,), long_w, dtype=F64))
 
 
+# A loss mask with holes (a multi-turn row: tool output inside the response) and a row masked whole (a masked
+# truncation). The positions with mask 0 must act as if they were absent: row 0 keeps [1, 3, 4] (sum 8, 3 tokens),
+# row 1 keeps [6] (sum 6, 1 token), row 2 keeps nothing and is no sequence. Hand values:
+#   token-mean              (8 + 6) / 4 tokens            = 3.5
+#   seq-mean-token-sum      (8 + 6) / 2 sequences         = 7
+#   seq-mean-token-mean     (8/3 + 6/1) / 2               = 13/3 (row lengths are loss tokens: 3 and 1)
+#   seq-mean-token-sum-norm (8 + 6) / (2 * 4)             = 1.75 (the scale is a constant, 4 = seq_len, not a row length)
+HOLED_VALUES = [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [9.0, 9.0, 9.0, 9.0]]
+HOLED_MASK = [[1, 0, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]]
+DROPPED_VALUES, DROPPED_MASK = [[1.0, 3.0, 4.0], [6.0, 0.0, 0.0]], [[1, 1, 1], [1, 0, 0]]  # the holes simply left out
+
+
+@pytest.mark.parametrize("mode, expected", [("token-mean", 3.5), ("seq-mean-token-sum", 7.0),
+                                            ("seq-mean-token-mean", 13 / 3), ("seq-mean-token-sum-norm", 1.75)])
+def test_aggregate_mask_with_holes_is_the_rows_without_them(mode, expected):
+    values = t(HOLED_VALUES).requires_grad_()
+    loss = aggregate_loss(values, torch.tensor(HOLED_MASK), mode)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    dropped = aggregate_loss(t(DROPPED_VALUES), torch.tensor(DROPPED_MASK), mode, loss_scale_factor=4)
+    assert dropped.item() == pytest.approx(expected, abs=1e-12)
+    (grad,) = torch.autograd.grad(loss, values)
+    assert bool((grad[torch.tensor(HOLED_MASK) == 0] == 0).all()), "a hole gets no gradient"
+
+
+def test_policy_losses_and_is_weights_skip_holes():
+    # One row of 4 tokens, position 1 a hole whose log-ratio (5) and IS log-ratio (10) would show if they leaked.
+    # GSPO: kept log-ratios [0.1, -0.3, 0.2] -> mean 0, s = 1, loss = -A = -2 (a leak: mean 1.25, s clipped to 1.2).
+    # IS sequence: kept old - rollout [log 3, 0, log 0.5] -> exp(log 1.5) = 1.5 (a leak: exp(10.4) capped to 2).
+    mask = torch.tensor([[1, 0, 1, 1]])
+    old, rollout = t([[-1.0, -1.0, -1.0, -1.0]]), t([[-1.0 - math.log(3.0), -11.0, -1.0, -1.0 - math.log(0.5)]])
+    lp = (old + t([[0.1, 5.0, -0.3, 0.2]])).requires_grad_()
+    adv = t([[2.0, 2.0, 2.0, 2.0]])
+    loss, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(-2.0, abs=1e-12)
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert grad[0, 1].item() == 0.0, "a hole gets no gradient"
+    kept = torch.tensor([0, 2, 3])
+    for mode in ("token", "sequence"):
+        w = rollout_is_weights(old, rollout, mask, mode=mode, cap=2.0)
+        w_dropped = rollout_is_weights(old[:, kept], rollout[:, kept], torch.ones(1, 3), mode=mode, cap=2.0)
+        torch.testing.assert_close(w[:, kept], w_dropped)
+        assert w[0, 1].item() == 1.0, "a hole holds the neutral weight"
+    assert rollout_is_weights(old, rollout, mask, mode="sequence", cap=2.0)[0, 0].item() == pytest.approx(1.5, abs=1e-12)
+
+
 def test_aggregate_unknown_mode_raises():
     with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum"):
         aggregate_loss(t(VALUES), torch.tensor(MASK), "mean")
@@ -425,8 +470,8 @@ def _losses(kind, lp, old, ref, adv, mask, is_w, mode, counts):
 
 @settings(max_examples=50, deadline=None)
 @given(batch=st.integers(1, 6), seq_len=st.integers(1, 8), seed=st.integers(0, 2**31 - 1),
-       num_micro=st.integers(1, 4), data=st.data())
-def test_micro_batches_with_global_counts_sum_to_whole_batch(batch, seq_len, seed, num_micro, data):
+       num_micro=st.integers(1, 4), holes=st.booleans(), data=st.data())
+def test_micro_batches_with_global_counts_sum_to_whole_batch(batch, seq_len, seed, num_micro, holes, data):
     gen = torch.Generator().manual_seed(seed)
     old = torch.randn(batch, seq_len, dtype=F64, generator=gen) - 1  # [batch, seq_len]
     lp = (old + 0.3 * torch.randn(batch, seq_len, dtype=F64, generator=gen)).requires_grad_()
@@ -436,6 +481,8 @@ def test_micro_batches_with_global_counts_sum_to_whole_batch(batch, seq_len, see
                               torch.ones(batch, seq_len), mode="token", cap=2.0)
     lengths = torch.randint(0, seq_len + 1, (batch,), generator=gen)  # 0 -> an all-padding row
     mask = (torch.arange(seq_len) < lengths[:, None]).to(F64)  # [batch, seq_len]
+    if holes:  # loss-mask holes inside the responses (about a third of the positions; a row may lose all of them)
+        mask = mask * (torch.rand(batch, seq_len, dtype=F64, generator=gen) > 1 / 3)  # [batch, seq_len]
     parts = data.draw(st.lists(st.integers(0, num_micro - 1), min_size=batch, max_size=batch))
     global_counts = {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum()}
     for kind in ("vanilla", "gspo", "kl"):

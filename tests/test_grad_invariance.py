@@ -3,7 +3,9 @@
 The Actor's own loss path (`Actor.accumulate_gradients`: micro-batches, global counts, backward each) on the fixed
 mini-batch of `tests/scripts/grad_case.py` must give the gradient of the plain full-batch loss (one padded forward,
 full-vocabulary logits, counts of the batch) for every loss_agg_mode, with the KL and entropy terms on and the
-PPO clip binding on some tokens. Run: `.venv/bin/python -m pytest tests/test_grad_invariance.py`.
+PPO clip binding on some tokens. Every test runs twice: on the contiguous batch and on the same batch with holes in
+its loss mask (`grad_case.with_holes`); `test_holes_are_left_out_of_the_loss` checks the holed gradient against the
+loss written by hand with those positions dropped. Run: `.venv/bin/python -m pytest tests/test_grad_invariance.py`.
 """
 
 from __future__ import annotations
@@ -16,18 +18,19 @@ from grpo_lib.actor import Actor
 from grpo_lib.algorithms import LOSS_AGG_MODES
 from tests.scripts import grad_case as case
 
-TOL = dict(rtol=1e-4, atol=1e-6)
 MICRO_SETTINGS = [dict(micro_batch_size=s) for s in case.FIXED_SIZES] + [dict(max_tokens=t) for t in case.TOKEN_BUDGETS]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """One Actor (built with packing on, so the start-up isolation check runs), the batch, and a cache of
-    reference gradients per config."""
+@pytest.fixture(scope="module", params=[False, True], ids=["contiguous", "holes"])
+def setup(tmp_path_factory, request):
+    """One Actor (built with packing on, so the start-up isolation check runs), the batch (with loss-mask holes
+    for the "holes" parameter), and a cache of reference gradients per config."""
     torch.set_num_threads(1)  # the machine is shared; the model is tiny
     model_dir = case.write_tiny_model(tmp_path_factory.mktemp("grad") / "model")
     actor = Actor(case.make_config(model_dir, remove_padding=True), device=torch.device("cpu"))
     batch = case.make_batch(actor.model)
+    if request.param:
+        batch = case.with_holes(batch)
     return dict(model_dir=model_dir, actor=actor, batch=batch, refs={})
 
 
@@ -45,9 +48,7 @@ def actor_grads(actor: Actor, cfg, batch) -> tuple[dict[str, torch.Tensor], dict
 
 
 def assert_same_grads(grads, expected, what: str) -> None:
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m: f"{what}: gradient of {name}: {m}")
+    case.assert_close_grads(grads, expected, what)  # tolerance derived in grad_case (GRAD_TOL)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
@@ -60,8 +61,82 @@ def test_micro_batching_never_changes_the_gradient(setup, loss_agg_mode, remove_
         cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=remove_padding, **micro)
         grads, metrics = actor_grads(actor, cfg, batch)
         assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} remove_padding={remove_padding}")
-        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
         assert metrics["actor/pg_clipfrac"] > 0 and metrics["actor/kl_loss"] > 0, "the clip and the KL term are active"
+
+
+def dropped_positions_loss(model, batch, cfg) -> torch.Tensor:
+    """The mini-batch loss written per row with every position outside the loss mask simply left out (no mask, no
+    `algorithms` call), for the config's loss_agg_mode, the vanilla clipped loss, low_var_kl and the entropy bonus.
+
+    Row i keeps K_i = {t : loss_mask[i, t] = 1}; S = the rows with K_i non-empty (the others are no sequence); per
+    kept token v_t = L_t + kl_coef * k3_t - entropy_coeff * H_t with r_t = exp(lp_t - old_t),
+    L_t = max(-A_i r_t, -A_i clip(r_t, 1 - c, 1 + c)), and L_t = min(L_t, -3 A_i) where A_i < 0 (docs/ALGORITHMS.md):
+      token-mean               sum_i sum_{K_i} v_t / sum_i |K_i|
+      seq-mean-token-sum       sum_i sum_{K_i} v_t / S
+      seq-mean-token-mean      sum_i (sum_{K_i} v_t / |K_i|) / S
+      seq-mean-token-sum-norm  sum_i sum_{K_i} v_t / (S * max_response_length)
+    """
+    a = cfg.actor
+    lp, entropy = case.naive_logprobs(model, batch)  # [B, T] each
+    row_sums, row_lengths = [], []
+    for i in range(len(batch)):
+        keep = batch.loss_mask[i] > 0  # [T]
+        if not keep.any():
+            continue
+        lp_i, old, ref, adv = lp[i, keep], batch.old_logprobs[i, keep], batch.ref_logprobs[i, keep], batch.advantages[i, keep]
+        ratio = (lp_i - old).exp()  # [K_i]; |lp - old| is ~0.25 here, far inside the +-20 clamp
+        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_ratio_low, 1 + a.clip_ratio_high))  # [K_i]
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)  # [K_i]
+        x = ref - lp_i  # [K_i], also far inside +-20
+        k3 = (x.exp() - x - 1).clamp(-10.0, 10.0)  # [K_i]
+        v = pg + a.kl_loss_coef * k3 - a.entropy_coeff * entropy[i, keep]  # [K_i]
+        row_sums.append(v.sum())
+        row_lengths.append(int(keep.sum()))
+    total, num_seqs = torch.stack(row_sums).sum(), len(row_sums)
+    if a.loss_agg_mode == "token-mean":
+        return total / sum(row_lengths)
+    if a.loss_agg_mode == "seq-mean-token-sum":
+        return total / num_seqs
+    if a.loss_agg_mode == "seq-mean-token-mean":
+        return sum(r / n for r, n in zip(row_sums, row_lengths)) / num_seqs
+    return total / (num_seqs * cfg.data.max_response_length)
+
+
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_holes_are_left_out_of_the_loss(setup, loss_agg_mode):
+    """The Actor's gradient (micro-batched, packed) equals the gradient of the loss with the masked positions dropped."""
+    actor, batch = setup["actor"], setup["batch"]
+    cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode)
+    actor.model.zero_grad(set_to_none=True)
+    loss = dropped_positions_loss(actor.model, batch, cfg)
+    loss.backward()
+    expected, expected_loss = case.grads_of(actor.model), float(loss.detach())
+    for micro in (dict(micro_batch_size=3), dict(max_tokens=case.LONGEST)):
+        cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=True, **micro)
+        grads, metrics = actor_grads(actor, cfg, batch)
+        assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} against the loss without the holes")
+        assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
+
+
+def test_metrics_are_means_over_loss_tokens(setup):
+    """actor/ppo_kl and rollout/logprob_abs_diff_mean (logged with rollout correction on) average over the loss tokens
+    of the whole mini-batch, whatever the micro-batching: mean over loss_mask of old - lp and of |old - rollout|."""
+    actor, batch = setup["actor"], setup["batch"]
+    with torch.no_grad():
+        lp, _ = case.naive_logprobs(actor.model, batch)  # [B, T]
+    mask = batch.loss_mask  # [B, T]
+    ppo_kl = float(((batch.old_logprobs - lp) * mask).sum() / mask.sum())
+    gap = float(((batch.old_logprobs - batch.rollout_logprobs).abs() * mask).sum() / mask.sum())
+    # Each term carries its logprob's error (LOGPROB_ATOL), plus the mean's float32 reordering over <= 227 terms: N eps
+    # times the largest term, < 8 (|old - lp| is noise of std 0.25; |old - rollout| <= |old| + 1 with the engine
+    # logprobs in [-1, 0] and old about -log(256) = -5.5 +- 1 for random tokens of the random model).
+    atol = case.LOGPROB_ATOL + case.GRAD_TOL * 8
+    for micro in (dict(micro_batch_size=3), dict(max_tokens=case.LONGEST)):
+        cfg = case.make_config(setup["model_dir"], remove_padding=True, extra=("algorithm.rollout_correction.mode=token",), **micro)
+        _, metrics = actor_grads(actor, cfg, batch)
+        assert metrics["actor/ppo_kl"] == pytest.approx(ppo_kl, rel=0, abs=atol), micro
+        assert metrics["rollout/logprob_abs_diff_mean"] == pytest.approx(gap, rel=0, abs=atol), micro
 
 
 def test_sweep_really_splits(setup):
@@ -117,7 +192,7 @@ def test_empty_micro_batches_run_a_zero_dummy(setup, monkeypatch, remove_padding
         counter.handle.remove()
     with torch.no_grad():
         naive, _ = case.naive_logprobs(actor.model, batch)
-    torch.testing.assert_close(logprobs, naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs, naive, atol=case.LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
@@ -130,9 +205,9 @@ def test_logprob_passes_return_original_order(setup, remove_padding):
         naive, _ = case.naive_logprobs(actor.model, batch)
     budgets = (f"rollout.log_prob_max_token_len_per_gpu={case.LONGEST}", f"ref.log_prob_max_token_len_per_gpu={case.LONGEST + 10}")
     actor.cfg = case.make_config(setup["model_dir"], remove_padding=remove_padding, max_tokens=case.TOTAL_TOKENS, extra=budgets)
-    torch.testing.assert_close(actor.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(actor.compute_logprobs(batch), naive, atol=case.LOGPROB_ATOL, rtol=0)
     reference_model = Reference(actor.cfg, device=torch.device("cpu"))
-    torch.testing.assert_close(reference_model.compute_logprobs(batch), naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reference_model.compute_logprobs(batch), naive, atol=case.LOGPROB_ATOL, rtol=0)
 
 
 def test_packing_check_runs_at_start_up(setup, monkeypatch):

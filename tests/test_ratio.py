@@ -6,7 +6,8 @@ Two ways the trainer gets the "old" logprobs of that first update:
     ratio is exp(0) = 1: ppo_kl and both clip fractions are 0 and the token-mean loss is -mean(A).
 (b) several updates: `Actor.compute_logprobs` (no grad, eval mode) runs before the update. The update's
     first micro-batch must recompute the very same numbers (torch.equal, not allclose), with and without
-    padding-free packing, also when the step holds several mini-batches.
+    padding-free packing, also when the step holds several mini-batches, also when the loss masks have holes
+    (the grad group is the loss tokens; the holes are scored with the prompt, `actor.response_scores`).
 
 Why (b) can fail: a row's logprobs are only bit-identical between two forwards when the row sits in the
 same micro-batch, with the same neighbours and padded width (a different packed layout or matrix shape
@@ -38,8 +39,17 @@ def make_cfg(model_dir, *overrides: str):
                               "actor.ppo_micro_batch_size_per_gpu=5", "actor.lr=1e-3", *overrides])
 
 
-def fake_rollout(*, seed: int = 0):
-    """3 prompts x 4 responses of random tokens (prompts 5-12 tokens, responses 1-9), fixed 0/1 scores; all rows distinct."""
+def hole_mask(length: int, index: int) -> list[int]:
+    """A multi-turn-like loss mask of one response: the middle third is a hole (a tool's output); response 7 is
+    masked whole (a masked truncation). Example: length 6 -> [1, 1, 0, 0, 1, 1]."""
+    if index == 7:
+        return [0] * length
+    return [0 if length // 3 <= j < 2 * length // 3 else 1 for j in range(length)]
+
+
+def fake_rollout(*, seed: int = 0, holes: bool = False):
+    """3 prompts x 4 responses of random tokens (prompts 5-12 tokens, responses 1-9), fixed 0/1 scores; all rows distinct.
+    With `holes`, each generation carries `hole_mask` as its loss mask."""
     rng = random.Random(seed)
     prompts = PromptBatch(prompt_ids=[[rng.randrange(3, 300) for _ in range(rng.randint(5, 12))] for _ in range(NUM_PROMPTS)],
                           group_ids=[f"g{p}" for p in range(NUM_PROMPTS)], data_sources=["fake"] * NUM_PROMPTS,
@@ -49,32 +59,34 @@ def fake_rollout(*, seed: int = 0):
         group = []
         for _ in range(N):
             ids = [rng.randrange(3, 300) for _ in range(rng.randint(1, 9))]
-            group.append(Generation(token_ids=ids, logprobs=[-1.0] * len(ids), text="", finish_reason="stop"))
+            loss_mask = hole_mask(len(ids), len(generations) * N + len(group)) if holes else None
+            group.append(Generation(token_ids=ids, logprobs=[-1.0] * len(ids), text="", finish_reason="stop", loss_mask=loss_mask))
         generations.append(group)
     batch = step.build_rollout_batch(prompts, generations, pad_id=0)
     batch.scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # [12], every group mixed
     return batch
 
 
-def fake_batch(cfg, *, seed: int = 0):
+def fake_batch(cfg, *, seed: int = 0, holes: bool = False):
     """`fake_rollout` with the advantages of `cfg` (the step's own `compute_advantages`)."""
-    batch = fake_rollout(seed=seed)
+    batch = fake_rollout(seed=seed, holes=holes)
     step.compute_advantages(cfg, batch)
     assert batch.advantages.abs().sum() > 0, "the fake batch must carry advantage signal"
     return batch
 
 
-def test_single_update_has_ratio_one(tiny_model_dir):
+@pytest.mark.parametrize("holes", [False, True], ids=["contiguous", "holes"])
+def test_single_update_has_ratio_one(tiny_model_dir, holes):
     cfg = make_cfg(tiny_model_dir)  # one mini-batch, ppo_epochs 1, 3 micro-batches of <= 5 rows
     assert not step.needs_old_logprobs(cfg), "one update per step must not run an old-logprob pass"
     torch.manual_seed(0)
     actor = Actor(cfg, device=torch.device("cpu"))
-    batch = fake_batch(cfg)
+    batch = fake_batch(cfg, holes=holes)
     metrics = actor.update(batch)
     assert metrics["actor/ppo_kl"] == 0.0, metrics
     assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/pg_clipfrac_lower"] == 0.0, metrics
-    # ratio 1: L_t = max(-A, -A * clip(1)) = -A (the dual clip -3A never binds), token-mean over all 12 rows.
-    mask = batch.response_mask  # [12, T]
+    # ratio 1: L_t = max(-A, -A * clip(1)) = -A (the dual clip -3A never binds), token-mean over the loss tokens of all 12 rows.
+    mask = batch.loss_mask  # [12, T]
     expected = float(-(batch.advantages * mask).sum() / mask.sum())
     assert metrics["actor/pg_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7), (metrics["actor/pg_loss"], expected)
     assert metrics["actor/grad_norm"] > 0, "a non-zero advantage must give a gradient"
@@ -105,10 +117,11 @@ def rows_of(batch, input_ids, attention_mask) -> list[int]:
     return rows
 
 
+@pytest.mark.parametrize("holes", [False, True], ids=["contiguous", "holes"])
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("mini_batch_prompts,shuffle", [(NUM_PROMPTS, False), (1, False), (1, True)],
                          ids=["one-mini-batch", "three-mini-batches", "three-shuffled-mini-batches"])
-def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, remove_padding, mini_batch_prompts, shuffle):
+def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, remove_padding, mini_batch_prompts, shuffle, holes):
     # Micro-batches of 3 rows: a whole-batch split ([0-2], [3-5], ...) and a split of each 4-row mini-batch
     # ([0, 1], [2, 3]) differ, unless the old-logprob pass follows the update's mini-batches.
     cfg = make_cfg(tiny_model_dir, "actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=3", f"actor.ppo_mini_batch_size={mini_batch_prompts}",
@@ -116,7 +129,9 @@ def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, r
     assert step.needs_old_logprobs(cfg)
     torch.manual_seed(0)
     actor = Actor(cfg, device=torch.device("cpu"))
-    batch = fake_batch(cfg)
+    batch = fake_batch(cfg, holes=holes)
+    if holes:
+        assert ((batch.loss_mask == 0) & (batch.response_mask == 1)).any(), "the holes must be inside the responses"
     batch.old_logprobs = actor.compute_logprobs(batch)  # [12, T]
     spy = FirstGradForward(fsdp_module.token_logprobs)
     monkeypatch.setattr(fsdp_module, "token_logprobs", spy)

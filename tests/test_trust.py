@@ -39,7 +39,7 @@ def fake_batch(groups: list[tuple[str, str, list[str]]]):
     rows = [(f"p{p}", src, answer, resp) for p, (src, answer, responses) in enumerate(groups) for resp in responses]
     B = len(rows)
     zeros = torch.zeros((B, 2))  # [B, 2]
-    return RolloutBatch(input_ids=zeros.long(), attention_mask=zeros.long(), response_mask=zeros, rollout_logprobs=zeros,
+    return RolloutBatch(input_ids=zeros.long(), attention_mask=zeros.long(), response_mask=zeros, loss_mask=zeros, rollout_logprobs=zeros,
                         group_ids=[r[0] for r in rows], response_texts=[r[3] for r in rows], data_sources=[r[1] for r in rows],
                         ground_truths=[r[2] for r in rows], extra_infos=[{}] * B, truncated=torch.zeros(B, dtype=torch.bool))
 

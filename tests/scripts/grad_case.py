@@ -4,7 +4,9 @@ different lengths, the config, and the plain full-batch loss the Actor's micro-b
 
 The mini-batch: 4 groups of 2 trajectories (a group shares its prompt), prompt + response from 5 to 60 tokens,
 random advantages of both signs, old logprobs = current logprobs + noise (so the PPO clip and the dual clip bind
-on some tokens), reference logprobs = current + noise (so the KL term has a gradient).
+on some tokens), reference logprobs = current + noise (so the KL term has a gradient). `with_holes` gives the same
+batch with holes in its loss mask (tool outputs of a multi-turn episode, a masked truncation): advantages, logprobs
+and engine logprobs stay nonzero in the holes, so a term that read response_mask instead would change the gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +25,27 @@ MAX_PROMPT, MAX_RESPONSE = 12, 48  # the longest trajectory is exactly 60 = the 
 # (prompt length, [response lengths]) per group: totals 5, 43 | 60, 21 | 30, 8 | 38, 22 (sum 227)
 GROUPS = [(3, [2, 40]), (12, [48, 9]), (5, [25, 3]), (8, [30, 14])]
 LONGEST, TOTAL_TOKENS = 60, 227
+# Loss-mask holes per row, (start, end) offsets into the response: row 1 two tool outputs, row 2 a hole and a masked
+# tail, row 3 masked whole (a masked truncation: no loss token, no sequence of the loss), row 4 a hole, row 6 a hole,
+# row 7 a masked head; rows 0 and 5 keep every token. 171 response tokens, 114 of them in the loss.
+HOLES = {1: [(10, 18), (25, 30)], 2: [(20, 35), (44, 48)], 3: [(0, 9)], 4: [(1, 6)], 6: [(12, 20)], 7: [(0, 3)]}
 TEMPERATURE = 0.8
+# Tolerances of the comparisons, from float32 round-off (eps = 2^-23 = 1.19e-7), never fitted to a machine.
+# Reordering a float32 sum of N terms moves it by at most ~N * eps times the size of its terms. Micro-batching,
+# packing, the head's chunks and the process count only regroup sums over the batch's TOTAL_TOKENS = 227 tokens
+# (every position's hidden state enters the backward: prompts and loss-mask holes too), so
+# - a gradient entry may move by N * eps of its tensor's scale, max |entry|: normwise, since an entry near 0 is a
+#   cancellation of terms about that large (a bound relative to the entry itself would say nothing there);
+# - the loss, a sum over the same tokens, by N * eps of its terms' total size, which exceeds the loss itself up to
+#   ~12x here (advantages of both signs cancel; 12x on the holed batch): bounded relative to the loss, on the
+#   margin of random-sign rounding below (sqrt(227) = 15);
+# - a logprob is no sum over the batch but one row's forward: its longest sums are the logsumexp over VOCAB = 256
+#   shifted exponentials (each <= 1, their sum >= 1: <= 256 eps after the log) and the layers' dot products (hidden
+#   64, intermediate 128, attention over <= 60 positions) of O(1) terms after the RMS norms: (256 + 64 + 128 + 60) eps.
+# These are worst cases; rounding errors of random sign grow like sqrt(N) * eps, far below them.
+GRAD_TOL = TOTAL_TOKENS * torch.finfo(torch.float32).eps  # 2.7e-5, times each tensor's max |entry|
+LOSS_REL_TOL = TOTAL_TOKENS * torch.finfo(torch.float32).eps  # 2.7e-5
+LOGPROB_ATOL = (VOCAB + 64 + 128 + LONGEST) * torch.finfo(torch.float32).eps  # 6.1e-5
 KL_COEF, ENTROPY_COEFF = 0.3, 0.05
 
 
@@ -88,7 +110,7 @@ def make_batch(model, *, seed: int = 0) -> RolloutBatch:
         response_mask[i, p:p + r] = 1.0
     advantages = torch.randn(batch_size, 1, generator=generator) * response_mask  # [B, T], both signs
     batch = RolloutBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, loss_mask=response_mask.clone(),
         rollout_logprobs=-torch.rand(batch_size, width, generator=generator) * response_mask,
         group_ids=[f"g{g}" for _, _, g in rows], response_texts=[""] * batch_size, data_sources=["synthetic"] * batch_size,
         ground_truths=[None] * batch_size, extra_infos=[{} for _ in rows], truncated=torch.zeros(batch_size, dtype=torch.bool),
@@ -100,11 +122,22 @@ def make_batch(model, *, seed: int = 0) -> RolloutBatch:
     return batch
 
 
+def with_holes(batch: RolloutBatch) -> RolloutBatch:
+    """`batch` with the loss-mask holes of HOLES (response_mask and every other field unchanged)."""
+    holed = batch.select(list(range(len(batch))))
+    holed.loss_mask = batch.loss_mask.clone()  # [B, T]
+    starts = (batch.attention_mask - batch.response_mask).sum(-1).long()  # [B] prompt lengths
+    for row, spans in HOLES.items():
+        for lo, hi in spans:
+            holed.loss_mask[row, starts[row] + lo:starts[row] + hi] = 0.0
+    return holed
+
+
 def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """The mini-batch loss written plainly (docs/ALGORITHMS.md), all rows in one padded forward, counts from the batch."""
     a = cfg.actor
     lp, entropy = naive_logprobs(model, batch)  # [B, T] each
-    mask = batch.response_mask  # [B, T]
+    mask = batch.loss_mask  # [B, T]
     counts = dict(loss_scale_factor=a.loss_scale_factor or cfg.data.max_response_length)
     is_weights = None
     if cfg.algorithm.rollout_correction.mode != "none":
@@ -134,6 +167,14 @@ def reference_grads(model, batch: RolloutBatch, cfg: Config) -> tuple[dict[str, 
     loss = reference_loss(model, batch, cfg)
     loss.backward()
     return grads_of(model), float(loss.detach())
+
+
+def assert_close_grads(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    """Same parameter names, every gradient within GRAD_TOL of its tensor's scale (see GRAD_TOL)."""
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        atol = GRAD_TOL * float(expected[name].abs().max())
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=atol, msg=lambda m: f"{what}: gradient of {name}: {m}")
 
 
 def metrics_loss(metrics: dict[str, float], cfg: Config) -> float:

@@ -8,7 +8,7 @@ The test compares these with the 1-process full-batch gradients.
 
 Cases (groups g0..g3 of the fixed batch; g1 and g3 hold the most tokens):
 - even/*: process r gets half the groups, for each loss_agg_mode, fixed micro-batches (padded) and a token
-  budget (packed);
+  budget (packed); holes-even/*: the same on the batch with loss-mask holes (`grad_case.with_holes`);
 - lopsided: process 0 gets 3 groups, process 1 one group, 1 trajectory per micro-batch: process 1 runs dummy
   micro-batches to match process 0's count, in the update and in the old-logprob pass;
 - balanced: process 0 starts with g1 and g3 (141 tokens), process 1 with g0 and g2 (86 tokens);
@@ -68,10 +68,12 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
             record["logprob_forwards"] = forwards[0]
         torch.save(record, out_dir / f"{name}.pt")
 
-    mine = lambda kind: full.select(case.group_rows(full, SHARES[kind][rank]))  # noqa: E731
+    holed = case.with_holes(full)
+    mine = lambda kind, batch=full: batch.select(case.group_rows(batch, SHARES[kind][rank]))  # noqa: E731
     for mode in LOSS_AGG_MODES:
         for setting, micro in EVEN_SETTINGS.items():
             run(f"even-{mode}-{setting}", mine("even"), loss_agg_mode=mode, **micro)
+            run(f"holes-even-{mode}-{setting}", mine("even", holed), loss_agg_mode=mode, **micro)
     run("lopsided", mine("lopsided"), micro_batch_size=1)
     run("balanced", balance_across_ranks(mine("balanced")), max_tokens=case.LONGEST, remove_padding=True)
     (out_dir / "done.json").write_text(json.dumps({"rank": rank, "world_size": world_size, "pid": os.getpid()}))

@@ -48,6 +48,7 @@ def main(out: Path) -> None:
     response_mask = torch.zeros(rows, width)  # [B, T]
     response_mask[:, 128:] = 1.0
     batch = RolloutBatch(input_ids=ids, attention_mask=torch.ones(rows, width, dtype=torch.long), response_mask=response_mask,
+                         loss_mask=response_mask,
                          rollout_logprobs=-torch.rand(rows, width) * response_mask, group_ids=["a", "a", "b", "b"],
                          response_texts=[""] * rows, data_sources=["x"] * rows, ground_truths=[None] * rows,
                          extra_infos=[{} for _ in range(rows)], truncated=torch.zeros(rows, dtype=torch.bool),
