@@ -4,43 +4,27 @@
 from __future__ import annotations
 
 import json
-import resource
 import struct
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.cli import run_main
 from tests.conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
-# The machine is shared (load average 10-25 on 2 cores while 7 engineers test): wall time says little, so the
-# check is the CPU time the run used. A config error costs ~0.1 CPU-s (yaml, no torch: see
-# test_config_error_exits_2_without_importing_torch), a later check ~2 (torch); loading a model and starting vLLM 20+.
-FAST_CPU_S = 5.0
-WALL_LIMIT_S = 60.0
 
 
-def run_cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run train_grpo.py; returns the process and the CPU seconds (user + system) it used."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-    wall_s = time.monotonic() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    assert wall_s < WALL_LIMIT_S, f"took {wall_s:.1f} s of wall time"
-    return proc, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
-def assert_fails_early(proc: subprocess.CompletedProcess, cpu_s: float, *needles: str, limit_s: float = FAST_CPU_S) -> None:
-    assert proc.returncode == 2, f"expected exit 2, got {proc.returncode}:\n{proc.stderr[-3000:]}"
+def assert_fails_early(result, *needles: str) -> None:
+    """Exit 2 with every needle in stderr and no traceback. `run_main` (tests/cli.py) refuses GRPOTrainer.setup (or,
+    with setup=True, the engine), so the exit provably came before anything heavy loaded."""
+    assert result.returncode == 2, f"expected exit 2, got {result.returncode}:\n{result.stderr[-3000:]}"
     for needle in needles:
-        assert needle in proc.stderr, f"{needle!r} not in:\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert cpu_s < limit_s, f"used {cpu_s:.1f} CPU-s: the problem must be found before anything heavy loads"
+        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -66,9 +50,8 @@ def assert_fails_early(proc: subprocess.CompletedProcess, cpu_s: float, *needles
     ("actor.grad_clip=-1", "actor.grad_clip=-1.0"),
     ("trainer.val_generations_to_log=-1", "trainer.val_generations_to_log=-1: must be >= 0"),
 ])
-def test_value_out_of_range_exits_2_naming_the_key(override, needle):
-    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", override)
-    assert_fails_early(proc, elapsed_s, needle)
+def test_value_out_of_range_exits_2_naming_the_key(monkeypatch, override, needle):
+    assert_fails_early(run_main(monkeypatch, "recipes/tiny_cpu.yaml", override), needle)
 
 
 def test_config_error_exits_2_without_importing_torch():
@@ -87,45 +70,42 @@ def test_config_error_exits_2_without_importing_torch():
     assert "unknown key 'actor.lr_typo'; did you mean 'actor.lr'?" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_yaml_syntax_error_in_recipe_names_file_and_line(tmp_path):
+def test_yaml_syntax_error_in_recipe_names_file_and_line(tmp_path, monkeypatch):
     recipe = tmp_path / "broken.yaml"
     recipe.write_text("data:\n  train_batch_size: 8\nactor:\n  lr: [1e-6\n  ppo_epochs: 1\n")
-    proc, elapsed_s = run_cli(str(recipe))
-    assert_fails_early(proc, elapsed_s, f"recipe {str(recipe)!r} is not valid YAML: line 5")
+    assert_fails_early(run_main(monkeypatch, str(recipe)), f"recipe {str(recipe)!r} is not valid YAML: line 5")
 
 
-def test_value_set_in_a_recipe_names_its_line(tmp_path):
+def test_value_set_in_a_recipe_names_its_line(tmp_path, monkeypatch):
     """A value out of range in the recipe points at the recipe's line; the same key overridden points at nothing."""
     recipe = tmp_path / "mine.yaml"
     text = (REPO / "recipes" / "tiny_cpu.yaml").read_text().replace("  use_kl_loss: true\n", "  use_kl_loss: true\n  clip_ratio_low: 5\n")
     recipe.write_text(text)
     line = text.splitlines().index("  clip_ratio_low: 5") + 1
-    proc, cpu_s = run_cli(str(recipe))
-    assert_fails_early(proc, cpu_s, f"actor.clip_ratio_low=5.0: a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28) "
+    assert_fails_early(run_main(monkeypatch, str(recipe)), f"actor.clip_ratio_low=5.0: a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28) "
                                     f"({recipe} line {line})")
 
 
-def test_yaml_syntax_error_in_override_names_the_override():
-    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", "data.train_files=[a.parquet")
-    assert_fails_early(proc, elapsed_s, "override 'data.train_files=[a.parquet': the value is not valid YAML")
+def test_yaml_syntax_error_in_override_names_the_override(monkeypatch):
+    assert_fails_early(run_main(monkeypatch, "recipes/tiny_cpu.yaml", "data.train_files=[a.parquet"), "override 'data.train_files=[a.parquet': the value is not valid YAML")
 
 
-def test_unwritable_output_folder_exits_2_before_models_load(tiny_model_dir, arith_data, tmp_path):
+def test_unwritable_output_folder_exits_2_before_models_load(tiny_model_dir, arith_data, tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, blocker / "run"))
-    assert_fails_early(proc, elapsed_s, f"trainer.default_local_dir={str(blocker / 'run')!r} cannot be written")
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, blocker / "run"))
+    assert_fails_early(result, f"trainer.default_local_dir={str(blocker / 'run')!r} cannot be written")
 
 
-def test_less_free_disk_than_one_checkpoint_exits_2_with_the_numbers(arith_data, tmp_path):
+def test_less_free_disk_than_one_checkpoint_exits_2_with_the_numbers(arith_data, tmp_path, monkeypatch):
     """A model folder whose safetensors header declares 4e12 bf16 parameters (the file holds only the header):
     one checkpoint would need about 4e12 x 12 bytes + 8e12 bytes, more than any test disk has."""
     model = tmp_path / "huge_model"
     model.mkdir()
     header = json.dumps({"w": {"dtype": "BF16", "shape": [2_000_000, 2_000_000], "data_offsets": [0, 8 * 10**12]}}).encode()
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", *tiny_overrides(model, arith_data, tmp_path / "run"))
-    assert_fails_early(proc, elapsed_s, "GiB free, less than one checkpoint", "4000000.0 M parameters x 12 bytes",
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(model, arith_data, tmp_path / "run"))
+    assert_fails_early(result, "GiB free, less than one checkpoint", "4000000.0 M parameters x 12 bytes",
                        "trainer.default_local_dir=")
 
 
@@ -159,7 +139,7 @@ def test_checkpoint_estimate_of_a_hub_model_reads_its_downloaded_snapshot(tiny_m
     assert model_size("Org/Tiny") == model_size(str(tiny_model_dir))
 
 
-def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path):
+def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path, monkeypatch):
     """A row with a null ground truth and data.invalid_rows=error exits 2 naming file and row, before the engine."""
     import pandas as pd
 
@@ -168,7 +148,7 @@ def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path):
     data = {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}
     pd.DataFrame(rows).to_parquet(data["train"])
     pd.DataFrame(rows[:2]).to_parquet(data["test"])
-    proc, elapsed_s = run_cli("recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, tmp_path / "run"), "data.invalid_rows=error")
-    # tokenizer + data load (transformers' import: ~5 CPU-s), no model or engine
-    assert_fails_early(proc, elapsed_s, f"data file {str(data['train'])!r} row 5 (0-based): reward_model.ground_truth is None",
-                       limit_s=12.0)
+    # setup runs (tokenizer + data load), the engine is refused: the row is reported before it
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, tmp_path / "run"),
+                      "data.invalid_rows=error", setup=True)
+    assert_fails_early(result, f"data file {str(data['train'])!r} row 5 (0-based): reward_model.ground_truth is None")
