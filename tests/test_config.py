@@ -16,8 +16,11 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 TINY = REPO / "recipes" / "tiny_cpu.yaml"  # a 1-process recipe for the override tests
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train_grpo.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+def run_cli(monkeypatch, *args: str, setup: bool = False):
+    """train_grpo.main(args) in this process; setup=False: reaching GRPOTrainer.setup fails the test (tests/cli.py)."""
+    from tests.cli import run_main
+
+    return run_main(monkeypatch, *args, setup=setup)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
@@ -78,8 +81,8 @@ def test_unknown_algorithm_names_listed():
     ("actor.ppo_epochs=two", "actor.ppo_epochs: expected an integer"),
     ("data.train_batch_size=30", "actor.ppo_mini_batch_size=32 is larger than data.train_batch_size=30"),
 ])
-def test_cli_bad_config_exits_2_naming_the_key(override, needle):
-    proc = run_cli("recipes/tiny_cpu.yaml", override)
+def test_cli_bad_config_exits_2_naming_the_key(monkeypatch, override, needle):
+    proc = run_cli(monkeypatch, "recipes/tiny_cpu.yaml", override)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -132,8 +135,8 @@ def test_validation_names_match_the_code():
     assert typing.get_args(hint) == names.ROLLOUT_IS_MODES
 
 
-def test_cli_missing_recipe_exits_2():
-    proc = run_cli("recipes/nope.yaml")
+def test_cli_missing_recipe_exits_2(monkeypatch):
+    proc = run_cli(monkeypatch, "recipes/nope.yaml")
     assert proc.returncode == 2 and "recipes/nope.yaml" in proc.stderr
 
 
@@ -146,25 +149,26 @@ def test_readme_config_reference_is_current():
     assert not missing, "README.md config reference is stale; regenerate with `python -m grpo_lib.config --update-readme`:\n" + "\n".join(missing)
 
 
-def test_cli_missing_model_exits_2_naming_it(tmp_path):
+def test_cli_missing_model_exits_2_naming_it(tmp_path, monkeypatch):
     """A model folder that does not exist is reported with its key before any engine starts."""
     from data_prep.synthetic import write_dataset
 
     data = write_dataset(tmp_path / "data", train_size=40, test_size=4)
-    proc = run_cli("recipes/tiny_cpu.yaml", f"model.path={tmp_path / 'no_model'}", f"data.train_files=[{data['train']}]",
-                   f"data.val_files=[{data['test']}]", f"trainer.default_local_dir={tmp_path / 'run'}")  # not a demo's folder
+    proc = run_cli(monkeypatch, "recipes/tiny_cpu.yaml", f"model.path={tmp_path / 'no_model'}", f"data.train_files=[{data['train']}]",
+                   f"data.val_files=[{data['test']}]", f"trainer.default_local_dir={tmp_path / 'run'}", setup=True)  # not a demo's folder
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.path=" in proc.stderr and "no_model" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_cli_bad_custom_reward_exits_2_naming_the_file(tmp_path):
+def test_cli_bad_custom_reward_exits_2_naming_the_file(tmp_path, monkeypatch):
     """A custom reward file that does not exist is reported before the engine starts."""
     from data_prep.synthetic import write_dataset
     from data_prep.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model")
     data = write_dataset(tmp_path / "data", train_size=40, test_size=4)
-    proc = run_cli("recipes/tiny_cpu.yaml", f"model.path={model}", f"data.train_files=[{data['train']}]",
-                   f"data.val_files=[{data['test']}]", f"reward.custom.path={tmp_path / 'missing_reward.py'}")
+    proc = run_cli(monkeypatch, "recipes/tiny_cpu.yaml", f"model.path={model}", f"data.train_files=[{data['train']}]",
+                   f"data.val_files=[{data['test']}]", f"reward.custom.path={tmp_path / 'missing_reward.py'}",
+                   f"trainer.default_local_dir={tmp_path / 'run'}", setup=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "missing_reward.py" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
