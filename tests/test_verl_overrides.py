@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from grpo_lib.config import Config, ConfigError, load_config
 from grpo_lib.config.load import _coerce
 from grpo_lib.config.schema import _all_leaf_keys
 from grpo_lib.config.verl_keys import IGNORED, _canonical, _match
+from tests.cli import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -412,10 +411,9 @@ def test_verl_meanings(tiny_model_dir, arith_data, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_verl_script_lines_through_the_cli(name, tiny_model_dir, arith_data):
+def test_verl_script_lines_through_the_cli(name, tiny_model_dir, arith_data, monkeypatch):
     keep, _ = usable(lines_of(SCRIPTS[name], tiny_model_dir, arith_data))
-    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", *keep, "--print-plan"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *keep, "--print-plan")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"on {WORLD.get(name, 8)} processes (from trainer.n_gpus_per_node x trainer.nnodes)" in proc.stdout
     ignorable = [line for line in keep if _match(_canonical(line.split("=", 1)[0].lstrip("+")), IGNORED) is not None]
@@ -427,10 +425,9 @@ def test_verl_script_lines_through_the_cli(name, tiny_model_dir, arith_data):
         assert "PROBLEM: 64 rows are fewer than data.train_batch_size=512" in proc.stdout  # the tiny data set
 
 
-def test_wrong_n_gpus_per_node_exits_2_naming_both_numbers(tiny_model_dir, arith_data):
+def test_wrong_n_gpus_per_node_exits_2_naming_both_numbers(tiny_model_dir, arith_data, monkeypatch):
     keep, _ = usable(lines_of(LORA, tiny_model_dir, arith_data))
-    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", *keep], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)  # a plain launch: 1 process, the lines say 8 x 1
+    proc = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *keep)  # a plain launch: 1 process, the lines say 8 x 1
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "trainer.n_gpus_per_node=8 x trainer.nnodes=1 = 8 processes, but this launch has 1" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -456,21 +453,21 @@ def test_math_changing_verl_keys_are_refused_not_ignored(tiny_model_dir, arith_d
             load_config(REPO / "recipes/tiny_cpu.yaml", [line])
 
 
-def test_uneven_mini_batch_of_qwen3_1_7b_script_runs_like_verl(tiny_model_dir, arith_data):
+def test_uneven_mini_batch_of_qwen3_1_7b_script_runs_like_verl(tiny_model_dir, arith_data, monkeypatch):
     cfg = load_config(None, lines_of(QWEN3_1_7B, tiny_model_dir, arith_data), world_size=8)
     assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (1024, 80)
     assert {"model.use_liger=True", "model.use_fused_kernels=True", "model.fused_kernel_options.impl_backend='triton'"} <= set(cfg.ignored)
-    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", *lines_of(QWEN3_1_7B, tiny_model_dir, arith_data),
-                           "--print-plan"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *lines_of(QWEN3_1_7B, tiny_model_dir, arith_data), "--print-plan")
     assert "1024 = 12 x 80 + 64 (the last mini-batch smaller, as in verl) = 13 updates per epoch" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_ignored_keys_printed_once_at_start(tiny_model_dir, arith_data, tmp_path):
+def test_ignored_keys_printed_once_at_start(tiny_model_dir, arith_data, tmp_path, monkeypatch):
     """The run lists the ignored keys once, before anything loads (here it then stops at the model path)."""
-    proc = subprocess.run([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", f"model.path={tmp_path / 'missing'}",
-                           f"data.train_files=[{arith_data['train']}]", "actor_rollout_ref.model.use_liger=True",
-                           "actor_rollout_ref.rollout.layered_summon=True", "trainer.logger=[console]"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_main(monkeypatch, "recipes/tiny_cpu.yaml", f"model.path={tmp_path / 'missing'}",
+                    f"data.train_files=[{arith_data['train']}]", "actor_rollout_ref.model.use_liger=True",
+                    "actor_rollout_ref.rollout.layered_summon=True", "trainer.logger=[console]",
+                    f"trainer.default_local_dir={tmp_path / 'run'}", setup=True)
+    assert proc.returncode == 2 and "missing" in proc.stderr, proc.stderr[-2000:]
     assert proc.stdout.count("ignored verl keys") == 1, proc.stdout
     assert "model.use_liger=True: Liger kernels" in proc.stdout and "rollout.layered_summon=True" in proc.stdout
 
