@@ -81,10 +81,10 @@ class GRPOTrainer:
         from transformers import AutoTokenizer
 
         from grpo_lib import checkpoint, dtypes
-        from grpo_lib.actor import Actor, Reference
+        from grpo_lib.actor import Actor
         from grpo_lib.data import PromptSampler, load_prompts
         from grpo_lib.engines import build_engine
-        from grpo_lib.lora import AdapterDisabledReference, check_lora_setup, lora_on, reference_note
+        from grpo_lib.lora import check_lora_setup
         from grpo_lib.metrics import MetricLogger
         from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
         from grpo_lib.rewards import RewardScorer, registered_sources
@@ -122,12 +122,7 @@ class GRPOTrainer:
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # awake, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-            if need_ref and lora_on(cfg):  # the same model with adapters disabled: no second copy
-                reference = AdapterDisabledReference(actor, cfg)
-                if rank == 0:
-                    print(reference_note(cfg), file=sys.stderr)
-            else:
-                reference = Reference(cfg, device=device) if need_ref else None
+            reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
                                   total_steps=total_steps, project_name=cfg.trainer.project_name,
                                   experiment_name=cfg.trainer.experiment_name, resume_step=self.resume.step)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import fields
@@ -36,6 +37,7 @@ from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
+from grpo_lib.weights import weights_for
 
 
 def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
@@ -128,7 +130,8 @@ class Actor:
     """Owns the policy model (sharded with FSDP2 when a process group exists), its optimizer and LR schedule.
 
     `model`: the Hugging Face model, whose parameters are the float32 master shards (DTensors under FSDP2);
-    `policy`: the FSDP2 root that every forward goes through; `optimizer` (AdamW, float32 state), `scheduler`.
+    `policy`: the FSDP2 root that every forward goes through; `optimizer` (AdamW, float32 state), `scheduler`;
+    `weights`: full fine-tuning or LoRA, chosen once (grpo_lib/weights.py): what trains, is pushed and exported.
     """
 
     def __init__(self, cfg, *, device: torch.device):
@@ -153,8 +156,8 @@ class Actor:
                 layer.compile(dynamic=True)
         if cfg.model.use_remove_padding:
             check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
-        if lora.lora_on(cfg):  # base frozen; only the adapters train (grpo_lib/lora.py); sharded like the full model
-            self.model = lora.apply_lora(self.model, cfg.model)
+        self.weights = weights_for(cfg)
+        self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
         self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         a = cfg.actor
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -221,13 +224,10 @@ class Actor:
         """(Hugging Face name, full tensor) pairs for the engine push and the export, gathered one at a time.
 
         A collective under FSDP2: every process must consume the iterator to its end, in the same order. With tied
-        embeddings `lm_head.weight` is included (`fsdp.gathered_state`).
+        embeddings `lm_head.weight` is included (`fsdp.gathered_state`). With LoRA: base + scaled adapters, new tensors.
         """
         self.load_params()
-        if lora.lora_on(self.cfg):  # base + scaled adapters, new tensors (the base is not modified)
-            yield from lora.merged_named_weights(self.model)
-            return
-        yield from fsdp.gathered_state(self.model)
+        yield from self.weights.named_weights(self.model)
 
     # -- update ----------------------------------------------------------------------------------------
 
@@ -396,18 +396,14 @@ class Actor:
         (`export_dtype`; the exact float32 master weights are in the checkpoint's sharded state). EVERY process calls
         it (the tensors are gathered from the shards one by one); process 0 keeps a CPU copy of each and writes.
         With LoRA: path/adapter (peft format) and, with trainer.save_merged, path/merged (`lora.save_lora_checkpoint`)."""
-        if lora.lora_on(self.cfg):
-            self.load_params()
-            lora.save_lora_checkpoint(self, tokenizer, path, save_merged_folder=self.cfg.trainer.save_merged, write=_rank() == 0)
-            return
+        self.load_params()
+        self.weights.save_hf(self.model, path, tokenizer, export_dtype=self.export_dtype, write=_rank() == 0)
 
-        state = {}
-        for name, tensor in self.named_weights():
-            tied_head = name == "lm_head.weight" and self.model.config.tie_word_embeddings  # saved as the embedding
-            if _rank() == 0 and not tied_head:  # in the dtype the model came in (bf16 for hub models: half of fp32)
-                state[name] = tensor.detach().to("cpu", dtype=self.export_dtype, copy=True)
-        if _rank() == 0:
-            fsdp.write_hf_folder(self.model, path, state, tokenizer, self.export_dtype)
+    def make_reference(self) -> Reference | AdapterDisabledReference:
+        """The KL reference, the initial policy (build it only with a KL term). `weights` picks: a frozen copy of
+        model.path (`Reference`) or, with LoRA, this actor with its adapters off (`AdapterDisabledReference`)."""
+        return self.weights.reference(frozen_copy=lambda: Reference(self.cfg, device=self.device),
+                                      adapters_off=lambda: AdapterDisabledReference(self, self.cfg))
 
 
 class Reference:
@@ -440,3 +436,29 @@ class Reference:
             self.policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
             max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)
+
+
+class AdapterDisabledReference:
+    """The KL reference with LoRA on: the actor's own model with its adapters switched off (the initial policy), run
+    through the reference pass's knobs like `Reference`; no second model. Says once (process 0) what ref.* keys do."""
+
+    def __init__(self, actor: Actor, cfg):
+        self.actor, self.cfg = actor, cfg
+        if _rank() == 0:
+            print(lora.reference_note(cfg), file=sys.stderr)
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        r = self.cfg.ref  # knobs resolved in config validation, as for the separate Reference
+        self.actor.load_params()
+        policy = self.actor.policy  # the FSDP2 root around the PeftModel: the same forward path as the actor's
+        was_training = policy.training
+        policy.eval()
+        try:
+            with lora.adapters_disabled(self.actor.model):
+                return logprobs_over_batch(
+                    policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                    max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device,
+                    autocast=self.actor.autocast)  # [B, T]
+        finally:
+            policy.train(was_training)

@@ -1,4 +1,4 @@
-"""LoRA with peft: adapters on the actor, the reference for free, merged weights for the engine, adapter saves.
+"""LoRA with peft on an `nn.Module`: adapters, the adapters-off context, merged weights for the engine, adapter saves.
 
 With `model.lora_rank > 0` the actor is a peft `PeftModel`: every targeted linear layer y = W x gets a trainable
 low-rank update, y = W x + (lora_alpha / lora_rank) * B A x (A: [r, in], B: [out, r], B starts at 0 so step 0 is
@@ -6,12 +6,15 @@ the base model). Only A and B are trainable: they alone reach the optimizer (so 
 gradients and are averaged over processes. What follows from that:
 
 - Reference for free: the KL reference is the initial policy, which is the same model with the adapters switched
-  off (`PeftModel.disable_adapter()`), so no second model is loaded (`AdapterDisabledReference`).
+  off (`adapters_disabled`), so no second model is loaded (`grpo_lib.actor.AdapterDisabledReference`).
 - Push: the engine serves plain Hugging Face weights. `merged_named_weights` yields, per parameter, W + scale * B A
   computed into a new tensor (the actor's W is never modified in place) under the base model's HF names, streamed
   like the full push. Pushing the base (`merge=False`) restores the base model in the engine.
 - Checkpoints: `save_lora_checkpoint` writes the adapter in peft format (`PeftModel.from_pretrained` loads it) and,
   with trainer.save_merged, a full HF folder (transformers and vLLM load it).
+
+Every function here takes the model (or the config); nothing here knows the actor. Whether a run uses LoRA at all is
+decided once, in `grpo_lib.weights.weights_for`.
 
 Departure from verl: verl can also push the adapter through vLLM's LoRA path (patching vLLM to take tensors); here
 `rollout.lora_mode=adapter` is refused by config validation with the reason: merged pushes are exact
@@ -147,29 +150,9 @@ def _delta_weight(module, states: dict[str, torch.Tensor], weight_name: str) -> 
     return delta
 
 
-class AdapterDisabledReference:
-    """The KL reference with LoRA on: the actor's own model with its adapters switched off (the initial policy)."""
-
-    def __init__(self, actor, cfg):
-        self.actor, self.cfg = actor, cfg
-
-    def compute_logprobs(self, batch):
-        from grpo_lib.actor import logprobs_over_batch
-
-        r = self.cfg.ref  # knobs resolved in config validation, as for the separate Reference
-        self.actor.load_params()
-        policy = self.actor.policy  # the FSDP2 root around the PeftModel: the same forward path as the actor's
-        was_training = policy.training
-        policy.eval()
-        try:
-            with self.actor.model.disable_adapter():
-                return logprobs_over_batch(
-                    policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                    max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device,
-                    autocast=self.actor.autocast)  # [B, T]
-        finally:
-            policy.train(was_training)
+def adapters_disabled(model: torch.nn.Module):
+    """Context in which the peft-wrapped `model` computes its base model, the initial policy (adapters switched off)."""
+    return model.disable_adapter()
 
 
 def reference_note(cfg) -> str:
@@ -183,8 +166,10 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: full_tensor(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
 
 
-def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bool, write: bool = True) -> None:
-    """A LoRA actor checkpoint: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF folder).
+def save_lora_checkpoint(model: torch.nn.Module, tokenizer, path: Path, *, export_dtype: torch.dtype, save_merged_folder: bool,
+                         write: bool = True) -> None:
+    """A LoRA model's Hugging Face save: `path/adapter` (peft format + tokenizer) and, if asked, `path/merged` (full HF
+    folder, in `export_dtype`: the dtype model.path was saved in).
 
     Every process calls it (under FSDP2 the tensors are gathered from the shards); the process with
     `write` (process 0) writes. Reload the adapter with
@@ -194,16 +179,16 @@ def save_lora_checkpoint(actor, tokenizer, path: Path, *, save_merged_folder: bo
     adapter_dir, merged_dir = Path(path) / "adapter", Path(path) / "merged"
     # Every gather (a collective) comes before any write: a write failing on process 0 (a full disk) must not leave
     # the other processes waiting in a gather process 0 never joins (checkpoint.save then stops all of them).
-    state = adapter_state(actor.model)
+    state = adapter_state(model)
     merged = {}
     if save_merged_folder:
-        for name, tensor in merged_named_weights(actor.model):
+        for name, tensor in merged_named_weights(model):
             if write:
-                merged[name] = tensor.to("cpu", dtype=actor.export_dtype, copy=True)
+                merged[name] = tensor.to("cpu", dtype=export_dtype, copy=True)
     if not write:
         return
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    actor.model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
+    model.save_pretrained(adapter_dir, state_dict=state)  # peft keeps the adapter keys: adapter_config + weights
     tokenizer.save_pretrained(adapter_dir)
     if save_merged_folder:  # in the dtype model.path was saved in, like the full export
-        write_hf_folder(actor.model.get_base_model(), merged_dir, merged, tokenizer, actor.export_dtype)
+        write_hf_folder(model.get_base_model(), merged_dir, merged, tokenizer, export_dtype)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lib import lora
 from grpo_lib.fsdp import LogprobModel
-from grpo_lib.actor import Actor, logprobs_over_batch
+from grpo_lib.actor import Actor, AdapterDisabledReference, logprobs_over_batch
 from grpo_lib.config import ConfigError
 from tests.conftest import accelerate_launch
 from tests.scripts import grad_case as case
@@ -95,7 +95,7 @@ def test_reference_is_the_base_model_exactly(trained, model_dir):
     from grpo_lib.actor import Reference
 
     cfg, actor, batch = trained["cfg"], trained["actor"], trained["batch"]
-    ref = lora.AdapterDisabledReference(actor, cfg).compute_logprobs(batch)  # [B, T]
+    ref = AdapterDisabledReference(actor, cfg).compute_logprobs(batch)  # [B, T]
     expected = Reference(cfg, device=torch.device("cpu")).compute_logprobs(batch)  # [B, T]
     assert torch.equal(ref, expected), f"max diff {(ref - expected).abs().max()}"
     trained_lp = actor.compute_logprobs(batch)  # adapters back on after the context
@@ -127,7 +127,7 @@ def test_saved_adapter_and_merged_folder_reload(trained, model_dir, tmp_path):
 
     cfg, actor, batch = trained["cfg"], trained["actor"], trained["batch"]
     tokenizer = tiny_tokenizer()
-    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=True)
+    lora.save_lora_checkpoint(actor.model, tokenizer, tmp_path, export_dtype=actor.export_dtype, save_merged_folder=True)
     expected = actor.compute_logprobs(batch)  # [B, T]
     kw = dict(temperature=cfg.rollout.temperature, remove_padding=False, max_tokens=None, micro_batch_size=8, device=torch.device("cpu"))
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tmp_path / "adapter")
@@ -141,7 +141,7 @@ def test_start_from_saved_adapter(trained, model_dir, tmp_path):
     """model.lora_adapter_path: the new actor starts where the saved one was, and keeps training its adapters."""
     actor, batch = trained["actor"], trained["batch"]
     tokenizer = tiny_tokenizer()
-    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=False)
+    lora.save_lora_checkpoint(actor.model, tokenizer, tmp_path, export_dtype=actor.export_dtype, save_merged_folder=False)
     assert not (tmp_path / "merged").exists()
     cfg = lora_config(model_dir, extra=(f"model.lora_adapter_path={tmp_path / 'adapter'}",))
     resumed = Actor(cfg, device=torch.device("cpu"))
@@ -222,9 +222,8 @@ def test_lora_export_gathers_everything_before_writing(monkeypatch, tmp_path):
     monkeypatch.setattr(lora, "write_hf_folder", lambda model, path, *a: events.append(f"write {Path(path).name}"))
     model = SimpleNamespace(save_pretrained=lambda path, **kw: events.append(f"write {Path(path).name}"), get_base_model=lambda: None)
     tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
-    actor = SimpleNamespace(model=model, export_dtype=torch.float32)
-    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=True, write=True)
+    lora.save_lora_checkpoint(model, tokenizer, tmp_path, export_dtype=torch.float32, save_merged_folder=True, write=True)
     assert events == ["gather adapter", "gather merged", "write adapter", "write merged"], events
     events.clear()
-    lora.save_lora_checkpoint(actor, tokenizer, tmp_path, save_merged_folder=True, write=False)
+    lora.save_lora_checkpoint(model, tokenizer, tmp_path, export_dtype=torch.float32, save_merged_folder=True, write=False)
     assert events == ["gather adapter", "gather merged"], "the other processes gather the same, write nothing"

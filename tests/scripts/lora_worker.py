@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from grpo_lib import lora  # noqa: E402
-from grpo_lib.actor import Actor  # noqa: E402
+from grpo_lib.actor import Actor, AdapterDisabledReference  # noqa: E402
 from grpo_lib.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
@@ -49,7 +49,7 @@ def run(model_dir: Path, batch, world_size: int, rank: int) -> dict:
         merged={n: t.clone() for n, t in lora.merged_named_weights(actor.model)},
         base_unchanged=all(torch.equal(local(p), start[n]) for n, p in frozen),
         base_grads_none=all(p.grad is None for _, p in frozen),
-        ref=lora.AdapterDisabledReference(actor, cfg).compute_logprobs(batch),  # [b, T]
+        ref=AdapterDisabledReference(actor, cfg).compute_logprobs(batch),  # [b, T]
     )
 
 
