@@ -35,7 +35,6 @@ from grpo_lib import algorithms, dtypes, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
-from grpo_lib.stopping import test_nan_steps
 from grpo_lib.types import RolloutBatch
 from grpo_lib.weights import weights_for
 
@@ -166,7 +165,6 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = _world_size()
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
-        self.nan_steps = test_nan_steps()  # test hook: steps whose loss is corrupted (empty outside tests)
         self.offload_device = torch.device("cpu")
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
 
@@ -268,8 +266,6 @@ class Actor:
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
-        if self.steps_done + 1 in self.nan_steps:
-            loss = loss * float("nan")  # test hook GRPO_TEST_NAN_STEPS (grpo_lib/stopping.py)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:

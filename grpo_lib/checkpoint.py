@@ -242,7 +242,6 @@ def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, wo
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from grpo_lib.distributed import all_reduce_max, barrier
-    from grpo_lib.stopping import test_signal_point
 
     run_dir = Path(cfg.trainer.default_local_dir)
     final, tmp = run_dir / f"global_step_{step}", run_dir / f".tmp_global_step_{step}"
@@ -269,7 +268,6 @@ def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, wo
         model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-        test_signal_point("save", step)  # test hook: a kill (or a full disk) between the files of a checkpoint
 
     def trainer_state() -> None:
         state = {"step": step, "actor_steps_done": actor.steps_done, "scheduler": actor.scheduler.state_dict(),

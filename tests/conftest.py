@@ -63,9 +63,11 @@ def tiny_overrides(model_dir: Path, data: dict[str, Path], out_dir: Path) -> lis
 
 
 def run_train(args: list[str], *, launcher: list[str] | None = None, timeout: int = 600, check: bool = True,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train_grpo.py (or `launcher + [train_grpo.py, ...]`) from the repo root, with extra `env`; fail with its output."""
-    cmd = (launcher or [sys.executable]) + [str(REPO / "train_grpo.py"), *args]
+              env: dict[str, str] | None = None, faults: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run train_grpo.py (or `launcher + [train_grpo.py, ...]`) from the repo root, with extra `env`; fail with its output.
+    With `faults` (e.g. ["--signal", "TERM update 2"]) the run goes through tests/scripts/train_with_faults.py."""
+    script = [str(REPO / "tests" / "scripts" / "train_with_faults.py"), *faults, "--"] if faults else [str(REPO / "train_grpo.py")]
+    cmd = (launcher or [sys.executable]) + [*script, *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:

@@ -1,8 +1,9 @@
 """Never lose a run: atomic checkpoints, exact resume after SIGKILL, clean stops, run folders that never mix,
 non-finite steps skipped and counted (grpo_lib/checkpoint.py, grpo_lib/stopping.py, train_grpo.py).
 
-Faults are injected with the test hooks documented in grpo_lib/stopping.py: GRPO_TEST_SIGNAL sends a real
-signal to the trainer at a chosen point of a chosen step, GRPO_TEST_NAN_STEPS corrupts the loss of some steps.
+Faults are injected from here, by tests/scripts/train_with_faults.py (monkeypatches installed before
+train_grpo.main): `--signal` sends a real signal to the trainer at a chosen point of a chosen step (or a full disk's
+ENOSPC), `--nan-steps` corrupts the loss of some steps.
 Each run is the tiny model with real vLLM on CPU (tests/conftest.py).
 """
 
@@ -47,12 +48,13 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
     return overrides
 
 
-def run_killed(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """A run that the test hook SIGKILLs: output goes to files, not pipes (a pipe stays open while any reward
-    worker it leaves behind lives, and run_train would wait for it)."""
+def run_killed(args: list[str], faults: list[str], log: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """A run that the test hook SIGKILLs (`faults`: arguments of tests/scripts/train_with_faults.py): output goes to
+    files, not pipes (a pipe stays open while any reward worker it leaves behind lives, and run_train would wait for it)."""
+    script = [str(REPO / "tests" / "scripts" / "train_with_faults.py"), *faults, "--"]
     with open(log, "w") as fh:
-        proc = subprocess.run([*(launcher or [sys.executable]), str(REPO / "train_grpo.py"), *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, timeout=600)
+        proc = subprocess.run([*(launcher or [sys.executable]), *script, *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
     return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), log.read_text())
 
 
@@ -86,7 +88,7 @@ def test_sigkill_between_checkpoint_files_then_resume_is_exact(base, straight_ru
     """Run B is SIGKILLed during step 4, in the middle of writing its checkpoint (weights + optimizer written, the
     rest not); the step-3 checkpoint stays loadable and resume_mode=auto continues from it to the same results."""
     out = tmp_path / "b"
-    killed = run_killed(base(out, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2"), {"GRPO_TEST_SIGNAL": "KILL save 4"},
+    killed = run_killed(base(out, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2"), ["--signal", "KILL save 4"],
                         tmp_path / "killed.log")
     assert killed.returncode == -9, f"the test hook did not kill the run: exit {killed.returncode}\n{killed.stderr[-3000:]}"
     assert not (out / "global_step_4").exists(), "a checkpoint cut short by a kill must not look like a checkpoint"
@@ -120,7 +122,7 @@ def test_sigkill_between_checkpoint_files_then_resume_is_exact(base, straight_ru
 @pytest.fixture(scope="module")
 def sigterm_run(base, tmp_path_factory):
     out = tmp_path_factory.mktemp("sigterm")
-    proc = run_train(base(out, "trainer.save_freq=-1"), check=False, env={"GRPO_TEST_SIGNAL": "TERM update 2"})
+    proc = run_train(base(out, "trainer.save_freq=-1"), check=False, faults=["--signal", "TERM update 2"])
     return out, proc
 
 
@@ -163,7 +165,7 @@ def test_nonfinite_updates_skipped_counted_then_exit_3(base, tmp_path):
     """NaN loss at steps 2, 4, 5 with max_bad_steps=2: 2 is skipped (weights unchanged), 3 trains, 4 and 5 in a row
     stop the run with exit 3; the step-4 checkpoint (saved after a skipped update) is the last and it loads."""
     out = tmp_path / "nan"
-    proc = run_train(base(out, "trainer.save_freq=1", "trainer.max_bad_steps=2"), check=False, env={"GRPO_TEST_NAN_STEPS": "2,4,5"})
+    proc = run_train(base(out, "trainer.save_freq=1", "trainer.max_bad_steps=2"), check=False, faults=["--nan-steps", "2,4,5"])
     assert proc.returncode == 3, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "trainer.max_bad_steps=2" in proc.stderr
     rows = read_metrics(out)
@@ -402,7 +404,7 @@ def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
     same final weights."""
     straight, out = tmp_path / "a", tmp_path / "b"
     run_train(base(straight, "trainer.save_freq=-1"), launcher=accelerate_launch(2))
-    killed = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "KILL update 4"}, tmp_path / "killed.log",
+    killed = run_killed(base(out, "trainer.save_freq=2"), ["--signal", "KILL update 4"], tmp_path / "killed.log",
                         launcher=accelerate_launch(2))
     assert killed.returncode != 0, "the test hook did not kill the run"
     assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"], killed.stdout[-3000:]
@@ -443,7 +445,7 @@ def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpo
     exit 3 (none waits in a collective the other skipped), the partial folder is removed, global_step_2 stays
     complete and resumable, the metrics of steps 1-4 are kept, and the message names the intact checkpoint."""
     out = tmp_path / "run"
-    full = run_killed(base(out, "trainer.save_freq=2"), {"GRPO_TEST_SIGNAL": "ENOSPC save 4 1"}, tmp_path / "full.log",
+    full = run_killed(base(out, "trainer.save_freq=2"), ["--signal", "ENOSPC save 4 1"], tmp_path / "full.log",
                       launcher=accelerate_launch(2))
     log = (tmp_path / "full.log").read_text()
     assert full.returncode != 0 and "exitcode  : 3" in log, log[-3000:]
