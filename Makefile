@@ -1,11 +1,12 @@
-# Two commands: `make demo` (train the tiny model on CPU) and `make test` (the test suite).
+# Two commands: `make demo` (train the tiny model on CPU) and `make test` (the test suite); `make test-fast` is the
+# quick tier (no trainer run, no engine, no second process: the markers of conftest.py).
 # Both create or reuse .venv in the checkout and install the CPU requirements first.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: demo demo-lora test venv clean
+.PHONY: demo demo-lora test test-fast venv clean
 
 $(STAMP): requirements-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,6 +38,9 @@ demo-lora: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
 
 test: $(STAMP)
 	$(VPY) -m pytest -q --durations=30 tests
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q --durations=10 -m "not slow and not multiprocess" tests
 
 clean:
 	rm -rf artifacts outputs

@@ -272,6 +272,7 @@ def assert_no_reference(rows: list[dict]) -> None:
         assert "actor/kl_loss" not in r and "timing_s/ref" not in r, f"use_kl_loss: false, yet a KL term ran: {sorted(r)}"
 
 
+@pytest.mark.slow
 def test_dr_grpo_recipe_trains(tiny_model_dir, arith_data, reward_file, tmp_path):
     rows = train("tiny_cpu_dr_grpo.yaml", tmp_path, tiny_model_dir, arith_data, reward_file)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -283,6 +284,7 @@ def test_dr_grpo_recipe_trains(tiny_model_dir, arith_data, reward_file, tmp_path
     assert all(r["critic/advantages_abs_mean"] <= 0.5 + 1e-6 for r in rows), [r["critic/advantages_abs_mean"] for r in rows]
 
 
+@pytest.mark.slow
 def test_dapo_recipe_drops_and_refills_groups(tiny_model_dir, arith_data, reward_file, tmp_path):
     rows = train("tiny_cpu_dapo.yaml", tmp_path, tiny_model_dir, arith_data, reward_file)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -293,6 +295,7 @@ def test_dapo_recipe_drops_and_refills_groups(tiny_model_dir, arith_data, reward
         "the reward gives all-equal groups: some must be dropped and refilled", rows)
 
 
+@pytest.mark.slow
 def test_gspo_recipe_clips_later_updates(tiny_model_dir, arith_data, reward_file, tmp_path):
     # 4 prompts, 1 per mini-batch: 4 updates per step as in the recipe (32 / 8)
     rows = train("tiny_cpu_gspo.yaml", tmp_path, tiny_model_dir, arith_data, reward_file, "actor.ppo_mini_batch_size=1")
@@ -303,6 +306,7 @@ def test_gspo_recipe_clips_later_updates(tiny_model_dir, arith_data, reward_file
     assert any(r["actor/pg_clipfrac"] > 0 for r in rows), [r["actor/pg_clipfrac"] for r in rows]
 
 
+@pytest.mark.slow
 def test_kl_in_reward_with_rollout_correction_trains(tiny_model_dir, arith_data, reward_file, tmp_path):
     rows = train("tiny_cpu.yaml", tmp_path, tiny_model_dir, arith_data, reward_file, "trainer.total_training_steps=2",
                  "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true", "algorithm.rollout_correction.mode=token",

@@ -163,6 +163,7 @@ def _agree_worker(rank: int, init_file: str, queue) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_agree_num_micro_batches(tmp_path):
     assert agree_num_micro_batches(4) == 4  # not initialised: identity
     context = multiprocessing.get_context("spawn")

@@ -84,6 +84,7 @@ def straight_run(base, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_between_checkpoint_files_then_resume_is_exact(base, straight_run, tmp_path):
     """Run B is SIGKILLed during step 4, in the middle of writing its checkpoint (weights + optimizer written, the
     rest not); the step-3 checkpoint stays loadable and resume_mode=auto continues from it to the same results."""
@@ -126,6 +127,7 @@ def sigterm_run(base, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_0(sigterm_run):
     out, proc = sigterm_run
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
@@ -139,6 +141,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(sigterm_run):
     assert state["step"] == 2 and state["actor_steps_done"] == 2 and state["sampler"]["position"] == 8
 
 
+@pytest.mark.slow
 def test_used_folder_with_resume_disabled_exits_2_untouched(base, sigterm_run):
     out, _ = sigterm_run
     before = folder_digest(out)
@@ -150,6 +153,7 @@ def test_used_folder_with_resume_disabled_exits_2_untouched(base, sigterm_run):
     assert folder_digest(out) == before, "a refused run changed the old run's files"
 
 
+@pytest.mark.slow
 def test_resume_with_a_changed_step_exits_2_listing_it(base, sigterm_run):
     out, _ = sigterm_run
     before = folder_digest(out)
@@ -161,6 +165,7 @@ def test_resume_with_a_changed_step_exits_2_listing_it(base, sigterm_run):
 
 
 # ------------------------------------------------------------------------------------ non-finite steps
+@pytest.mark.slow
 def test_nonfinite_updates_skipped_counted_then_exit_3(base, tmp_path):
     """NaN loss at steps 2, 4, 5 with max_bad_steps=2: 2 is skipped (weights unchanged), 3 trains, 4 and 5 in a row
     stop the run with exit 3; the step-4 checkpoint (saved after a skipped update) is the last and it loads."""
@@ -204,6 +209,7 @@ def test_the_same_signal_twice_at_once_is_one_stop_request(capfd):
     assert "SIGTERM received: finishing this step" in err and "SIGTERM received again within 5 s: the same stop request" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", ["SIGTERM after the repeat window", "SIGINT at once"])
 def test_a_second_stop_request_aborts_at_once(second):
     """The same signal after REPEAT_WINDOW_S (shortened to 0.5 s here), or another stop signal at any time, aborts."""
@@ -320,6 +326,7 @@ def test_jsonl_cut_at_resume_step(tmp_path):
     assert path.read_text() == ""
 
 
+@pytest.mark.multiprocess
 def test_all_processes_agree_to_stop_when_one_gets_sigterm(tmp_path):
     cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "stop_worker.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -347,6 +354,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_to_the_launcher_stops_both_processes_after_the_step_with_a_checkpoint(base, tmp_path):
     """Ctrl-C / SIGTERM to `accelerate launch` itself (its workers run in sessions of their own, so only the launcher
     gets it): torch elastic forwards it with os.killpg to each process's group, which holds the reward forkserver
@@ -398,6 +407,8 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_step_with_a_chec
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}\n{context}"
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, tmp_path):
     """2 processes (gloo, FSDP2-sharded actor): a straight 6-step run, and one where both processes are SIGKILLed right
     after step 4's update, resumed from the step-2 checkpoint (each process's DCP shard and RNG file); same metrics,
@@ -440,6 +451,8 @@ def test_plan_resume_without_checkpoint_and_incomplete_paths(tmp_path):
         plan_resume(cfg)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpoint_intact(base, tmp_path):
     """2 processes; process 1's checkpoint write of step 4 fails with ENOSPC (test hook). Both processes agree and
     exit 3 (none waits in a collective the other skipped), the partial folder is removed, global_step_2 stays

@@ -23,6 +23,8 @@ import pytest
 
 from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
 
+pytestmark = pytest.mark.slow  # tiers: conftest.py
+
 TWO_STEPS = ["trainer.total_training_steps=2", "data.max_prompt_length=192"]
 
 

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpo_lib import distributed as D
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +25,7 @@ def test_backend_string_carries_gloo_for_cpu_tensors_on_gpu():
     assert D.backend_string(cuda=False) == "cpu:gloo"
 
 
+@pytest.mark.multiprocess
 def test_every_helper_on_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)

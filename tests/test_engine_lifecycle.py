@@ -64,6 +64,7 @@ def check_gpu_order(calls: list[str]) -> None:
             assert state == "asleep", where
 
 
+@pytest.mark.slow
 def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data, tmp_path, monkeypatch):
     fake = install(monkeypatch)
     import train_grpo
@@ -83,6 +84,7 @@ def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data
     assert len(read_metrics(out)) == 3
 
 
+@pytest.mark.slow
 def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, arith_data, tmp_path, monkeypatch):
     """With actor.fsdp_config.param_offload / optimizer_offload the actor's shards are on the host whenever the engine
     maps its KV cache or generates: at the first generation, after the push (before wake_up(kv_cache), not after it:
@@ -117,6 +119,7 @@ def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, ari
     assert len(read_metrics(out)) == 3
 
 
+@pytest.mark.slow
 def test_level2_sleep_pushes_before_every_wake(tiny_model_dir, arith_data, tmp_path, monkeypatch):
     fake = install(monkeypatch)
     import train_grpo
@@ -168,6 +171,8 @@ def fake_runs(tiny_model_dir, arith_data, tmp_path_factory):
     return {tp: launch_fake(root, tiny_model_dir, arith_data, f"tp{tp}", tp) for tp in (1, 2)}
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_dapo_two_rounds_two_processes_no_seed_shared(fake_runs):
     ranks, metrics = fake_runs[1]
     assert [m["batch/gen_rounds"] for m in metrics] == [2.0, 2.0], "the run must take 2 rounds per step to test round seeds"
@@ -181,6 +186,8 @@ def test_dapo_two_rounds_two_processes_no_seed_shared(fake_runs):
         assert r["starts"] == 1 and [e for e in r["events"] if e[0] == "start"] == [["start", 1, 1]]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tp2_group_identical_requests_same_samples_as_tp1(fake_runs):
     (tp1, m1), (tp2, m2) = fake_runs[1], fake_runs[2]
     gen = [[e for e in r["events"] if e[0] in ("generate", "score")] for r in tp2]

@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import REPO, accelerate_launch
 
+pytestmark = pytest.mark.slow  # tiers: conftest.py
+
 SCRIPT = str(REPO / "tests" / "scripts" / "engine_generate.py")
 
 

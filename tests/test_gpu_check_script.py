@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
+
 FAKE_SMI = """#!/usr/bin/env bash
 # stand-in for gpu_check.sh's `nvidia-smi --query-gpu=index,memory.used ... -lms 500`: one sample per 0.5 s until killed;
 # any other query (accelerate's launcher asks for the GPU names) fails, as nvidia-smi does without a driver

@@ -160,6 +160,7 @@ def merge_delta(adapter_2: dict, adapter_1: dict, weight_name: str) -> torch.Ten
     return product(adapter_2) - product(adapter_1)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_match_one(model_dir, tmp_path):
     """2 gloo processes (FSDP2 when the actor shards), half the groups each: the same metrics (rtol 1e-4), adapters
     and merged weights as 1 process on the whole mini-batch; base weights bit-identical with no gradient."""

@@ -37,6 +37,7 @@ def lora_run(tiny_model_dir, arith_data, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_engine_scores_like_merged_actor_after_every_push(lora_run):
     out, proc = lora_run
     rows = read_metrics(out)
@@ -50,6 +51,7 @@ def test_engine_scores_like_merged_actor_after_every_push(lora_run):
     assert (proc.stdout + proc.stderr).count("the KL reference is the actor with its adapters disabled") == 1
 
 
+@pytest.mark.slow
 def test_bad_target_module_exits_2_before_the_engine(tiny_model_dir, arith_data, tmp_path):
     overrides = tiny_overrides(tiny_model_dir, arith_data, tmp_path) + ["model.lora_rank=8", "model.target_modules=[q_proj,attn_qkv]"]
     proc = run_train(["recipes/tiny_cpu.yaml", *overrides], check=False, timeout=300)
@@ -58,6 +60,7 @@ def test_bad_target_module_exits_2_before_the_engine(tiny_model_dir, arith_data,
     assert "Initializing a V1 LLM engine" not in proc.stderr + proc.stdout, "the engine started before the check"
 
 
+@pytest.mark.slow
 def test_checkpoint_adapter_and_merged_folder(lora_run, tiny_model_dir):
     """The saved adapter reloads with peft; vLLM loads the merged folder and scores like it; pushing the base weights
     (adapters disabled) then scores like the base model, and pushing the merged weights again restores the trained one."""
@@ -101,6 +104,8 @@ def test_checkpoint_adapter_and_merged_folder(lora_run, tiny_model_dir):
         assert result[key] < 1e-4, f"{key}: {result}"
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)

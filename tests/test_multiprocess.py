@@ -26,6 +26,8 @@ from grpo_lib.batching import plan_rank_balance
 from tests.conftest import accelerate_launch
 from tests.scripts import grad_case as case
 
+pytestmark = pytest.mark.multiprocess  # tiers: conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from tests.conftest import accelerate_launch, read_metrics, run_train, tiny_overrides
 from tests.tolerances import adamw_flip_bound, assert_close_after_adamw
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
+
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # varied, deterministic reward so advantages and the policy gradient are non-zero on a random model

@@ -73,6 +73,7 @@ ALLOC_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")
 def test_tuned_allocator_reuses_freed_memory_instead_of_faulting_it_back(tmp_path):
     """glibc returns a freed 64 MiB block to the OS (above its largest mmap threshold, 32 MiB) and faults it in again
@@ -214,6 +215,7 @@ def _update_grads(actor, batch):
     return grads
 
 
+@pytest.mark.slow
 def test_torch_compiled_decoder_layers_match_eager(tiny_model_dir):
     """actor.use_torch_compile: logprobs within 1e-5 and gradients within 1e-4 (relative) of the eager actor (fp32;
     inductor fuses and reorders float ops, so not bitwise); the update runs through the compiled layers."""

@@ -4,7 +4,11 @@ compute logs the engine/trainer logprob gap."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import read_metrics, run_train, tiny_overrides
+
+pytestmark = pytest.mark.slow  # tiers: conftest.py
 
 TWO_STEPS = ["trainer.total_training_steps=2", "trainer.logger=[console,jsonl]"]
 

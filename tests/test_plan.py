@@ -146,6 +146,7 @@ def test_cli_print_plan_loads_no_model_and_no_engine():
     assert "EXIT 0" in proc.stdout and "HEAVY []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_memory_plan_within_2x_of_a_measured_cpu_update(tmp_path):
     """Plan vs measurement: one update of a 43M-parameter model on CPU (float32), peak RSS over the RSS before loading.
 

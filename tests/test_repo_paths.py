@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", ".venv", "artifacts", "outputs", "__pycache__", ".pytest_cache", ".hypothesis", "node_modules"}
+SKIP_DIRS = {".git", ".venv", "artifacts", "outputs", "__pycache__", ".pytest_cache", ".hypothesis", "node_modules", ".ruff_cache"}
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".sh", ".toml", ".cfg", ".json", ""}
 # Patterns are assembled from pieces so this file does not match itself.
 FORBIDDEN = [

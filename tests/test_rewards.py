@@ -492,6 +492,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_no_worker_survives_sigkill_of_the_trainer(custom_file, tmp_path):
     """The process owning the scorer is SIGKILLed while its workers hang in C-like sleeps: none survives."""
     import signal

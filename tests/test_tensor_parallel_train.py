@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import accelerate_launch, read_metrics, run_train, tiny_overrides
 from tests.test_multiprocess_train import REWARD
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
+
 
 def test_tp2_two_processes_train_like_one(tiny_model_dir, arith_data, tmp_path):
     reward = tmp_path / "reward.py"

@@ -17,6 +17,8 @@ import torch
 
 from tests.conftest import REPO, accelerate_launch, read_metrics, run_train, tiny_overrides
 
+pytestmark = pytest.mark.slow  # tiers: conftest.py
+
 
 _RUNS: dict = {}
 

@@ -104,6 +104,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow
 def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, tmp_path):
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
              "reward_model": {"style": "rule", "ground_truth": "broken" if i >= 4 else "ok"}} for i in range(8)]
@@ -129,6 +130,7 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
     assert (sampler["epoch"], sampler["position"]) == (0, 4), f"a resume must redraw the aborted step's 4 prompts: {sampler}"
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tiny_model_dir, arith_data, tmp_path):
     """The stops raised while collecting rollouts (DAPO finding no group whose scores differ, or rewards that all
     fail under filter_groups) reach train_grpo's exit-3 path: they used to escape it as a traceback with exit 1."""
@@ -144,6 +146,7 @@ def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tin
     assert not (out / "global_step_1").exists(), "nothing completed, nothing saved"
 
 
+@pytest.mark.slow
 def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
     run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), "trainer.val_only=true",
@@ -179,6 +182,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow
 def test_no_reward_worker_survives_sigkill_of_the_trainer(tiny_model_dir, arith_data, tmp_path):
     """SIGKILL train_grpo.py while its reward workers hang inside calls: every process it started is gone within
     a few seconds (the forkserver and the workers alike)."""
