@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config.checks import environment_problems  # noqa: E402
+from grpo_lib.config.checks import environment_problems, needs_old_logprobs  # noqa: E402
 
 
 class SetupError(RuntimeError):
@@ -218,7 +218,7 @@ class GRPOTrainer:
                 with timed(timings, "ref"):
                     batch.ref_logprobs = reference.compute_logprobs(batch)
             # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
-            if S.needs_old_logprobs(cfg):
+            if needs_old_logprobs(cfg):
                 with timed(timings, "old_logprob"):
                     batch.old_logprobs = actor.compute_logprobs(batch)
             # 6. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards, hence after 4-5)

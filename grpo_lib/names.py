@@ -18,3 +18,5 @@ ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token", "sequence")
 """algorithm.rollout_correction.mode."""
 ENGINE_NAMES: tuple[str, ...] = ("vllm", "hf")
 """rollout.name (grpo_lib/engines/__init__.py maps each to its class)."""
+REWARD_FUNCTIONS: tuple[str, ...] = ("accuracy", "format", "custom")
+"""reward.functions[].name (grpo_lib/rewards/scorer.py combines them)."""

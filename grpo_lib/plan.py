@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
-from grpo_lib.config.checks import environment_problems, mini_batch_sizes
+from grpo_lib.config.checks import environment_problems, mini_batch_sizes, needs_old_logprobs
 from grpo_lib.dtypes import DTYPE_BYTES, resolve as resolve_dtype
 from grpo_lib.preflight import hub_snapshot
-from grpo_lib.step import needs_old_logprobs  # the step's own rule, so the plan says what the run will do
 
 GIB = 2**30
 HEAD_CHUNK_TOKENS = 1024  # grpo_lib.logprobs.token_logprobs' default chunk_size

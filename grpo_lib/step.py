@@ -241,12 +241,6 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     return batch, metrics
 
 
-def needs_old_logprobs(cfg) -> bool:
-    """A separate old-logprob pass is needed only when the policy moves before the last update of the step."""
-    several_updates = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
-    return several_updates or cfg.algorithm.use_kl_in_reward
-
-
 def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
     """Token rewards (score on the last response token, minus the KL penalty on loss tokens if in reward) -> group
     advantages, broadcast over the loss tokens."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.conftest import accelerate_launch, read_metrics, run_train, tiny_overrides

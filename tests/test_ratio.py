@@ -28,6 +28,7 @@ import grpo_lib.fsdp as fsdp_module  # LogprobModel.forward calls token_logprobs
 from grpo_lib import step
 from grpo_lib.actor import Actor
 from grpo_lib.config import load_config
+from grpo_lib.config.checks import needs_old_logprobs
 from grpo_lib.types import Generation, PromptBatch
 
 NUM_PROMPTS, N = 3, 4  # 12 trajectories
@@ -78,7 +79,7 @@ def fake_batch(cfg, *, seed: int = 0, holes: bool = False):
 @pytest.mark.parametrize("holes", [False, True], ids=["contiguous", "holes"])
 def test_single_update_has_ratio_one(tiny_model_dir, holes):
     cfg = make_cfg(tiny_model_dir)  # one mini-batch, ppo_epochs 1, 3 micro-batches of <= 5 rows
-    assert not step.needs_old_logprobs(cfg), "one update per step must not run an old-logprob pass"
+    assert not needs_old_logprobs(cfg), "one update per step must not run an old-logprob pass"
     torch.manual_seed(0)
     actor = Actor(cfg, device=torch.device("cpu"))
     batch = fake_batch(cfg, holes=holes)
@@ -126,7 +127,7 @@ def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, r
     # ([0, 1], [2, 3]) differ, unless the old-logprob pass follows the update's mini-batches.
     cfg = make_cfg(tiny_model_dir, "actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=3", f"actor.ppo_mini_batch_size={mini_batch_prompts}",
                    f"actor.shuffle={str(shuffle).lower()}", f"model.use_remove_padding={str(remove_padding).lower()}")
-    assert step.needs_old_logprobs(cfg)
+    assert needs_old_logprobs(cfg)
     torch.manual_seed(0)
     actor = Actor(cfg, device=torch.device("cpu"))
     batch = fake_batch(cfg, holes=holes)

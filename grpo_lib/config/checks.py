@@ -66,6 +66,13 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
         t.nnodes = 1  # verl's default
 
 
+def needs_old_logprobs(cfg: Config) -> bool:
+    """A separate old-logprob pass is needed only when the policy moves before the last update of the step (several
+    epochs or mini-batches), or KL-in-reward needs the old logprobs. The step, the actor and --print-plan read it."""
+    several_updates = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
+    return several_updates or cfg.algorithm.use_kl_in_reward
+
+
 def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
     """The engine's sampling logprobs are requested only when something reads them.
 
@@ -221,8 +228,6 @@ def _outside(value: float, low: float | None, high: float | None, *, low_open: b
 
 def _value_ranges(cfg: Config) -> list[str]:
     """Values a run cannot use (negative or NaN rates, clip ranges, probabilities, step counts): one problem each."""
-    from grpo_lib.rewards.scorer import FUNCTION_NAMES  # light: no torch
-
     p: list[str] = []
     a, r, t, rw = cfg.actor, cfg.rollout, cfg.trainer, cfg.reward
     # (key, value, low, high, low_open, high_open, why / fix)
@@ -282,17 +287,17 @@ def _value_ranges(cfg: Config) -> list[str]:
     if a.fsdp_config.param_dtype == "float16":  # bf16 has float32's exponent range; float16 does not
         p.append("actor.fsdp_config.param_dtype=float16: float16 gradients need loss scaling, which this trainer does not do "
                  "(small per-token gradients would underflow to 0); use bfloat16 (or auto: bfloat16 on GPU)")
-    names = [fn.get("name") for fn in rw.functions if isinstance(fn, dict)]
+    listed = [fn.get("name") for fn in rw.functions if isinstance(fn, dict)]
     for i, fn in enumerate(rw.functions):
         if not isinstance(fn, dict) or "name" not in fn:
             continue  # reported above
-        if fn["name"] not in FUNCTION_NAMES or set(fn) - {"name", "weight"}:
-            p.append(f"reward.functions[{i}]={fn!r}: use {{name: one of {list(FUNCTION_NAMES)}, weight: number}}")
+        if fn["name"] not in names.REWARD_FUNCTIONS or set(fn) - {"name", "weight"}:
+            p.append(f"reward.functions[{i}]={fn!r}: use {{name: one of {list(names.REWARD_FUNCTIONS)}, weight: number}}")
         weight = fn.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             p.append(f"reward.functions[{i}].weight={weight!r}: must be a finite number")
-        if names.count(fn["name"]) > 1 and names.index(fn["name"]) == i:
+        if listed.count(fn["name"]) > 1 and listed.index(fn["name"]) == i:
             p.append(f"reward.functions: {fn['name']!r} is listed more than once; give it one entry with the summed weight")
-    if "custom" in names and rw.custom.path is None:
+    if "custom" in listed and rw.custom.path is None:
         p.append("reward.functions lists 'custom' but reward.custom.path is not set: point it at a Python file with compute_score")
     return p

@@ -27,6 +27,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from grpo_lib import names
 from grpo_lib.rewards.custom import load_custom_reward
 from grpo_lib.rewards.pool import TimeoutPool, call_safely
 from grpo_lib.rewards.registry import compute_score, format_score
@@ -34,7 +35,7 @@ from grpo_lib.rewards.gsm8k import GSM8K_MODES
 
 logger = logging.getLogger(__name__)
 
-FUNCTION_NAMES = ("accuracy", "format", "custom")
+FUNCTION_NAMES = names.REWARD_FUNCTIONS  # accuracy, format, custom (torch-free, for config validation)
 DEFAULT_WEIGHT = 1.0  # a function listed without a weight (the config documents the weight as optional)
 _MAX_ERROR_SAMPLES = 5
 

@@ -1,0 +1,148 @@
+"""The import drawing of grpo_lib/ stays a stack: no import circle, no arrow up a layer, and docs/DESIGN.md's module
+map lists every module with its true layer and arrows.
+
+Imports are read with `ast` (every `import grpo_lib...` / `from grpo_lib... import ...`, also inside functions and
+under TYPE_CHECKING: a lazy import is still a dependency). A name imported from a package that is one of its
+submodules counts as an arrow to that submodule; any other name as an arrow to the package's `__init__`.
+The module map is the table under "## Module map" in docs/DESIGN.md: `| layer | module | owns | talks to |`, module
+names relative to grpo_lib (`engines.vllm`, a package's `__init__` by the package name), "talks to" the project modules
+it imports, comma-separated (`—` for none). A layer imports only from its own layer or below.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LIB = REPO / "grpo_lib"
+
+
+def lib_modules() -> dict[str, Path]:
+    """Module name (relative to grpo_lib) -> file; an empty package __init__ is not a module of its own."""
+    out = {}
+    for path in sorted(LIB.rglob("*.py")):
+        parts = path.relative_to(LIB).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            if not parts or not path.read_text().strip():
+                continue
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(dotted: str, modules) -> str | None:
+    """The longest prefix of `dotted` that is a module (None: grpo_lib itself or an empty package)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def imports_of(path: Path, modules) -> set[str]:
+    """The grpo_lib modules `path` imports."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("grpo_lib."):
+                    out.add(_resolve(alias.name.removeprefix("grpo_lib."), modules))
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative import: resolve against this file's package
+                package = path.relative_to(REPO).parent.parts[:len(path.relative_to(REPO).parent.parts) - node.level + 1]
+                module = ".".join((*package, *([module] if module else [])))
+            if module != "grpo_lib" and not module.startswith("grpo_lib."):
+                continue
+            base = module.removeprefix("grpo_lib").removeprefix(".")
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}" if base else alias.name
+                out.add(candidate if candidate in modules else _resolve(base, modules))
+    out.discard(None)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = lib_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def module_map() -> dict[str, tuple[int, set[str]]]:
+    """docs/DESIGN.md's module map: module -> (layer, modules it talks to)."""
+    text = (REPO / "docs/DESIGN.md").read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].isdigit():
+            continue
+        name = cells[1].strip("`")
+        talks = {t.strip().strip("`") for t in re.split(r",", cells[3]) if t.strip().strip("`") not in ("", "—", "-")}
+        rows[name] = (int(cells[0]), talks)
+    return rows
+
+
+def test_the_reader_sees_every_import():
+    """The parser itself: a module known to import others is read as doing so (else every check below is vacuous)."""
+    graph = import_graph()
+    assert len(graph) > 20, sorted(graph)
+    assert sum(len(v) for v in graph.values()) > 30, "almost no arrows read: the ast reader is broken"
+    cyclic = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(cyclic) == [["a", "b", "c"]]
+
+
+def test_no_import_circle():
+    found = cycles(import_graph())
+    assert not found, "import circles (one concern lives in two files: move the shared piece into a leaf both import): " \
+        + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_design_module_map_lists_every_module_with_its_true_arrows():
+    graph, rows = import_graph(), module_map()
+    missing, extra = sorted(set(graph) - set(rows)), sorted(set(rows) - set(graph))
+    assert not missing, f"docs/DESIGN.md's module map lacks {missing}"
+    assert not extra, f"docs/DESIGN.md's module map lists modules that do not exist: {extra}"
+    wrong = {name: (sorted(rows[name][1]), sorted(deps)) for name, deps in graph.items() if rows[name][1] != deps}
+    assert not wrong, "docs/DESIGN.md 'talks to' differs from the imports (map, code): " + \
+        "; ".join(f"{n}: {m} vs {c}" for n, (m, c) in sorted(wrong.items()))
+
+
+def test_no_arrow_runs_up_a_layer():
+    graph, rows = import_graph(), module_map()
+    up = [f"{name} (layer {rows[name][0]}) -> {dep} (layer {rows[dep][0]})"
+          for name, deps in graph.items() for dep in deps if name in rows and dep in rows and rows[dep][0] > rows[name][0]]
+    assert not up, "imports that run up a layer: " + "; ".join(sorted(up))
