@@ -469,3 +469,53 @@ def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpo
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     resumed = run_train(base(out, "trainer.save_freq=2", "trainer.total_training_steps=3"))  # one process: DCP reshards
     assert "resumed from" in resumed.stderr and (out / "global_step_3" / MARKER).is_file(), resumed.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ another process count
+# The metrics tests/test_multiprocess_train.py compares between 1 and 2 processes, with its tolerance: rtol 1e-4 covers
+# the float reordering of sums over 1 vs 2 processes (the rollouts and the gradients do not depend on the count).
+PROCESS_COUNT_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def three_steps_at(base, tmp_path_factory):
+    """{process count: run folder} of uninterrupted 3-step runs that save at steps 2 and 3 (with a KL term, so the
+    reference's resume is compared too); built once per count."""
+    runs: dict[int, Path] = {}
+
+    def run(procs: int) -> Path:
+        if procs not in runs:
+            out = tmp_path_factory.mktemp(f"three_steps_{procs}p")
+            run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
+                      launcher=accelerate_launch(procs))
+            runs[procs] = out
+        return runs[procs]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
+def test_resume_on_another_process_count_continues_the_run(base, three_steps_at, tmp_path, saved, resumed):
+    """A checkpoint of step 2 written by `saved` processes resumes at `resumed` processes (into a fresh run folder with
+    resume_mode=resume_path) and its step 3 equals step 3 of the run that wrote the checkpoint, within the 1-vs-2-process
+    tolerance. Exact in principle: both step 3s start from the same saved state (weights, optimizer, scheduler, sampler)
+    and draw the same samples (per-sample seeds), so they differ only by the order of the sums of 1 vs 2 processes; the
+    uninterrupted run at the resuming count is compared too (its step-2 state differs by that reordering only)."""
+    source = three_steps_at(saved)
+    out = tmp_path / "resumed"
+    proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true",
+                          "trainer.resume_mode=resume_path", f"trainer.resume_from_path={source / 'global_step_2'}"),
+                     launcher=accelerate_launch(resumed))
+    assert "resumed from" in proc.stderr, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [3], "the resumed run logs its own step only"
+    for reference in (source, three_steps_at(resumed)):
+        expected = {r["step"]: r for r in read_metrics(reference)}[3]
+        assert any(abs(expected[k]) > 1e-6 for k in ("actor/pg_loss", "actor/kl_loss")), "nothing moved: the test proves nothing"
+        for key in PROCESS_COUNT_KEYS:
+            assert rows[0][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), \
+                f"step 3 {key}: resumed at {resumed} process(es) from {saved} {rows[0][key]} vs {reference.name} {expected[key]}"
+    state = json.loads((out / "global_step_3" / "trainer_state.json").read_text())
+    assert state["world_size"] == resumed and sorted(p.name for p in (out / "global_step_3" / "rng").iterdir()) == \
+        [f"rank_{r}.pt" for r in range(resumed)]
