@@ -220,11 +220,11 @@ def verify_resume(cfg, plan: ResumePlan, *, rank: int, world_size: int) -> Resum
         if rank == 0:
             print(f"warning: the checkpoint {path} is damaged:\n    " + "\n    ".join(problems), file=sys.stderr)
     else:
-        listing = "\n".join(f"  {path}:\n    " + "\n    ".join(problems) for path, problems in damaged)
+        report = "\n".join(f"  {path}:\n    " + "\n    ".join(problems) for path, problems in damaged)
         if cfg.trainer.resume_mode == "resume_path":
-            raise ResumeError(f"trainer.resume_from_path={str(plan.path)!r} is damaged and cannot be resumed:\n{listing}\n"
+            raise ResumeError(f"trainer.resume_from_path={str(plan.path)!r} is damaged and cannot be resumed:\n{report}\n"
                               "Point trainer.resume_from_path at another checkpoint, or restore this one from a copy.")
-        raise ResumeError(f"every checkpoint in {cfg.trainer.default_local_dir} is damaged; nothing was changed:\n{listing}\n"
+        raise ResumeError(f"every checkpoint in {cfg.trainer.default_local_dir} is damaged; nothing was changed:\n{report}\n"
                           "Restore them from a copy; or, to start this run again from step 0, move them out of the folder "
                           "(or choose another trainer.default_local_dir).")
     if rank == 0:
@@ -234,7 +234,8 @@ def verify_resume(cfg, plan: ResumePlan, *, rank: int, world_size: int) -> Resum
         else:
             print(f"verified {path} (every file's size and {CHECKSUM}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         if damaged:
-            print(f"falling back to {path}, the newest complete checkpoint that is not damaged", file=sys.stderr)
+            print(f"falling back to {path}, the newest complete checkpoint that is not damaged: the steps after "
+                  f"{checkpoint_step(path)} run again (their metrics are replaced)", file=sys.stderr)
     check_config_unchanged(cfg, read_trainer_state(path)["config"], path)
     return ResumePlan(step=checkpoint_step(path), path=path, discard=plan.discard, damaged=[p for p, _ in damaged])
 
@@ -419,8 +420,9 @@ def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, wo
     sums: dict[str, str] = {}
     attempt(lambda: sums.update({rel: file_checksum(tmp / rel) for rel, _ in share(files, rank, world_size)}))
     shares = all_gather_object(sums)
+    agree()  # every share is checksummed
     if rank == 0:
-        attempt(lambda: write_manifest(tmp, files, {rel: crc for share in shares for rel, crc in share.items()}))
+        attempt(lambda: write_manifest(tmp, files, {rel: crc for part in shares for rel, crc in part.items()}))
     agree()
     if rank == 0:
         attempt(publish)
