@@ -87,6 +87,24 @@ def test_every_kind_of_damage_is_found_on_any_process_count(tmp_path, damage):
     assert two == sorted(set(one)), "two processes together find what one finds"
 
 
+def test_an_unreadable_file_is_a_problem_not_a_crash(tmp_path, monkeypatch):
+    """An I/O error while checksumming (a failing disk, permissions) makes the checkpoint damaged; the resume goes on."""
+    import errno
+
+    from grpo_lib import checkpoint_integrity
+
+    folder = save_tiny(tmp_path, 2)
+    checksum = checkpoint_integrity.file_checksum
+
+    def failing(path, **kwargs):
+        if path.name == "model.safetensors":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return checksum(path, **kwargs)
+
+    monkeypatch.setattr(checkpoint_integrity, "file_checksum", failing)
+    assert [line.split(" (")[0] for line in checkpoint_problems(folder, step=2)] == ["actor/model.safetensors: unreadable"]
+
+
 def test_checkpoint_without_manifest_gets_the_checks_that_need_none(tmp_path):
     """Written before manifests existed: accepted (the resume warns, tests/test_checkpoint.py), but a garbage
     trainer_state.json or .metadata is still found."""
