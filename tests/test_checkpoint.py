@@ -42,9 +42,9 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
     reward.write_text(REWARD)
 
     def overrides(out: Path, *extra: str) -> list[str]:
-        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), f"reward.custom.path={reward}",
+        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, f"reward.custom.path={reward}",
                 "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", f"trainer.total_training_steps={STEPS}",
-                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra]
+                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra)]
     return overrides
 
 
