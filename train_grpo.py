@@ -12,7 +12,8 @@ Config problems, and a run folder that holds another run, exit with code 2 befor
 A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
 step, save and exit 0 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
-model (grpo_lib/plan.py).
+model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
+fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads; 3 the run stopped because its results could not be trusted (rewards failing, see `GRPOTrainer.stop_run`; or
 trainer.max_bad_steps consecutive non-finite updates).

@@ -49,6 +49,10 @@ def assert_fails_early(result, *needles: str) -> None:
     ("rollout.val_kwargs.n=4", "rollout.val_kwargs.n=4 with rollout.val_kwargs.temperature=0"),
     ("actor.grad_clip=-1", "actor.grad_clip=-1.0"),
     ("trainer.val_generations_to_log=-1", "trainer.val_generations_to_log=-1: must be >= 0"),
+    # issue 20 item 8: a negative prompt-order seed crashed numpy after the engine started; 0 processes per machine
+    # suggested "launch 0"
+    ("data.seed=-1", "data.seed=-1: the prompt-order seed must be >= 0"),
+    ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node=0: must be >= 1 (processes per machine)"),
 ])
 def test_value_out_of_range_exits_2_naming_the_key(monkeypatch, override, needle):
     assert_fails_early(run_main(monkeypatch, "recipes/tiny_cpu.yaml", override), needle)
@@ -152,3 +156,13 @@ def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path, monkeyp
     result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, tmp_path / "run"),
                       "data.invalid_rows=error", setup=True)
     assert_fails_early(result, f"data file {str(data['train'])!r} row 5 (0-based): reward_model.ground_truth is None")
+
+
+def test_invalid_utf8_in_a_jsonl_file_names_the_file_byte_and_line(tiny_model_dir, tmp_path, monkeypatch):
+    """A latin-1 byte in a .jsonl data file (issue 20 item 8): exit 2 naming the file, the byte offset and the line, not a
+    UnicodeDecodeError traceback. Line 1 is 9 bytes with its newline; in line 2, '{"b": "caf' is 10 more: byte 19."""
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b'{"a": 1}\n{"b": "caf\xe9"}\n')
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, {"train": data, "test": data},
+                                                                             tmp_path / "run"), setup=True)
+    assert_fails_early(result, f"data file {str(data)!r} is not valid UTF-8: byte 19 (line 2)", "iconv")
