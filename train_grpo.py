@@ -301,9 +301,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from grpo_lib.preflight import check_run_folder  # writable, room for one checkpoint: before anything heavy
+    from grpo_lib.preflight import check_model_folder, check_run_folder  # before anything heavy
 
-    folder_problems = check_run_folder(cfg)
+    folder_problems = check_model_folder(cfg.model.path) + check_run_folder(cfg)  # weights complete; writable, room
     if folder_problems:
         print("error: " + "\n".join(folder_problems), file=sys.stderr)
         return 2
