@@ -103,7 +103,8 @@ class GRPOTrainer:
         sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         try:
             scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+                                  import_timeout_s=cfg.reward.import_timeout_s)
         except (ValueError, OSError, ImportError, AttributeError) as exc:
             raise SetupError(f"reward setup: {exc}") from exc
         try:

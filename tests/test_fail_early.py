@@ -237,3 +237,14 @@ def test_complete_model_folders_and_hub_names_pass_the_model_check(tiny_model_di
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     assert check_model_folder(str(sharded)) == []
     assert check_model_folder("Org/Not-Downloaded") == []
+
+
+def test_reward_file_that_blocks_at_import_exits_2_naming_it(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """reward.import_timeout_s (issue 20 item 7): a custom reward file that waits at import used to hang setup forever."""
+    reward = tmp_path / "waits_reward.py"
+    reward.write_text("import time\ntime.sleep(600)\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run",
+                                                                             f"reward.custom.path={reward}",
+                                                                             "reward.import_timeout_s=1"), setup=True)
+    assert_fails_early(result, f"custom reward file {reward} did not finish importing within reward.import_timeout_s=1.0 s")
