@@ -196,6 +196,10 @@ def test_repeated_nested_key_exits_2_naming_both_lines(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(recipe)
     assert f"actor.fsdp_config.param_offload is set twice in recipe {recipe}: at {recipe}:3 and {recipe}:4" in str(err.value)
+    recipe.write_text("reward:\n  functions:\n    - name: accuracy\n      weight: 1.0\n      weight: 2.0\n")  # in a list
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert f"reward.functions[0].weight is set twice in recipe {recipe}: at {recipe}:4 and {recipe}:5" in str(err.value)
 
 
 def test_verl_spelling_and_ours_in_one_recipe_exit_2_naming_both_lines(tmp_path):

@@ -241,7 +241,7 @@ def _repeated_keys(node, recipe: str) -> list[str]:
     problems: list[str] = []
     leaves: dict[str, list[tuple[str, int]]] = {}  # canonical key -> [(spelling, line)] of every leaf that sets it
 
-    def walk(mapping, prefix: str) -> None:
+    def walk(mapping, prefix: str, *, in_list: bool = False) -> None:
         seen: dict[str, int] = {}
         for key_node, value_node in mapping.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: explicit keys may override merged ones
@@ -254,9 +254,13 @@ def _repeated_keys(node, recipe: str) -> list[str]:
                 continue
             seen[dotted] = line
             if isinstance(value_node, yaml.MappingNode) and value_node.value:
-                walk(value_node, dotted + ".")
-            else:
+                walk(value_node, dotted + ".", in_list=in_list)
+            elif not in_list:
                 leaves.setdefault(_canonical(dotted), []).append((dotted, line))
+            if isinstance(value_node, yaml.SequenceNode):  # mappings in a list: reward.functions: [{name: .., weight: ..}]
+                for i, item in enumerate(value_node.value):
+                    if isinstance(item, yaml.MappingNode):
+                        walk(item, f"{dotted}[{i}].", in_list=True)
 
     if isinstance(node, yaml.MappingNode):
         walk(node, "")
