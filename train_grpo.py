@@ -12,7 +12,8 @@ Config problems, and a run folder that holds another run, exit with code 2 befor
 A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
 step, save and exit 0 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
-model (grpo_lib/plan.py).
+model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
+fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads; 3 the run stopped because its results could not be trusted (rewards failing, see `GRPOTrainer.stop_run`; or
 trainer.max_bad_steps consecutive non-finite updates).
@@ -102,7 +103,8 @@ class GRPOTrainer:
         sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         try:
             scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+                                  import_timeout_s=cfg.reward.import_timeout_s)
         except (ValueError, OSError, ImportError, AttributeError) as exc:
             raise SetupError(f"reward setup: {exc}") from exc
         try:
@@ -300,9 +302,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from grpo_lib.preflight import check_run_folder  # writable, room for one checkpoint: before anything heavy
+    from grpo_lib.preflight import check_model_folder, check_run_folder  # before anything heavy
 
-    folder_problems = check_run_folder(cfg)
+    folder_problems = check_model_folder(cfg.model.path) + check_run_folder(cfg)  # weights complete; writable, room
     if folder_problems:
         print("error: " + "\n".join(folder_problems), file=sys.stderr)
         return 2

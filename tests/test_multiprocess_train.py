@@ -39,10 +39,11 @@ def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path, setting):
     runs, logs = {}, {}
     for procs in (1, 2):
         out = tmp_path / f"p{procs}"
-        overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
+        overrides = tiny_overrides(
+            tiny_model_dir, arith_data, out,
             f"reward.custom.path={reward}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
             "trainer.check_weight_sync=true", *SETTINGS[setting],
-        ]
+        )
         logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs)).stdout
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]
