@@ -43,9 +43,9 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
     reward.write_text(REWARD)
 
     def overrides(out: Path, *extra: str) -> list[str]:
-        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), f"reward.custom.path={reward}",
+        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, f"reward.custom.path={reward}",
                 "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", f"trainer.total_training_steps={STEPS}",
-                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra]
+                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra)]
     return overrides
 
 
@@ -254,7 +254,7 @@ HAND_LIST_BEFORE_METADATA = (
     "ref.", "model.enable_gradient_checkpointing", "model.use_remove_padding",
     "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes", "rollout.free_cache_engine", "rollout.enforce_eager",
     "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
-    "data.val_files", "reward.num_workers", "reward.timeout_s",
+    "data.val_files", "reward.num_workers", "reward.timeout_s", "reward.import_timeout_s", "trainer.discard_newer_checkpoints",
     "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
     "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
@@ -262,10 +262,6 @@ HAND_LIST_BEFORE_METADATA = (
     "trainer.tune_allocator", "actor.use_torch_compile",
     "ignored.",
 )
-
-
-# Declared since, each with its reason: discard_newer_checkpoints is an instruction to one resume, not part of the step.
-DECLARED_SINCE = ("trainer.discard_newer_checkpoints",)
 
 
 def test_keys_that_may_change_on_resume_come_from_the_fields():
@@ -278,7 +274,7 @@ def test_keys_that_may_change_on_resume_come_from_the_fields():
     aliases = {"actor.log_prob_micro_batch_size_per_gpu", "actor.log_prob_max_token_len_per_gpu"}
     assert {_canonical(k) for k in aliases} == {"rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu"}
     assert len(set(MAY_CHANGE_ON_RESUME)) == len(MAY_CHANGE_ON_RESUME)
-    assert set(MAY_CHANGE_ON_RESUME) == (set(HAND_LIST_BEFORE_METADATA) - aliases) | set(DECLARED_SINCE)
+    assert set(MAY_CHANGE_ON_RESUME) == set(HAND_LIST_BEFORE_METADATA) - aliases
     assert all(_canonical(k.rstrip(".")) == k.rstrip(".") for k in MAY_CHANGE_ON_RESUME), "an alias spelling is listed"
     saved = json.loads(json.dumps(dataclasses.asdict(Config())))  # what a checkpoint's trainer_state.json holds
     for key in MAY_CHANGE_ON_RESUME:  # each names a key (or, ending in ".", a section) that a saved config holds
@@ -531,7 +527,7 @@ def test_resume_on_another_process_count_continues_the_run(base, three_steps_at,
 # checkpoint.save for a tiny module (tests/tiny_checkpoint.py) with the config of the same command line: the folder
 # rules, the checks of every file and the fallback all happen before setup, so before the engine.
 def resume_args(model: Path, data: dict, out: Path, *extra: str) -> list[str]:
-    return ["recipes/tiny_cpu.yaml", *tiny_overrides(model, data, out), *extra]
+    return ["recipes/tiny_cpu.yaml", *tiny_overrides(model, data, out, *extra)]
 
 
 def checkpoints_of(args: list[str], out: Path, steps) -> None:
