@@ -9,8 +9,9 @@ colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (s
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
 Config problems, and a run folder that holds another run, exit with code 2 before anything heavy loads.
-A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
-step, save and exit 0 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
+A run resumes from its newest complete checkpoint whose files all check out (trainer.resume_mode=auto; a damaged one
+is reported and skipped before the engine starts). SIGTERM / SIGINT finish the step, save and exit 0
+(grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
 model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
 fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
@@ -328,12 +329,17 @@ def main(argv: list[str]) -> int:
     if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    try:  # a folder holding another run, or a resume whose config changes what a step computes: exit 2 now
+    try:  # a folder holding another run, or a resume that would delete newer checkpoints: exit 2 now
         resume = checkpoint.plan_resume(cfg)
     except checkpoint.ResumeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     init_distributed()
+    try:  # every file of the checkpoint, on every process (a share each); a damaged one falls back (auto) or exits 2
+        resume = checkpoint.verify_resume(cfg, resume, rank=rank, world_size=world_size)
+    except checkpoint.ResumeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if rank == 0:
         checkpoint.prepare_run_folder(cfg, resume)
     barrier()

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -253,7 +254,7 @@ HAND_LIST_BEFORE_METADATA = (
     "ref.", "model.enable_gradient_checkpointing", "model.use_remove_padding",
     "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes", "rollout.free_cache_engine", "rollout.enforce_eager",
     "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
-    "data.val_files", "reward.num_workers", "reward.timeout_s", "reward.import_timeout_s",
+    "data.val_files", "reward.num_workers", "reward.timeout_s", "reward.import_timeout_s", "trainer.discard_newer_checkpoints",
     "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
     "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
@@ -469,3 +470,237 @@ def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpo
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     resumed = run_train(base(out, "trainer.save_freq=2", "trainer.total_training_steps=3"))  # one process: DCP reshards
     assert "resumed from" in resumed.stderr and (out / "global_step_3" / MARKER).is_file(), resumed.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ another process count
+# The metrics tests/test_multiprocess_train.py compares between 1 and 2 processes, with its tolerance: rtol 1e-4 covers
+# the float reordering of sums over 1 vs 2 processes (the rollouts and the gradients do not depend on the count).
+PROCESS_COUNT_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def three_steps_at(base, tmp_path_factory):
+    """{process count: run folder} of uninterrupted 3-step runs that save at steps 2 and 3 (with a KL term, so the
+    reference's resume is compared too); built once per count."""
+    runs: dict[int, Path] = {}
+
+    def run(procs: int) -> Path:
+        if procs not in runs:
+            out = tmp_path_factory.mktemp(f"three_steps_{procs}p")
+            run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
+                      launcher=accelerate_launch(procs))
+            runs[procs] = out
+        return runs[procs]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
+def test_resume_on_another_process_count_continues_the_run(base, three_steps_at, tmp_path, saved, resumed):
+    """A checkpoint of step 2 written by `saved` processes resumes at `resumed` processes (into a fresh run folder with
+    resume_mode=resume_path) and its step 3 equals step 3 of the run that wrote the checkpoint, within the 1-vs-2-process
+    tolerance. Exact in principle: both step 3s start from the same saved state (weights, optimizer, scheduler, sampler)
+    and draw the same samples (per-sample seeds), so they differ only by the order of the sums of 1 vs 2 processes; the
+    uninterrupted run at the resuming count is compared too (its step-2 state differs by that reordering only)."""
+    source = three_steps_at(saved)
+    out = tmp_path / "resumed"
+    proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true",
+                          "trainer.resume_mode=resume_path", f"trainer.resume_from_path={source / 'global_step_2'}"),
+                     launcher=accelerate_launch(resumed))
+    assert "resumed from" in proc.stderr, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [3], "the resumed run logs its own step only"
+    for reference in (source, three_steps_at(resumed)):
+        expected = {r["step"]: r for r in read_metrics(reference)}[3]
+        assert any(abs(expected[k]) > 1e-6 for k in ("actor/pg_loss", "actor/kl_loss")), "nothing moved: the test proves nothing"
+        for key in PROCESS_COUNT_KEYS:
+            assert rows[0][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), \
+                f"step 3 {key}: resumed at {resumed} process(es) from {saved} {rows[0][key]} vs {reference.name} {expected[key]}"
+    state = json.loads((out / "global_step_3" / "trainer_state.json").read_text())
+    assert state["world_size"] == resumed and sorted(p.name for p in (out / "global_step_3" / "rng").iterdir()) == \
+        [f"rank_{r}.pt" for r in range(resumed)]
+
+
+# ------------------------------------------------------------------------------------ one run per folder, damage
+# train_grpo.main(argv) in this process up to GRPOTrainer.setup (recorded, not run), over real checkpoints written by
+# checkpoint.save for a tiny module (tests/tiny_checkpoint.py) with the config of the same command line: the folder
+# rules, the checks of every file and the fallback all happen before setup, so before the engine.
+def resume_args(model: Path, data: dict, out: Path, *extra: str) -> list[str]:
+    return ["recipes/tiny_cpu.yaml", *tiny_overrides(model, data, out, *extra)]
+
+
+def checkpoints_of(args: list[str], out: Path, steps) -> None:
+    """The checkpoints of `steps` in `out` (metrics.jsonl with a line per step), recording the config of `args`."""
+    from grpo_lib.config import load_config
+    from tests.tiny_checkpoint import save_tiny
+
+    for step in steps:
+        save_tiny(out, step, seed=step, cfg=load_config(args[0], args[1:]))
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in range(max(steps) + 1)))
+
+
+def main_until_setup(monkeypatch, args: list[str]):
+    """(exit code and output of train_grpo.main(args), the ResumePlan setup was given or None if it was not reached)."""
+    import train_grpo
+    from tests.cli import run_main
+
+    plans = []
+    monkeypatch.setattr(train_grpo.GRPOTrainer, "setup", lambda self: plans.append(self.resume))
+    monkeypatch.setattr(train_grpo.GRPOTrainer, "train", lambda self: 0)
+    result = run_main(monkeypatch, *args, setup=True)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result, (plans[0] if plans else None)
+
+
+def test_resume_path_from_another_run_folder_into_a_used_one_exits_2_untouched(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """Issue 20, item 2: run A's checkpoint as resume_from_path with a run folder holding run B deleted B's global_step_3
+    and kept B's metrics under the new run. A run folder holds one run: exit 2, nothing touched; an empty folder works."""
+    a, b, empty = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    checkpoints_of(resume_args(tiny_model_dir, arith_data, a), a, [2])
+    checkpoints_of(resume_args(tiny_model_dir, arith_data, b), b, [3])
+    before = folder_digest(b)
+    from_a = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={a / 'global_step_2'}"]
+    result, plan = main_until_setup(monkeypatch, resume_args(tiny_model_dir, arith_data, b, *from_a))
+    assert result.returncode == 2 and plan is None, result.stderr[-3000:]
+    for needle in ("a run folder holds one run", "in an empty folder", f"trainer.default_local_dir={a}", "global_step_3",
+                   "Nothing was changed"):
+        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
+    assert folder_digest(b) == before, "a refused resume changed the other run's folder"
+
+    result, plan = main_until_setup(monkeypatch, resume_args(tiny_model_dir, arith_data, empty, *from_a))
+    assert result.returncode == 0 and plan.step == 2 and plan.path == a / "global_step_2", result.stderr[-3000:]
+    assert not (empty / POINTER).exists(), "the pointer names a checkpoint of this folder only"
+
+
+def test_resume_path_to_an_older_step_deletes_newer_checkpoints_only_when_told(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """Issue 20, item 2: within one folder, resume_path to an older step (a typo) silently deleted every newer
+    checkpoint. Now it exits 2 naming them and the key; with trainer.discard_newer_checkpoints=true they go."""
+    out = tmp_path / "run"
+    checkpoints_of(resume_args(tiny_model_dir, arith_data, out), out, [1, 2, 3])
+    before = folder_digest(out)
+    older = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={out / 'global_step_1'}"]
+    result, plan = main_until_setup(monkeypatch, resume_args(tiny_model_dir, arith_data, out, *older))
+    assert result.returncode == 2 and plan is None, result.stderr[-3000:]
+    for needle in ("global_step_2, global_step_3", "trainer.discard_newer_checkpoints=true", "Nothing was changed"):
+        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
+    assert folder_digest(out) == before
+
+    result, plan = main_until_setup(monkeypatch, resume_args(tiny_model_dir, arith_data, out, *older,
+                                                             "trainer.discard_newer_checkpoints=true"))
+    assert result.returncode == 0 and plan.step == 1, result.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_1"] and (out / POINTER).read_text().strip() == "1"
+    assert "removing" in result.stderr and "trainer.discard_newer_checkpoints=true" in result.stderr
+
+
+def _crafted_metadata_with_a_matching_manifest(folder: Path, ran: Path) -> None:
+    """What an attacker who can write the checkpoint does: a .metadata that runs a command, the manifest updated."""
+    import pickle
+
+    from grpo_lib.checkpoint_integrity import MANIFEST, file_checksum
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    (folder / "dcp" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["dcp/.metadata"] = {"bytes": (folder / "dcp" / ".metadata").stat().st_size,
+                                          "crc32": file_checksum(folder / "dcp" / ".metadata")}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+NEWEST_DAMAGE = {  # the issue's cases (a truncated shard or RNG file, garbage trainer_state.json) and a crafted .metadata
+    "truncated dcp shard": (lambda f, ran: _truncate(next((f / "dcp").glob("*.distcp"))), ".distcp: "),
+    "truncated rng/rank_0.pt": (lambda f, ran: _truncate(f / "rng" / "rank_0.pt"), "rng/rank_0.pt: "),
+    "garbage trainer_state.json": (lambda f, ran: (f / "trainer_state.json").write_text("garbage"), "trainer_state.json: "),
+    "crafted dcp/.metadata": (_crafted_metadata_with_a_matching_manifest, "dcp/.metadata: UnsafeCheckpointError"),
+}
+
+
+@pytest.mark.parametrize("damage", list(NEWEST_DAMAGE))
+def test_a_damaged_newest_checkpoint_is_reported_and_auto_falls_back(tiny_model_dir, arith_data, tmp_path, monkeypatch, damage):
+    """Issue 20, item 4: a corrupt but COMPLETE newest checkpoint blocked every resume (a traceback, after the engine
+    started, naming no folder). Now its files are checked before setup: it is reported by path and file, set aside as
+    damaged_global_step_2 (not deleted), and the run resumes from global_step_1, saying so."""
+    out, ran = tmp_path / "run", tmp_path / "ran"
+    args = resume_args(tiny_model_dir, arith_data, out)
+    checkpoints_of(args, out, [1, 2])
+    action, needle = NEWEST_DAMAGE[damage]
+    action(out / "global_step_2", ran)
+    result, plan = main_until_setup(monkeypatch, args)
+    assert result.returncode == 0 and plan is not None, result.stderr[-3000:]
+    assert (plan.step, plan.path) == (1, out / "global_step_1"), "resumed the damaged checkpoint"
+    assert f"the checkpoint {out / 'global_step_2'} is damaged" in result.stderr and needle in result.stderr, result.stderr
+    assert f"falling back to {out / 'global_step_1'}" in result.stderr
+    assert (out / "damaged_global_step_2" / MARKER).is_file() and not (out / "global_step_2").exists()
+    assert (out / POINTER).read_text().strip() == "1"
+    assert not ran.exists(), "the crafted metadata ran its code"
+
+    result, plan = main_until_setup(monkeypatch, args)  # the next start resumes global_step_1 at once
+    assert plan.step == 1 and " is damaged" not in result.stderr, result.stderr
+
+
+def test_no_good_checkpoint_left_exits_2_naming_each_and_changes_nothing(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """Decision (issue 20, item 4): when every checkpoint is damaged, auto does not restart from step 0 over the run's
+    metrics: it exits 2 naming each folder and its problems, and says how to start again (move them away)."""
+    out = tmp_path / "run"
+    args = resume_args(tiny_model_dir, arith_data, out)
+    checkpoints_of(args, out, [1, 2])
+    _truncate(out / "global_step_1" / "rng" / "rank_0.pt")
+    (out / "global_step_2" / "trainer_state.json").write_text("{")
+    before = folder_digest(out)
+    result, plan = main_until_setup(monkeypatch, args)
+    assert result.returncode == 2 and plan is None, result.stderr[-3000:]
+    for needle in (f"every checkpoint in {out} is damaged", f"{out / 'global_step_1'}:", "rng/rank_0.pt",
+                   f"{out / 'global_step_2'}:", "trainer_state.json", "move them out of the folder"):
+        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
+    assert folder_digest(out) == before
+
+
+def test_a_damaged_resume_path_exits_2_naming_the_file(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    checkpoints_of(resume_args(tiny_model_dir, arith_data, out), out, [1, 2])
+    _truncate(next((out / "global_step_2" / "dcp").glob("*.distcp")))
+    result, plan = main_until_setup(monkeypatch, resume_args(tiny_model_dir, arith_data, out, "trainer.resume_mode=resume_path",
+                                                             f"trainer.resume_from_path={out / 'global_step_2'}"))
+    assert result.returncode == 2 and plan is None, result.stderr[-3000:]
+    assert f"trainer.resume_from_path='{out / 'global_step_2'}' is damaged" in result.stderr and ".distcp: " in result.stderr
+    assert (out / "global_step_2").is_dir(), "a named checkpoint is never set aside"
+
+
+def test_a_checkpoint_from_before_manifests_resumes_with_a_warning(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """Decision (issue 20, item 4): a checkpoint written before the manifest existed is resumed, with a warning that
+    its files cannot be verified (the checks that need no manifest still run)."""
+    from grpo_lib.checkpoint_integrity import MANIFEST
+
+    out = tmp_path / "run"
+    args = resume_args(tiny_model_dir, arith_data, out)
+    checkpoints_of(args, out, [1])
+    (out / "global_step_1" / MANIFEST).unlink()
+    result, plan = main_until_setup(monkeypatch, args)
+    assert result.returncode == 0 and plan.step == 1, result.stderr[-3000:]
+    assert "written before checkpoints had a manifest" in result.stderr and "unverified" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_truncated_shard_in_the_newest_checkpoint_falls_back_and_continues_exactly(base, three_steps_at, tmp_path):
+    """The whole run: global_step_3 of an uninterrupted 3-step run gets a truncated DCP shard; rerunning the same
+    command reports it, resumes global_step_2 and trains step 3 again to the same metrics and the same weights."""
+    source = three_steps_at(1)
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    shard = next((out / "global_step_3" / "dcp").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size - 1)
+    proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
+                     launcher=accelerate_launch(1))
+    assert f"the checkpoint {out / 'global_step_3'} is damaged" in proc.stderr and shard.name in proc.stderr, proc.stderr[-3000:]
+    assert f"resumed from {out / 'global_step_2'}" in proc.stderr, proc.stderr[-3000:]
+    assert_same_steps(read_metrics(source), read_metrics(out), [1, 2, 3])
+    a_final, b_final = hf_weights(source / "global_step_3"), hf_weights(out / "global_step_3")
+    assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "step 3 trained again differs"
+    assert (out / "damaged_global_step_3").is_dir()

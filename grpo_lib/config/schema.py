@@ -351,6 +351,9 @@ class TrainerConfig:
     disable: refuse a folder that already holds a run (exit 2); resume_path: continue from resume_from_path. verl's names."""
     resume_from_path: str | None = may_change_on_resume(None)
     """A global_step_N checkpoint folder, used with resume_mode=resume_path."""
+    discard_newer_checkpoints: bool = may_change_on_resume(False)
+    """With resume_mode=resume_path at a step of this run folder that has newer complete checkpoints: delete them (and
+    the metrics after that step) and continue from it. False: such a resume exits 2 listing them; nothing is deleted."""
     max_bad_steps: int = may_change_on_resume(5)
     """Stop with exit code 3 after this many consecutive steps with an update skipped for a non-finite loss or
     gradient norm (one such step is skipped and counted; a run that keeps producing them has diverged)."""
