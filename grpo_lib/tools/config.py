@@ -114,7 +114,7 @@ def _named(entry) -> str:
     schema = entry.get("tool_schema") if isinstance(entry, dict) else None
     function = schema.get("function") if isinstance(schema, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
-    return f" ({name})" if isinstance(name, str) else ""
+    return f" ({name})" if isinstance(name, str) and name else ""
 
 
 def _build(class_name: str, config: dict, schema: ToolSchema, where: str):
