@@ -158,10 +158,10 @@ def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: 
 
 
 def render_prompt(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None,
-                  chat_template_kwargs: dict | None = None) -> list[int]:
+                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
     """`render_text` then tokenize: the prompt token ids, exactly as `load_prompts` makes them."""
     text = render_text(prompt, tokenizer, apply_chat_template=apply_chat_template, system_prompt=system_prompt,
-                       chat_template_kwargs=chat_template_kwargs)
+                       chat_template_kwargs=chat_template_kwargs, tools=tools)
     return tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
 
 
