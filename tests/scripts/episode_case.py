@@ -3,7 +3,7 @@
 `ScriptedEngine(tokenizer, script)` answers every request with `script(context_text, seed)` as the turn's text: its
 tokens are the tokenizer's ids of that text plus the eos `<|im_end|>`, cut at the request's max_tokens (finish reason
 "length"), with logprobs that depend on the seed and position only. It records every call (requests, n, seeds,
-max_tokens) and every sampled turn, so a test can check the episode against what the "model" sampled.
+max_tokens, the ids sampled for each request) and every sampled turn, so a test can check the episode against what the "model" sampled.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class ScriptedEngine:
         self.sampled: list[list[int]] = []  # every turn's sampled ids, in call order
 
     def generate(self, prompt_ids, *, n, temperature, max_tokens, top_p=1.0, top_k=-1, seeds=None, logprobs=True):
-        self.calls.append(dict(prompts=[list(p) for p in prompt_ids], n=n, max_tokens=max_tokens, seeds=seeds))
+        record = dict(prompts=[list(p) for p in prompt_ids], n=n, max_tokens=max_tokens, seeds=seeds, sampled=[])
+        self.calls.append(record)
         out = []
         for i, ids in enumerate(prompt_ids):
             seed = None if seeds is None else seeds[i]
@@ -136,6 +137,7 @@ class ScriptedEngine:
                 finish = "stop" if len(tokens) <= limit else "length"
                 tokens = tokens[:limit]
                 self.sampled.append(tokens)
+                record["sampled"].append(tokens)
                 lps = [-((0 if seed is None else seed % 89) + j + 1) / 100 for j in range(len(tokens))]
                 group.append(Generation(token_ids=tokens, logprobs=lps, finish_reason=finish,
                                         text=self.tokenizer.decode(tokens, skip_special_tokens=True)))
