@@ -3,8 +3,8 @@ process (tests/scripts/episode_engine.py): the episode holds the engine's sample
 the template's tool turns between them, the trainer's logprobs of those ids equal the engine's across turns, and a
 prompt's episodes do not depend on the other prompts of the batch (the seeds are per sample and turn).
 
-The tiny model is random: its eos is made likely here (the eos embedding row scaled), so
-its turns end with its own <|im_end|> after a few tokens, and every turn is read as a tool call by the script.
+The tiny model is random: its eos is made likely (conftest's `eos_model_dir`), so its turns end with its own
+<|im_end|> after a few tokens, and every turn is read as a tool call by the script.
 """
 
 from __future__ import annotations
@@ -21,30 +21,12 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow  # tiers: conftest.py: starts real engines
 
 SCRIPT = str(REPO / "tests" / "scripts" / "episode_engine.py")
-EOS_SCALE = 16.0  # p(<|im_end|>) after the chat prompt: 0.004 unscaled; at 16x about half the turns end within a few tokens (measured)
-
-
-@pytest.fixture(scope="module")
-def eos_model(tiny_model_dir, tmp_path_factory):
-    """The tiny model with its eos made likely (tied embeddings: the output row is scaled too)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("eos_model")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] *= EOS_SCALE
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module", params=["vllm", "hf"])
-def run(request, eos_model, tmp_path_factory):
+def run(request, eos_model_dir, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp(f"episodes_{request.param}")
-    proc = subprocess.run([sys.executable, SCRIPT, request.param, str(eos_model), str(out_dir)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, SCRIPT, request.param, str(eos_model_dir), str(out_dir)], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         pytest.fail(f"{request.param} episode script exited {proc.returncode}\n{proc.stderr[-5000:]}")

@@ -1,0 +1,84 @@
+"""End to end with tools: train_grpo.py for 3 steps on the tiny model (eos made likely: conftest's `eos_model_dir`)
+with rollout.multi_turn on, real vLLM, the built-in calculator from a verl-format tool config, and a model that calls
+it in every turn (tests/scripts/train_with_tool_calls.py replaces only the hermes parser). Asserts what a user reads
+of such a run: finite losses, episode and tool metrics, the engine serving the actor's weights after every push
+(invariant 3, over episodes), validation with episodes, and a checkpoint at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, read_metrics, tiny_overrides
+
+pytestmark = pytest.mark.slow  # tiers: conftest.py
+
+TOOLS = """
+tools:
+  - class_name: grpo_lib.tools.builtin.CalculatorTool
+    config: {}
+    tool_schema:
+      type: function
+      function:
+        name: calculator
+        description: Evaluate an arithmetic expression
+        parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}
+"""
+
+
+def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool, json.dumps(arguments), "--", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def multi_turn_overrides(model_dir, data, out, tools_path) -> list[str]:
+    return tiny_overrides(model_dir, data, out) + [
+        "data.max_prompt_length=512", "data.max_response_length=160", "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={tools_path}", "rollout.multi_turn.max_assistant_turns=2"]
+
+
+@pytest.fixture(scope="module")
+def tool_run(eos_model_dir, arith_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools_e2e")
+    (root / "tools.yaml").write_text(TOOLS)
+    out = root / "run"
+    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, root / "tools.yaml"),
+            "trainer.check_weight_sync=true", "trainer.test_freq=3", "actor.lr=1e-3"]
+    proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"})
+    if proc.returncode != 0:
+        pytest.fail(f"the run exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
+    return out, proc
+
+
+def test_a_run_with_tools_trains_and_logs_its_episodes(tool_run):
+    out, _ = tool_run
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "episode/turns_mean", "episode/turns_max",
+                    "episode/tool_calls_mean", "episode/stopped_turn_limit", "episode/stopped_length", "tools/calculator/calls",
+                    "tools/calculator/failures", "tools/errors", "tools/timeouts", "tools/invalid_calls", "timing_s/tools"):
+            assert key in r and math.isfinite(r[key]), f"{key} missing or not finite at step {r['step']}: {sorted(r)}"
+        assert 1.0 < r["episode/turns_mean"] <= 2.0 and r["episode/turns_max"] == 2.0, r
+        assert r["tools/calculator/calls"] > 0 and r["tools/calculator/failures"] == 0 and r["tools/errors"] == 0
+        assert r["episode/stopped_turn_limit"] > 0, "the model calls in every turn: episodes end at max_assistant_turns=2"
+    assert any(r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_the_engine_serves_the_actors_weights_after_every_push(tool_run):
+    out, _ = tool_run
+    diffs = [r["debug/weight_sync_max_abs_diff"] for r in read_metrics(out)]
+    assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
+
+
+def test_validation_runs_episodes_and_the_run_saves(tool_run):
+    out, _ = tool_run
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/synthetic/arithmetic/acc" in r for r in lines), lines[-1]
+    assert (out / "global_step_3").is_dir()
