@@ -263,3 +263,63 @@ def test_qwen3_style_last_turn_think_block_is_not_a_drift(tokenizer):
     finally:
         runner.toolbox.close()
     assert qwen3ish.decode(delta) == "<|im_end|>\n<|im_start|>user\n<tool_response>\nt\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_tiny_template_renders_chats_without_tools_as_it_always_has(tokenizer):
+    """data_prep/tiny_model.py's template learned tools=; without them it must render as the old one did (single-turn
+    runs, the warm-up and every earlier test see the same tokens)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    old = _compile_jinja_template("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chats = [[{"role": "user", "content": "What is 3 + 4?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "#### 7"}],
+             [{"role": "user", "content": "x"}, {"role": "system", "content": "a late system message"}]]
+    for chat in chats:
+        for generation_prompt in (True, False):
+            assert tokenizer.apply_chat_template(chat, add_generation_prompt=generation_prompt, tokenize=False) == \
+                old.render(messages=chat, add_generation_prompt=generation_prompt)
+
+
+def test_dapo_rounds_draw_new_episodes_and_count_them_all(runner):
+    """algorithm.filter_groups with episodes: every round runs its own episodes (seeds of that round), the step's
+    episode metrics cover every round, and the kept groups carry their loss-mask holes into the batch."""
+    from grpo_lib import step
+    from grpo_lib.config import load_config
+    from grpo_lib.rewards import RewardOutput
+
+    class Data:
+        def batch(self, idx):
+            prompts = make_prompts(runner, [f"What is {i} + 1?" for i in idx], extra_infos=[{"index": i} for i in idx])
+            prompts.group_ids = [f"p{i}" for i in idx]
+            return prompts
+
+    class Sampler:
+        position = 0
+
+        def next_batch(self):
+            self.position += 2
+            return [(self.position - 2) % 4, (self.position - 1) % 4]
+
+    class Scorer:  # prompts 0 and 1 all-equal; 2 and 3 score by the answer the seed chose
+        last_error_samples = []
+
+        def score(self, *, responses, data_sources, ground_truths, extra_infos):
+            scores = [0.0 if e["index"] < 2 else float(r.endswith("#### 1")) for r, e in zip(responses, extra_infos)]
+            return RewardOutput(scores=scores, per_function={"accuracy": scores}, extra={}, num_errors=0, num_timeouts=0)
+
+    engine = ScriptedEngine(runner.tokenizer, lambda context, seed: calls_then_answer(call("echo", text="x"),
+                                                                                       answer=f"#### {seed % 2}")(context, seed))
+    engine.pop_metrics = lambda prefix="": {"rollout/preemptions": 0.0}
+    cfg = load_config(None, ["model.path=unused", "data.train_files=[unused.parquet]", "data.train_batch_size=2",
+                             "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2", "rollout.n=4",
+                             "data.max_response_length=400", "algorithm.filter_groups.enable=true",
+                             "algorithm.filter_groups.max_num_gen_batches=3"])
+    batch, metrics = step.collect_rollouts(cfg, engine, Scorer(), Data(), Sampler(), step=1, world_size=1, rank=0, timings={},
+                                           episodes=runner)
+    assert metrics["batch/gen_rounds"] == 2.0 and metrics["batch/kept_groups"] == 2.0, metrics
+    assert metrics["tools/echo/calls"] == 16.0 and metrics["episode/turns_mean"] == 2.0, "both rounds' 16 episodes counted"
+    assert [len(c["prompts"]) for c in engine.calls] == [8, 8, 8, 8], "two rounds of two turns, 8 episodes each"
+    assert set(engine.calls[0]["seeds"]).isdisjoint(engine.calls[2]["seeds"]), "each round, new seeds"
+    assert sorted(set(batch.group_ids)) == ["p2#round2", "p3#round2"]
+    assert ((batch.response_mask - batch.loss_mask).sum(-1) > 0).all(), "every kept episode keeps its tool-turn hole"
