@@ -2,7 +2,8 @@
 with rollout.multi_turn on, real vLLM, the built-in calculator from a verl-format tool config, and a model that calls
 it in every turn (tests/scripts/train_with_tool_calls.py replaces only the hermes parser). Asserts what a user reads
 of such a run: finite losses, episode and tool metrics, the engine serving the actor's weights after every push
-(invariant 3, over episodes), validation with episodes, and a checkpoint at the end.
+(invariant 3, over episodes), validation with episodes, and a checkpoint at the end. Then: 2 processes train like 1
+with episodes (invariant 8: per-(sample, turn) seeds), and LoRA trains with episodes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, tiny_overrides
+from tests.conftest import REPO, accelerate_launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
 
@@ -32,8 +33,17 @@ tools:
 """
 
 
-def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool, json.dumps(arguments), "--", *args]
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # varied, deterministic reward so advantages and the policy gradient are non-zero on a random model
+    return float(len(solution_str) % 3 == 0) + 0.1 * solution_str.count("1")
+'''
+
+
+def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900,
+                        launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [*(launcher or [sys.executable]), str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool,
+           json.dumps(arguments), "--", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -82,3 +92,42 @@ def test_validation_runs_episodes_and_the_run_saves(tool_run):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("val/synthetic/arithmetic/acc" in r for r in lines), lines[-1]
     assert (out / "global_step_3").is_dir()
+
+
+@pytest.mark.multiprocess
+def test_two_processes_train_like_one_with_tools(eos_model_dir, arith_data, tmp_path):
+    """Each process runs the episodes of its share; turn t of a sample has its own seed whatever runs beside it, so
+    the step's metrics (episodes' included) agree with the 1-process run's step by step."""
+    (tmp_path / "tools.yaml").write_text(TOOLS)
+    (tmp_path / "reward.py").write_text(REWARD)
+    runs = {}
+    for procs in (1, 2):
+        out = tmp_path / f"p{procs}"
+        args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml"),
+                f"reward.custom.path={tmp_path / 'reward.py'}", "actor.use_kl_loss=true", "actor.lr=1e-3",
+                "actor.ppo_mini_batch_size=2", "trainer.check_weight_sync=true"]
+        proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
+        assert proc.returncode == 0, f"{procs} process(es): exited {proc.returncode}\n{proc.stderr[-6000:]}"
+        runs[procs] = read_metrics(out)
+    one, two = runs[1], runs[2]
+    assert len(one) == len(two) == 3 and any(abs(r["actor/pg_loss"]) > 1e-6 for r in one)
+    for a, b in zip(one, two):
+        for key in ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
+                    "episode/turns_mean", "episode/tool_calls_mean", "episode/stopped_length", "tools/calculator/calls"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"step {a['step']} {key}: 1 process {a[key]} vs 2 {b[key]}"
+        assert b["debug/weight_sync_max_abs_diff"] < 1e-4
+
+
+def test_lora_trains_with_tools(eos_model_dir, arith_data, tmp_path):
+    (tmp_path / "tools.yaml").write_text(TOOLS)
+    (tmp_path / "reward.py").write_text(REWARD)  # varied: nonzero advantages, so the adapters get a gradient
+    out = tmp_path / "run"
+    args = ["recipes/tiny_cpu_lora.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml"),
+            f"reward.custom.path={tmp_path / 'reward.py'}", "trainer.check_weight_sync=true", "trainer.save_merged=false"]
+    proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = read_metrics(out)
+    assert len(rows) == 3 and any(r["actor/grad_norm"] > 0 for r in rows)
+    for r in rows:
+        assert r["episode/turns_mean"] > 1 and r["tools/calculator/calls"] > 0 and math.isfinite(r["actor/pg_loss"])
+        assert r["debug/weight_sync_max_abs_diff"] < 1e-4, "the engine does not serve base + adapters after the push"
