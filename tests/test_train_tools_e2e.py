@@ -131,3 +131,21 @@ def test_lora_trains_with_tools(eos_model_dir, arith_data, tmp_path):
     for r in rows:
         assert r["episode/turns_mean"] > 1 and r["tools/calculator/calls"] > 0 and math.isfinite(r["actor/pg_loss"])
         assert r["debug/weight_sync_max_abs_diff"] < 1e-4, "the engine does not serve base + adapters after the push"
+
+
+def test_a_tool_failing_on_every_call_of_a_step_stops_the_run_after_saving(eos_model_dir, arith_data, tmp_path):
+    """The tool answers its first call of the run only: step 1 has one answered call (the run goes on), step 2 none,
+    so the run stops there as failing rewards do: exit 3, step 1 saved, step 2's generation metrics logged."""
+    (tmp_path / "tools.yaml").write_text(TOOLS.replace("grpo_lib.tools.builtin.CalculatorTool", "tests.scripts.episode_case.FailsAfter")
+                                         .replace("config: {}", "config: {ok_calls: 1}"))
+    out = tmp_path / "run"
+    proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml"),
+                                "trainer.val_before_train=false"],  # validation's episodes would take the one good call
+                               tool="calculator", arguments={"expression": "1"})
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    assert "step 2: tool calculator failed on every one of its" in proc.stderr
+    assert (out / "global_step_1").is_dir() and not (out / "global_step_2").exists()
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1]
+    step2 = [r for r in rows if r["step"] == 2]
+    assert step2 and step2[0]["tools/calculator/failures"] == step2[0]["tools/calculator/calls"] > 0

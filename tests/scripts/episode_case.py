@@ -9,6 +9,7 @@ max_tokens, the ids sampled for each request) and every sampled turn, so a test 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from grpo_lib.config.schema import MultiTurnConfig
@@ -59,6 +60,22 @@ class AsyncHangingTool(BaseTool):
 class LongTool(BaseTool):
     def execute(self, instance_id, parameters, **kwargs):
         return "0123456789" * 100, 0.0, {}
+
+
+class FailsAfter(BaseTool):
+    """Answers the first config["ok_calls"] calls of the run, raises on every later one (a service that went down)."""
+
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.calls, self.lock = 0, threading.Lock()
+
+    def execute(self, instance_id, parameters, **kwargs):
+        with self.lock:
+            self.calls += 1
+            calls = self.calls
+        if calls > self.config["ok_calls"]:
+            raise RuntimeError("the service is down")
+        return "ok", 0.0, {}
 
 
 class RecordingTool(BaseTool):
