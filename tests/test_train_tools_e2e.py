@@ -2,8 +2,9 @@
 with rollout.multi_turn on, real vLLM, the built-in calculator from a verl-format tool config, and a model that calls
 it in every turn (tests/scripts/train_with_tool_calls.py replaces only the hermes parser). Asserts what a user reads
 of such a run: finite losses, episode and tool metrics, the engine serving the actor's weights after every push
-(invariant 3, over episodes), validation with episodes, and a checkpoint at the end. Then: 2 processes train like 1
-with episodes (invariant 8: per-(sample, turn) seeds), and LoRA trains with episodes.
+(invariant 3, over episodes), validation with episodes, and a checkpoint at the end. Then: 2 processes and a
+tensor-parallel engine over 2 train like 1 with episodes (invariant 8: per-(sample, turn) seeds), LoRA trains with
+episodes, and a tool failing on every call of a step stops the run (exit 3) after saving.
 """
 
 from __future__ import annotations
@@ -94,27 +95,37 @@ def test_validation_runs_episodes_and_the_run_saves(tool_run):
     assert (out / "global_step_3").is_dir()
 
 
+def compared_run(model_dir, data, root, name: str, procs: int, extra: list[str]) -> list[dict]:
+    """One 3-step run of the 1-vs-2-process comparison (varied reward, KL loss, two updates per step)."""
+    (root / "tools.yaml").write_text(TOOLS)
+    (root / "reward.py").write_text(REWARD)
+    out = root / name
+    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(model_dir, data, out, root / "tools.yaml"),
+            f"reward.custom.path={root / 'reward.py'}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
+            "trainer.check_weight_sync=true", *extra]
+    proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
+    assert proc.returncode == 0, f"{name}: exited {proc.returncode}\n{proc.stderr[-6000:]}"
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(eos_model_dir, arith_data, tmp_path_factory):
+    return compared_run(eos_model_dir, arith_data, tmp_path_factory.mktemp("tools_p1"), "p1", 1, [])
+
+
 @pytest.mark.multiprocess
-def test_two_processes_train_like_one_with_tools(eos_model_dir, arith_data, tmp_path):
-    """Each process runs the episodes of its share; turn t of a sample has its own seed whatever runs beside it, so
-    the step's metrics (episodes' included) agree with the 1-process run's step by step."""
-    (tmp_path / "tools.yaml").write_text(TOOLS)
-    (tmp_path / "reward.py").write_text(REWARD)
-    runs = {}
-    for procs in (1, 2):
-        out = tmp_path / f"p{procs}"
-        args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml"),
-                f"reward.custom.path={tmp_path / 'reward.py'}", "actor.use_kl_loss=true", "actor.lr=1e-3",
-                "actor.ppo_mini_batch_size=2", "trainer.check_weight_sync=true"]
-        proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
-        assert proc.returncode == 0, f"{procs} process(es): exited {proc.returncode}\n{proc.stderr[-6000:]}"
-        runs[procs] = read_metrics(out)
-    one, two = runs[1], runs[2]
+@pytest.mark.parametrize("layout", ["2_processes", "tp_2"])
+def test_two_processes_train_like_one_with_tools(one_process_run, eos_model_dir, arith_data, tmp_path, layout):
+    """Each process (or TP group, whose members submit identical requests) runs the episodes of its share; turn t of a
+    sample has its own seed whatever runs beside it, so the step's metrics (episodes' included) equal the 1-process
+    run's step by step."""
+    extra = ["rollout.tensor_model_parallel_size=2"] if layout == "tp_2" else []
+    one, two = one_process_run, compared_run(eos_model_dir, arith_data, tmp_path, layout, 2, extra)
     assert len(one) == len(two) == 3 and any(abs(r["actor/pg_loss"]) > 1e-6 for r in one)
     for a, b in zip(one, two):
         for key in ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
                     "episode/turns_mean", "episode/tool_calls_mean", "episode/stopped_length", "tools/calculator/calls"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"step {a['step']} {key}: 1 process {a[key]} vs 2 {b[key]}"
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"{layout} step {a['step']} {key}: 1 process {a[key]} vs {b[key]}"
         assert b["debug/weight_sync_max_abs_diff"] < 1e-4
 
 
