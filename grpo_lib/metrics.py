@@ -45,8 +45,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "actor/pg_loss", "actor/kl_loss",
-                "actor/entropy", "actor/grad_norm", "timing_s/step")
+CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "reward/error_fraction", "response/length_mean", "actor/pg_loss",
+                "actor/kl_loss", "actor/entropy", "actor/grad_norm", "timing_s/step")
+CONSOLE_IF_NONZERO = ("reward/error_fraction",)  # shown only when > 0: up to reward.max_error_fraction of the responses
+                                                 # may fail to score and train as 0, and the step line says so
 
 
 def wandb_run_id(log_dir: Path, resume_step: int) -> str:
@@ -111,7 +113,7 @@ class MetricLogger:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
         if "console" in self.sinks:
-            keys = [k for k in CONSOLE_KEYS if k in metrics] or sorted(metrics)
+            keys = [k for k in CONSOLE_KEYS if k in metrics and (k not in CONSOLE_IF_NONZERO or metrics[k] > 0)] or sorted(metrics)
             shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
             line = f"step {step}: {shown}"
             if self.bar is not None:

@@ -9,6 +9,10 @@ config validation resolved it, the verl keys accepted without effect, and a memo
 Flags: `--num-processes N` (default: trainer.n_gpus_per_node x trainer.nnodes when given, else the current
 launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`.
 
+Exit codes, so a script can gate on the plan: 0 the plan fits (or has no model config.json to plan memory from);
+2 a config or flag problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than
+--gpu-memory-gb ("DOES NOT FIT" in the plan).
+
 The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everything over all W):
 
     actor master weights   4 P / W       fp32 (model.dtype auto on GPU: fp32 master, bf16 compute)
@@ -42,6 +46,7 @@ from grpo_lib.dtypes import DTYPE_BYTES, resolve as resolve_dtype
 from grpo_lib.preflight import hub_snapshot
 
 GIB = 2**30
+EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
 HEAD_CHUNK_TOKENS = 1024  # grpo_lib.logprobs.token_logprobs' default chunk_size
 
 
@@ -263,7 +268,8 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     return parts
 
 
-def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> list[str]:
+def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> tuple[list[str], bool]:
+    """The memory plan's lines and whether its peak fits in `gpu_gb` GiB."""
     parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
@@ -276,9 +282,46 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     lines.append(f"  generation phase       {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
     lines.append(f"  training phase         {parts['training phase'] / GIB:7.2f} GiB ({sleep})")
-    verdict = "fits" if parts["peak"] <= gpu_gb * GIB else "DOES NOT FIT"
-    lines.append(f"  peak per GPU           {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {verdict}")
-    return lines
+    fits = parts["peak"] <= gpu_gb * GIB
+    lines.append(f"  peak per GPU           {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
+    return lines, fits
+
+
+_MISSING = "<missing>"  # the value of a flag given last, without one
+_EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json"}
+
+
+def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
+    """--num-processes, --gpu-memory-gb and --model-config as given -> (their values, problems naming the flag and the fix).
+
+    Example: {"--num-processes": "0", "--gpu-memory-gb": "nan", "--model-config": None} -> two problems (>= 1 process;
+    a finite number of GiB > 0); {"--num-processes": "4", "--gpu-memory-gb": "80", ...} -> ({... 4, 80.0 ...}, []).
+    """
+    values: dict = {"--num-processes": None, "--gpu-memory-gb": None, "--model-config": None}
+    problems = [f"{flag} needs a value (for example {flag} {_EXAMPLE[flag]})" for flag, given in flags.items() if given == _MISSING]
+    processes, gpu_gb, config_file = (None if flags[f] == _MISSING else flags[f] for f in values)
+    if processes is not None:
+        try:
+            values["--num-processes"] = int(processes)
+        except ValueError:
+            problems.append(f"--num-processes {processes!r}: expected a whole number of processes, for example --num-processes 4")
+        else:
+            if values["--num-processes"] < 1:
+                problems.append(f"--num-processes {processes}: must be >= 1 (the processes the run would launch)")
+    if gpu_gb is not None:
+        try:
+            values["--gpu-memory-gb"] = float(gpu_gb)
+        except ValueError:
+            values["--gpu-memory-gb"] = math.nan
+        if not (math.isfinite(values["--gpu-memory-gb"]) and values["--gpu-memory-gb"] > 0):
+            problems.append(f"--gpu-memory-gb {gpu_gb}: must be a finite number of GiB > 0 (one GPU's memory, for example "
+                            "--gpu-memory-gb 80)")
+    if config_file is not None:
+        values["--model-config"] = config_file
+        if not Path(config_file).expanduser().is_file():
+            problems.append(f"--model-config {config_file!r}: no such file; give a model's config.json (for example "
+                            "--model-config tests/data/qwen3_4b_config.json), or leave the flag out to read model.path's")
+    return values, problems
 
 
 def print_plan(argv: list[str]) -> int:
@@ -288,28 +331,29 @@ def print_plan(argv: list[str]) -> int:
     for item in it:
         key = item.split("=", 1)[0]
         if key in flags:
-            flags[key] = item.split("=", 1)[1] if "=" in item else next(it, None)
+            flags[key] = item.split("=", 1)[1] if "=" in item else next(it, _MISSING)
         else:
             args.append(item)
     if not args:
         print("error: --print-plan needs a recipe: python train_grpo.py RECIPE.yaml [key=value ...] --print-plan", file=sys.stderr)
         return 2
+    values, problems = check_flags(flags)
+    if problems:
+        print("error: " + "\n".join(problems), file=sys.stderr)
+        return 2
+    gpu_gb = values["--gpu-memory-gb"]
     try:
         raw = read_raw(args[0], args[1:])
         launched = launch_world_size(raw)
         if launched is not None:
             world_size, source = launched, "trainer.n_gpus_per_node x trainer.nnodes"
-        elif flags["--num-processes"]:
-            world_size, source = int(flags["--num-processes"]), "--num-processes"
+        elif values["--num-processes"] is not None:
+            world_size, source = values["--num-processes"], "--num-processes"
         else:
             world_size, source = int(os.environ.get("WORLD_SIZE", "1")), "the current launch (WORLD_SIZE)"
         cfg = load_config(args[0], args[1:], world_size=world_size)
-        gpu_gb = float(flags["--gpu-memory-gb"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"error: --num-processes / --gpu-memory-gb: {exc}", file=sys.stderr)
         return 2
     out = [f"plan for {args[0]} on {world_size} processes (from {source})", "", "batch:"]
     out += [f"  {line}" for line in batch_lines(cfg, world_size)]
@@ -319,12 +363,29 @@ def print_plan(argv: list[str]) -> int:
         out += ["", "verl keys accepted and ignored (performance only):"] + [f"  {k}: {why}" for k, why in cfg.ignored.items()]
     for problem in environment_problems(cfg):
         out += ["", f"note: the run itself would exit 2: {problem}"]
-    config_json, where = find_model_config(cfg.model.path, flags["--model-config"])
+    try:
+        config_json, where = find_model_config(cfg.model.path, values["--model-config"])
+    except (OSError, ValueError) as exc:  # unreadable, not JSON (json.JSONDecodeError is a ValueError)
+        print(f"error: the model's config.json cannot be read ({exc}); pass --model-config FILE with a readable one",
+              file=sys.stderr)
+        return 2
     out += ["", f"memory plan per GPU ({gpu_gb:g} GiB):"]
+    fits = True
     if config_json is None:
         out += [f"  the memory plan needs the model's config.json: {where}; pass --model-config FILE"]
     else:
-        out += [f"  config: {where}"] + [f"  {line}" for line in memory_lines(cfg, model_sizes(config_json), world_size=world_size,
-                                                                             gpu_gb=gpu_gb)]
+        try:
+            sizes = model_sizes(config_json)
+        except (KeyError, TypeError) as exc:
+            print(f"error: {where} is not a decoder model's config.json (no usable {exc}); pass --model-config FILE with the "
+                  "model's own config.json", file=sys.stderr)
+            return 2
+        lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)
+        out += [f"  config: {where}"] + [f"  {line}" for line in lines]
     print("\n".join(out))
+    if not fits:
+        print(f"error: the plan DOES NOT FIT in {gpu_gb:g} GiB per GPU (exit code {EXIT_DOES_NOT_FIT}): see the memory plan "
+              "above; offload (actor.fsdp_config.param_offload / optimizer_offload), a lower rollout.gpu_memory_utilization "
+              "or token budget, or more processes lower the peak", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     return 0

@@ -1,10 +1,18 @@
-"""Checks a run can pass before anything heavy loads: the run folder is writable and holds one checkpoint.
+"""Checks a run can pass before anything heavy loads: a local model folder is complete, the run folder is writable and
+holds one checkpoint.
 
-    problems = check_run_folder(cfg)   # [] or one message per problem, each naming its key and the fix
+    problems = check_model_folder(cfg.model.path) + check_run_folder(cfg)   # [] or one message per problem, each
+                                                                            # naming its key or file and the fix
 
-`train_grpo.py` calls this right after the config loads (exit code 2 on any problem), before the tokenizer,
+`train_grpo.py` calls these right after the config loads (exit code 2 on any problem), before the tokenizer,
 the data or the engine. Only the standard library is imported here (huggingface_hub's cache lookup only for a hub
 name), so a bad folder fails in about a second.
+
+A local model folder must hold a readable config.json and its weights: every shard that model.safetensors.index.json
+(or pytorch_model.bin.index.json) lists, else at least one *.safetensors or pytorch_model*.bin file. Each safetensors
+file's header must parse and the file must be at least as long as the header says (8 + header length + the end of the
+last tensor's data_offsets): a download cut short fails here, naming the file, instead of inside vLLM after the engine
+started. A hub name is left to the download, as transformers and vLLM fetch what is missing.
 
 The size of one checkpoint is estimated from the model folder without loading it: the parameter count is read
 from the safetensors headers (8-byte length + JSON of dtype/shape per tensor), then
@@ -30,12 +38,94 @@ TRAIN_STATE_BYTES_PER_PARAM = 12  # fp32 master weights (4) + AdamW exp_avg (4) 
 GiB = 1024**3
 
 
+def safetensors_header(path: Path, *, check_size: bool = True) -> dict:
+    """The tensor entries of one .safetensors header (the tensor data is not read); ValueError saying what is wrong
+    when the file is too short, its header is not JSON, or (`check_size`) the file ends before the tensor data the
+    header declares.
+
+    Format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]},
+    "__metadata__": {...}}, then the data; offsets count from the data's start. Example: N = 100 and a last tensor
+    ending at 4000 need a file of at least 8 + 100 + 4000 bytes.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise ValueError(f"it is {size} bytes, shorter than the 8-byte header length every safetensors file starts with")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ValueError(f"it is cut short inside its header ({size} bytes; the header alone takes {8 + header_len})")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"its header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in tensors.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list)
+                and len(entry["data_offsets"]) == 2 and all(isinstance(n, int) for n in entry["shape"] + entry["data_offsets"])):
+            raise ValueError(f"its header entry of tensor {name!r} has no integer shape / data_offsets")
+    data_end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+    if check_size and size < 8 + header_len + data_end:
+        raise ValueError(f"it is truncated: {size} bytes, but its header declares {8 + header_len + data_end} "
+                         f"(8 + {header_len} header + {data_end} tensor data)")
+    return tensors
+
+
 def _safetensors_params(path: Path) -> int:
     """Parameter count from one .safetensors header (the tensor data is not read)."""
-    with open(path, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return sum(math.prod(t["shape"]) for t in safetensors_header(path, check_size=False).values())
+
+
+def check_model_folder(model_path: str) -> list[str]:
+    """Problems of a local model folder (see the module docstring), each naming the file and the fix; [] for a hub name
+    or a path that is not a folder (the tokenizer load reports those)."""
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return []
+    fix = ("download or copy the model again (huggingface-cli download NAME --local-dir FOLDER), or point model.path at "
+           "a complete Hugging Face model folder")
+    where = f"model.path={model_path!r}"
+    problems = []
+    config = folder / "config.json"
+    if not config.is_file():
+        problems.append(f"{where} has no config.json, so it is not a Hugging Face model folder: {fix}")
+    else:
+        try:
+            if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            problems.append(f"{where}: {config} cannot be read as JSON ({exc}): {fix}")
+    weights: list[Path] = []
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if not index.is_file():
+            continue
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            problems.append(f"{where}: {index} cannot be read (a JSON object with a weight_map expected; {exc!r}): {fix}")
+            continue
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            problems.append(f"{where}: {index_name} lists {len(shards)} weight files and {len(missing)} are missing "
+                            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): {fix}")
+        weights += [folder / name for name in shards if name not in missing]
+    if not weights:
+        weights = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+        if not weights and not problems:
+            problems.append(f"{where} holds no weights (no *.safetensors, no pytorch_model*.bin; files: "
+                            f"{sorted(f.name for f in folder.iterdir())[:8]}): {fix}")
+    for path in sorted(set(weights)):
+        if path.suffix == ".safetensors":
+            try:
+                safetensors_header(path)
+            except (OSError, ValueError) as exc:
+                problems.append(f"{where}: weight file {path} is damaged: {exc}; {fix}")
+        elif path.stat().st_size == 0:
+            problems.append(f"{where}: weight file {path} is empty (0 bytes); {fix}")
+    return problems
 
 
 def hub_snapshot(model_path: str) -> Path | None:
@@ -61,7 +151,11 @@ def model_size(model_path: str) -> tuple[int, int] | None:
         return None
     tensors = sorted(folder.glob("*.safetensors"))
     if tensors:
-        return sum(_safetensors_params(f) for f in tensors), sum(f.stat().st_size for f in tensors)
+        try:
+            params = sum(_safetensors_params(f) for f in tensors)
+        except (OSError, ValueError):  # a damaged header: check_model_folder names the file; no estimate without it
+            return None
+        return params, sum(f.stat().st_size for f in tensors)
     weights = [f for pattern in ("*.bin", "*.pt", "*.pth") for f in folder.glob(pattern)]
     disk_bytes = sum(f.stat().st_size for f in weights)
     return (disk_bytes // 2, disk_bytes) if disk_bytes else None

@@ -163,7 +163,7 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
 
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
                      episodes=None):
-    """Prompts -> generation (engine awake; the caller releases it afterwards) -> rewards; with filter_groups, repeat
+    """Prompts -> generation (engine ready; the caller releases it afterwards) -> rewards; with filter_groups, repeat
     until enough informative groups.
 
     Returns the batch of this process and the step's generation / reward metrics (reduced over processes).
@@ -323,7 +323,7 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
 def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: int = 0,
              tokenizer=None, episodes=None) -> tuple[dict[str, float], list[dict]]:
     """rollout.val_kwargs generation (greedy unless do_sample) over this process's share of the validation set
-    -> (metrics, logged rows). The engine must be awake; seeds are the "val" purpose's, at `step`.
+    -> (metrics, logged rows). The engine must be ready; seeds are the "val" purpose's, at `step`.
 
     Metrics per data source (grpo_lib.validation): reward_mean, acc, and mean@n / pass@n when val_kwargs.n > 1.
     Rows: the first trainer.val_generations_to_log (prompt, response, score) rows (prompts decoded with `tokenizer`).
@@ -345,7 +345,7 @@ def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
     """Largest |engine - actor| logprob over process 0's first trajectory, at temperature 1 (invariant 3).
 
     Every process scores the same sequence (broadcast from process 0), so the ranks of a TP group submit the
-    identical request; the actor forward is an FSDP2 collective. The engine must be fully awake (after
+    identical request; the actor forward is an FSDP2 collective. The engine must be ready (after
     prepare_for_generation); the result is the largest error over all engines.
     """
     length = int(batch.attention_mask[0].sum())

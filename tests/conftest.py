@@ -67,8 +67,25 @@ def arith_data(tmp_path_factory) -> dict[str, Path]:
     return write_dataset(tmp_path_factory.mktemp("arith"), train_size=64, test_size=8, seed=0)
 
 
-def tiny_overrides(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[str]:
-    """Small, fast settings on top of recipes/tiny_cpu.yaml."""
+def merge_overrides(*overrides: str) -> list[str]:
+    """`key=value` overrides with a later one replacing an earlier one of the same key, in the first one's place.
+
+    The trainer refuses a key given twice (exit 2), so a test's base settings and its own changes meet here:
+    merge_overrides("rollout.n=4", "actor.lr=1e-3", "rollout.n=2") -> ["rollout.n=2", "actor.lr=1e-3"].
+    """
+    merged: dict[str, str] = {}
+    for item in overrides:
+        merged[item.split("=", 1)[0].lstrip("+")] = item
+    return list(merged.values())
+
+
+def tiny_overrides(model_dir: Path, data: dict[str, Path], out_dir: Path, *extra: str) -> list[str]:
+    """Small, fast settings on top of recipes/tiny_cpu.yaml; `extra` overrides are added, replacing these where they
+    set the same key (merge_overrides)."""
+    return merge_overrides(*_tiny_base(model_dir, data, out_dir), *extra)
+
+
+def _tiny_base(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[str]:
     return [
         f"model.path={model_dir}",
         f"data.train_files=[{data['train']}]",

@@ -252,8 +252,8 @@ def reward_file(tmp_path_factory) -> Path:
 
 
 def train(recipe: str, out: Path, model_dir, data, reward: Path, *extra: str) -> list[dict]:
-    run_train([f"recipes/{recipe}", *tiny_overrides(model_dir, data, out), f"reward.custom.path={reward}",
-               "trainer.logger=[console,jsonl]", *extra])
+    run_train([f"recipes/{recipe}", *tiny_overrides(model_dir, data, out, f"reward.custom.path={reward}",
+               "trainer.logger=[console,jsonl]", *extra)])
     return read_metrics(out)
 
 

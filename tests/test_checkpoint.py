@@ -42,9 +42,9 @@ def base(tiny_model_dir, arith_data, tmp_path_factory):
     reward.write_text(REWARD)
 
     def overrides(out: Path, *extra: str) -> list[str]:
-        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), f"reward.custom.path={reward}",
+        return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, f"reward.custom.path={reward}",
                 "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", f"trainer.total_training_steps={STEPS}",
-                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra]
+                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra)]
     return overrides
 
 
@@ -253,7 +253,7 @@ HAND_LIST_BEFORE_METADATA = (
     "ref.", "model.enable_gradient_checkpointing", "model.use_remove_padding",
     "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes", "rollout.free_cache_engine", "rollout.enforce_eager",
     "rollout.max_num_seqs", "rollout.tensor_model_parallel_size", "rollout.val_kwargs.",
-    "data.val_files", "reward.num_workers", "reward.timeout_s",
+    "data.val_files", "reward.num_workers", "reward.timeout_s", "reward.import_timeout_s",
     "actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload", "rollout.update_weights_bucket_megabytes",
     "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",

@@ -172,3 +172,62 @@ def test_cli_bad_custom_reward_exits_2_naming_the_file(tmp_path, monkeypatch):
                    f"trainer.default_local_dir={tmp_path / 'run'}", setup=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "missing_reward.py" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ a key set twice (issue 20 item 1)
+# PyYAML keeps the last of two equal keys and the overrides used to be a last-wins dict: a second `trainer:` block
+# turned a 3-step run into a 250-step one without a word. Every way of setting one key twice now exits 2 naming both.
+
+def test_repeated_recipe_section_exits_2_naming_both_lines(tmp_path, monkeypatch):
+    recipe = tmp_path / "twice.yaml"
+    text = TINY.read_text() + "\ntrainer:\n  total_training_steps: 250\n"
+    recipe.write_text(text)
+    lines = text.splitlines()
+    first, second = lines.index("trainer:") + 1, len(lines) - 1
+    proc = run_cli(monkeypatch, str(recipe))
+    assert proc.returncode == 2, proc.stderr
+    assert f"trainer is set twice in recipe {recipe}: at {recipe}:{first} and {recipe}:{second}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_repeated_nested_key_exits_2_naming_both_lines(tmp_path):
+    recipe = tmp_path / "nested.yaml"
+    recipe.write_text("actor:\n  fsdp_config:\n    param_offload: false\n    param_offload: true\n  lr: 1e-6\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert f"actor.fsdp_config.param_offload is set twice in recipe {recipe}: at {recipe}:3 and {recipe}:4" in str(err.value)
+    recipe.write_text("reward:\n  functions:\n    - name: accuracy\n      weight: 1.0\n      weight: 2.0\n")  # in a list
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert f"reward.functions[0].weight is set twice in recipe {recipe}: at {recipe}:4 and {recipe}:5" in str(err.value)
+
+
+def test_verl_spelling_and_ours_in_one_recipe_exit_2_naming_both_lines(tmp_path):
+    recipe = tmp_path / "spellings.yaml"
+    recipe.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-3\nactor:\n  lr: 1e-2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert (f"actor.lr is set twice in recipe {recipe}: as actor_rollout_ref.actor.optim.lr at {recipe}:4 and as actor.lr "
+            f"at {recipe}:6") in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["actor.lr=1e-3", "actor.lr=1e-2"],
+     "actor.lr is set by two overrides with different values: #1 'actor.lr=1e-3' and #2 'actor.lr=1e-2'"),
+    (["actor_rollout_ref.actor.optim.lr=1e-3", "rollout.n=4", "actor.lr=1e-2"],
+     "actor.lr is set by two overrides with different values: #1 'actor_rollout_ref.actor.optim.lr=1e-3' and #3 'actor.lr=1e-2'"),
+    (["+data.seed=3", "data.seed=4"], "data.seed is set by two overrides with different values: #1 '+data.seed=3' and #2"),
+])
+def test_a_key_overridden_twice_exits_2_naming_both(monkeypatch, overrides, needle):
+    proc = run_cli(monkeypatch, "recipes/tiny_cpu.yaml", *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_override_still_replaces_the_recipe_value():
+    """Overriding a recipe key (in either spelling) is what overrides are for: not a repeat. Repeating an override with
+    the same value replaces nothing (verl's examples/tuning/0.5b script does it) and is accepted."""
+    assert load_config(TINY, ["actor.lr=1e-3"]).actor.lr == 1e-3
+    assert load_config(TINY, ["actor_rollout_ref.actor.optim.lr=2e-3"]).actor.lr == 2e-3
+    assert load_config(TINY, ["actor.use_kl_loss=True", "actor_rollout_ref.actor.use_kl_loss=true"]).actor.use_kl_loss is True

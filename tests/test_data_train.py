@@ -66,8 +66,8 @@ def test_gsm8k_prep_script_output_trains(tiny_model_dir, tmp_path):
     assert prep.returncode == 0, f"data_prep/gsm8k.py failed: {prep.stderr}"
     data = {"train": tmp_path / "gsm8k" / "train.parquet", "test": tmp_path / "gsm8k" / "test.parquet"}
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out), *TWO_STEPS,
-                      "trainer.val_before_train=true"])
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, *TWO_STEPS,
+                      "trainer.val_before_train=true")])
     rows = metric_rows(out)
     summary = next(r for r in rows if "data/train_prompts" in r)
     assert summary["data/filtered_overlong"] == 1 and summary["data/train_prompts"] == 6, \
@@ -114,8 +114,8 @@ def verl_parquet(tmp_path) -> dict[str, Path]:
 def test_verl_schema_parquet_with_custom_reward_trains(tiny_model_dir, verl_parquet, tmp_path):
     reward_file = write_custom_reward(tmp_path / "verl_reward.py", VERL_REWARD)
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, verl_parquet, out), *TWO_STEPS,
-               f"reward.custom.path={reward_file}", "reward.custom.name=compute_score"])
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, verl_parquet, out, *TWO_STEPS,
+               f"reward.custom.path={reward_file}", "reward.custom.name=compute_score")])
     steps = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2], f"2 training steps: {steps}"
     for r in steps:
@@ -147,8 +147,8 @@ def test_raising_and_slow_rewards_are_counted_and_run_finishes(tiny_model_dir, t
     pd.DataFrame(rows[:2]).to_parquet(data["test"])
     reward_file = write_custom_reward(tmp_path / "flaky_reward.py", FLAKY_REWARD)
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out), *TWO_STEPS, "data.shuffle=false",
-               f"reward.custom.path={reward_file}", "reward.timeout_s=1", "reward.num_workers=2"])
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, *TWO_STEPS, "data.shuffle=false",
+               f"reward.custom.path={reward_file}", "reward.timeout_s=1", "reward.num_workers=2")])
     steps = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2], f"the run finishes its 2 steps: {steps}"
     for r in steps:  # per step: 4 prompts x rollout.n=4 -> 4 raising, 4 sleeping, 8 scored responses

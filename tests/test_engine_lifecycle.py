@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch, read_metrics, tiny_overrides
+from tests.conftest import REPO, accelerate_launch, merge_overrides, read_metrics, tiny_overrides
 from tests.scripts.fake_llm import install
 
 REWARD = '''
@@ -70,9 +70,9 @@ def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data
     import train_grpo
 
     out = tmp_path / "run"
-    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(tiny_model_dir, arith_data, out),
-                            "rollout.free_cache_engine=true", "trainer.val_before_train=true", "trainer.test_freq=1",
-                            "trainer.check_weight_sync=true", "reward.num_workers=0", "trainer.logger=[jsonl]"])
+    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(
+        tiny_model_dir, arith_data, out, "rollout.free_cache_engine=true", "trainer.val_before_train=true", "trainer.test_freq=1",
+        "trainer.check_weight_sync=true", "reward.num_workers=0", "trainer.logger=[jsonl]")])
     assert code == 0
     assert fake.starts == 1, f"{fake.starts} engine starts in one run"
     calls = names(fake.events)
@@ -96,14 +96,15 @@ def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, ari
     import train_grpo
 
     out = tmp_path / "run"
-    base = [str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(tiny_model_dir, arith_data, out), "rollout.free_cache_engine=true",
-            "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true", "trainer.val_before_train=true",
-            "trainer.test_freq=1", "trainer.save_freq=1", "trainer.check_weight_sync=true", "actor.use_kl_loss=false",
-            "reward.num_workers=0", "trainer.logger=[jsonl]"]
-    assert train_grpo.main(base + ["trainer.total_training_steps=2"]) == 0
+    base = tiny_overrides(tiny_model_dir, arith_data, out, "rollout.free_cache_engine=true",
+                          "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true",
+                          "trainer.val_before_train=true", "trainer.test_freq=1", "trainer.save_freq=1",
+                          "trainer.check_weight_sync=true", "actor.use_kl_loss=false", "reward.num_workers=0", "trainer.logger=[jsonl]")
+    recipe = str(REPO / "recipes/tiny_cpu.yaml")
+    assert train_grpo.main([recipe, *merge_overrides(*base, "trainer.total_training_steps=2")]) == 0
     first = names(fake.events, actor=True)
     fake.events.clear()
-    assert train_grpo.main(base + ["trainer.total_training_steps=3"]) == 0  # resumes from step 2
+    assert train_grpo.main([recipe, *merge_overrides(*base, "trainer.total_training_steps=3")]) == 0  # resumes from step 2
     resumed = names(fake.events, actor=True)
     for calls in (first, resumed):
         check_gpu_order([c for c in calls if not c.startswith("actor_")])
@@ -124,8 +125,9 @@ def test_level2_sleep_pushes_before_every_wake(tiny_model_dir, arith_data, tmp_p
     fake = install(monkeypatch)
     import train_grpo
 
-    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run"),
-                            "rollout.sleep_level=2", "trainer.total_training_steps=2", "reward.num_workers=0", "trainer.logger=[jsonl]"])
+    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(
+        tiny_model_dir, arith_data, tmp_path / "run", "rollout.sleep_level=2", "trainer.total_training_steps=2",
+        "reward.num_workers=0", "trainer.logger=[jsonl]")])
     assert code == 0
     calls = names(fake.events)
     check_gpu_order(calls)
@@ -141,11 +143,12 @@ def launch_fake(tmp_path, tiny_model_dir, arith_data, name: str, tp: int):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     out = tmp_path / name
-    overrides = tiny_overrides(tiny_model_dir, arith_data, out / "run") + [
+    overrides = tiny_overrides(
+        tiny_model_dir, arith_data, out / "run",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4", f"reward.custom.path={reward}",
         "trainer.total_training_steps=2", "actor.ppo_mini_batch_size=2", f"rollout.tensor_model_parallel_size={tp}",
         "trainer.val_before_train=true", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
-        "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]"]
+        "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]")
     launcher = [*accelerate_launch(2), str(REPO / "tests/scripts/fake_llm.py"), str(out)]
     proc = subprocess.run(launcher + [str(REPO / "recipes/tiny_cpu.yaml"), *overrides], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

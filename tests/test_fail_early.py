@@ -49,6 +49,10 @@ def assert_fails_early(result, *needles: str) -> None:
     ("rollout.val_kwargs.n=4", "rollout.val_kwargs.n=4 with rollout.val_kwargs.temperature=0"),
     ("actor.grad_clip=-1", "actor.grad_clip=-1.0"),
     ("trainer.val_generations_to_log=-1", "trainer.val_generations_to_log=-1: must be >= 0"),
+    # issue 20 item 8: a negative prompt-order seed crashed numpy after the engine started; 0 processes per machine
+    # suggested "launch 0"
+    ("data.seed=-1", "data.seed=-1: the prompt-order seed must be >= 0"),
+    ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node=0: must be >= 1 (processes per machine)"),
 ])
 def test_value_out_of_range_exits_2_naming_the_key(monkeypatch, override, needle):
     assert_fails_early(run_main(monkeypatch, "recipes/tiny_cpu.yaml", override), needle)
@@ -152,3 +156,95 @@ def test_invalid_rows_error_names_file_and_row(tiny_model_dir, tmp_path, monkeyp
     result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, tmp_path / "run"),
                       "data.invalid_rows=error", setup=True)
     assert_fails_early(result, f"data file {str(data['train'])!r} row 5 (0-based): reward_model.ground_truth is None")
+
+
+def test_invalid_utf8_in_a_jsonl_file_names_the_file_byte_and_line(tiny_model_dir, tmp_path, monkeypatch):
+    """A latin-1 byte in a .jsonl data file (issue 20 item 8): exit 2 naming the file, the byte offset and the line, not a
+    UnicodeDecodeError traceback. Line 1 is 9 bytes with its newline; in line 2, '{"b": "caf' is 10 more: byte 19."""
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b'{"a": 1}\n{"b": "caf\xe9"}\n')
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, {"train": data, "test": data},
+                                                                             tmp_path / "run"), setup=True)
+    assert_fails_early(result, f"data file {str(data)!r} is not valid UTF-8: byte 19 (line 2)", "iconv")
+
+
+# ------------------------------------------------------------------ broken model folders (issue 20 item 6)
+# A truncated or missing weights file used to fail inside vLLM after the engine started, a 0-byte one crashed the
+# disk estimate (struct.error), a folder with only config.json was reported as "no chat template".
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _shard_missing(folder: Path) -> None:
+    """An index naming two shards, the second one not downloaded."""
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    names = json.loads(safetensors_json(folder / "model-00001-of-00002.safetensors"))
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in names}
+    weight_map["lm_head.extra"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def safetensors_json(path: Path) -> str:
+    """The JSON header of a safetensors file minus __metadata__, as text: {tensor name: entry}."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    header.pop("__metadata__", None)
+    return json.dumps(header)
+
+
+BROKEN_MODELS = {  # name -> (how the tiny model's copy is broken, what the message says)
+    "weights missing": (lambda f: (f / "model.safetensors").unlink(), "holds no weights (no *.safetensors"),
+    "only config.json": (lambda f: [p.unlink() for p in f.iterdir() if p.name != "config.json"], "holds no weights"),
+    "0-byte weights": (lambda f: (f / "model.safetensors").write_bytes(b""),
+                       "model.safetensors is damaged: it is 0 bytes, shorter than the 8-byte header length"),
+    "truncated weights": (_truncate, "model.safetensors is damaged: it is truncated: "),
+    "garbage header": (lambda f: (f / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{" + b"\0" * 64),
+                       "model.safetensors is damaged: its header is not valid JSON"),
+    "a shard missing": (_shard_missing, "model.safetensors.index.json lists 2 weight files and 1 are missing "
+                                        "(model-00002-of-00002.safetensors)"),
+    "no config.json": (lambda f: (f / "config.json").unlink(), "has no config.json, so it is not a Hugging Face model folder"),
+    "config.json not JSON": (lambda f: (f / "config.json").write_text("{not json"), "config.json cannot be read as JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_MODELS))
+def test_broken_model_folder_exits_2_naming_the_file_before_setup(case, tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    breaks, needle = BROKEN_MODELS[case]
+    breaks(model)
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(model, arith_data, tmp_path / "run"))
+    assert_fails_early(result, f"model.path={str(model)!r}", needle, "download or copy the model again")
+
+
+def test_complete_model_folders_and_hub_names_pass_the_model_check(tiny_model_dir, tmp_path):
+    """The tiny model (one safetensors file) and a sharded copy of it pass; a hub name is left to the download."""
+    import shutil
+
+    from grpo_lib.preflight import check_model_folder
+
+    assert check_model_folder(str(tiny_model_dir)) == []
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, sharded)
+    _shard_missing(sharded)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["lm_head.extra"]
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert check_model_folder(str(sharded)) == []
+    assert check_model_folder("Org/Not-Downloaded") == []
+
+
+def test_reward_file_that_blocks_at_import_exits_2_naming_it(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """reward.import_timeout_s (issue 20 item 7): a custom reward file that waits at import used to hang setup forever."""
+    reward = tmp_path / "waits_reward.py"
+    reward.write_text("import time\ntime.sleep(600)\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run",
+                                                                             f"reward.custom.path={reward}",
+                                                                             "reward.import_timeout_s=1"), setup=True)
+    assert_fails_early(result, f"custom reward file {reward} did not finish importing within reward.import_timeout_s=1.0 s")

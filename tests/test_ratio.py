@@ -30,14 +30,17 @@ from grpo_lib.actor import Actor
 from grpo_lib.config import load_config
 from grpo_lib.config.checks import needs_old_logprobs
 from grpo_lib.types import Generation, PromptBatch
+from tests.conftest import merge_overrides
 
 NUM_PROMPTS, N = 3, 4  # 12 trajectories
 
 
 def make_cfg(model_dir, *overrides: str):
-    return load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_response_length=9",
-                              f"data.train_batch_size={NUM_PROMPTS}", f"actor.ppo_mini_batch_size={NUM_PROMPTS}", f"rollout.n={N}",
-                              "actor.ppo_micro_batch_size_per_gpu=5", "actor.lr=1e-3", *overrides])
+    """The case's config; `overrides` replace its settings of the same key (merge_overrides)."""
+    return load_config(None, merge_overrides(
+        f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_response_length=9",
+        f"data.train_batch_size={NUM_PROMPTS}", f"actor.ppo_mini_batch_size={NUM_PROMPTS}", f"rollout.n={N}",
+        "actor.ppo_micro_batch_size_per_gpu=5", "actor.lr=1e-3", *overrides))
 
 
 def hole_mask(length: int, index: int) -> list[int]:

@@ -524,3 +524,76 @@ def test_no_worker_survives_sigkill_of_the_trainer(custom_file, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ------------------------------------------------------------------ imports that block (issue 20 item 7)
+# reward.timeout_s bounds calls only: a file that waits at import (a download, a lock, input()) hung setup forever
+# with no output. Each import -- in the trainer and in every worker -- is now bounded by reward.import_timeout_s.
+
+BLOCKS_AT_IMPORT = '''
+import time
+try:
+    time.sleep(600)  # stands for a download or a lock that never comes
+except Exception:  # a broad except in the file cannot swallow the deadline
+    pass
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+'''
+
+BLOCKS_IN_WORKERS = '''
+import multiprocessing, signal, time
+if multiprocessing.parent_process() is not None:  # a reward worker, not the trainer
+    if {ignore_alarm}:  # a hang the soft deadline cannot interrupt: only the parent's kill ends it
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    time.sleep(600)
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+'''
+
+
+def test_an_import_that_blocks_times_out_naming_the_file(tmp_path):
+    import sys
+
+    from grpo_lib.rewards.custom import ImportTimeoutError
+
+    blocking = tmp_path / "slow_import_reward.py"
+    blocking.write_text(BLOCKS_AT_IMPORT)
+    start = time.monotonic()
+    with pytest.raises(ImportTimeoutError, match=r"slow_import_reward.py did not finish importing within "
+                                                 r"reward.import_timeout_s=0.5 s"):
+        load_custom_reward(str(blocking), "compute_score", import_timeout_s=0.5)
+    assert time.monotonic() - start < 5, "the deadline stops the import"
+    assert not [m for m in sys.modules.values() if getattr(m, "__file__", None) == str(blocking)], "no half-imported module"
+    with pytest.raises(ImportError, match="slow_import_reward.py"):  # the scorer, in-process (num_workers=0)
+        RewardScorer(functions=[{"name": "custom"}], custom_path=str(blocking), num_workers=0, import_timeout_s=0.5)
+
+
+@pytest.mark.parametrize("ignore_alarm", [False, True], ids=["worker import times out", "worker killed by the parent"])
+def test_an_import_that_blocks_only_in_the_workers_fails_at_construction(tmp_path, monkeypatch, ignore_alarm):
+    """The trainer's import succeeds; each worker imports the file again when the pool starts (at construction, so the
+    trainer exits 2 at setup, not mid-run). A worker whose import times out reports it; one that ignores the deadline
+    is killed import_timeout_s + START_GRACE_S after it started."""
+    from grpo_lib.rewards import pool
+
+    monkeypatch.setattr(pool, "START_GRACE_S", 2.0)
+    reward = tmp_path / "worker_blocks_reward.py"
+    reward.write_text(BLOCKS_IN_WORKERS.format(ignore_alarm=ignore_alarm))
+    start = time.monotonic()
+    with pytest.raises(ImportError) as info:
+        RewardScorer(functions=[{"name": "custom"}], custom_path=str(reward), num_workers=2, import_timeout_s=1.0)
+    elapsed_s = time.monotonic() - start
+    assert f"custom reward file {reward}" in str(info.value) and "reward.import_timeout_s=1.0 s" in str(info.value)
+    if ignore_alarm:
+        assert "was not ready 3 s after it started" in str(info.value), str(info.value)
+    else:
+        assert "did not finish importing within reward.import_timeout_s=1.0 s" in str(info.value), str(info.value)
+    assert elapsed_s < 20, f"bounded by the import timeout (+ grace), took {elapsed_s:.1f} s"
+
+
+def test_pool_workers_are_ready_after_construction(custom_file):
+    """The workers start (and import the file) in the constructor: the first score() finds them ready."""
+    with RewardScorer(functions=[{"name": "custom"}], custom_path=custom_file, num_workers=2) as scorer:
+        assert len(scorer._pool._workers) == 2 and all(w.ready for w in scorer._pool._workers)
+        assert _score(scorer, ["7", "8"]).scores == [1.0, 0.0]

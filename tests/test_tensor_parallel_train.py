@@ -19,10 +19,11 @@ def test_tp2_two_processes_train_like_one(tiny_model_dir, arith_data, tmp_path):
     runs = {}
     for procs in (1, 2):
         out = tmp_path / f"p{procs}"
-        overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
+        overrides = tiny_overrides(
+            tiny_model_dir, arith_data, out,
             f"reward.custom.path={reward}", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=3",
             "trainer.total_training_steps=2", "trainer.check_weight_sync=true", f"rollout.tensor_model_parallel_size={procs}",
-        ]
+        )
         run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs))
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]

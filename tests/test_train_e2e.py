@@ -36,10 +36,11 @@ def _run(engine: str, tiny_model_dir, arith_data, tmp_path_factory):
             blocker = tmp_path_factory.mktemp("no_vllm")
             (blocker / "sitecustomize.py").write_text(NO_VLLM)
             env = {"PYTHONPATH": str(blocker)}
-        overrides = tiny_overrides(tiny_model_dir, arith_data, out) + [
+        overrides = tiny_overrides(
+            tiny_model_dir, arith_data, out,
             "trainer.check_weight_sync=true", "trainer.save_freq=2", "actor.use_kl_loss=true", "actor.lr=1e-3",
             "trainer.test_freq=3", f"rollout.name={engine}",
-        ]
+        )
         _RUNS[engine] = out, run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(1), env=env)
     return _RUNS[engine]
 

@@ -48,10 +48,12 @@ def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def multi_turn_overrides(model_dir, data, out, tools_path) -> list[str]:
-    return tiny_overrides(model_dir, data, out) + [
-        "data.max_prompt_length=512", "data.max_response_length=160", "rollout.multi_turn.enable=true",
-        f"rollout.multi_turn.tool_config_path={tools_path}", "rollout.multi_turn.max_assistant_turns=2"]
+def multi_turn_overrides(model_dir, data, out, tools_path, *extra: str) -> list[str]:
+    """tiny_overrides with episodes on (the tool config at `tools_path`, 2 assistant turns), then `extra` (a key given
+    again replaces the earlier value: the trainer refuses a key given twice)."""
+    return tiny_overrides(model_dir, data, out, "data.max_prompt_length=512", "data.max_response_length=160",
+                          "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools_path}",
+                          "rollout.multi_turn.max_assistant_turns=2", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,8 @@ def tool_run(eos_model_dir, arith_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("tools_e2e")
     (root / "tools.yaml").write_text(TOOLS)
     out = root / "run"
-    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, root / "tools.yaml"),
-            "trainer.check_weight_sync=true", "trainer.test_freq=3", "actor.lr=1e-3"]
+    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, root / "tools.yaml",
+                                                           "trainer.check_weight_sync=true", "trainer.test_freq=3", "actor.lr=1e-3")]
     proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"})
     if proc.returncode != 0:
         pytest.fail(f"the run exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
@@ -100,9 +102,9 @@ def compared_run(model_dir, data, root, name: str, procs: int, extra: list[str])
     (root / "tools.yaml").write_text(TOOLS)
     (root / "reward.py").write_text(REWARD)
     out = root / name
-    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(model_dir, data, out, root / "tools.yaml"),
-            f"reward.custom.path={root / 'reward.py'}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
-            "trainer.check_weight_sync=true", *extra]
+    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(model_dir, data, out, root / "tools.yaml", f"reward.custom.path={root / 'reward.py'}",
+                                                           "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
+                                                           "trainer.check_weight_sync=true", *extra)]
     proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
     assert proc.returncode == 0, f"{name}: exited {proc.returncode}\n{proc.stderr[-6000:]}"
     return read_metrics(out)
@@ -133,8 +135,9 @@ def test_lora_trains_with_tools(eos_model_dir, arith_data, tmp_path):
     (tmp_path / "tools.yaml").write_text(TOOLS)
     (tmp_path / "reward.py").write_text(REWARD)  # varied: nonzero advantages, so the adapters get a gradient
     out = tmp_path / "run"
-    args = ["recipes/tiny_cpu_lora.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml"),
-            f"reward.custom.path={tmp_path / 'reward.py'}", "trainer.check_weight_sync=true", "trainer.save_merged=false"]
+    args = ["recipes/tiny_cpu_lora.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml",
+                                                                f"reward.custom.path={tmp_path / 'reward.py'}",
+                                                                "trainer.check_weight_sync=true", "trainer.save_merged=false")]
     proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = read_metrics(out)
@@ -150,9 +153,9 @@ def test_a_tool_failing_on_every_call_of_a_step_stops_the_run_after_saving(eos_m
     (tmp_path / "tools.yaml").write_text(TOOLS.replace("grpo_lib.tools.builtin.CalculatorTool", "tests.scripts.episode_case.FailsAfter")
                                          .replace("config: {}", "config: {ok_calls: 1}"))
     out = tmp_path / "run"
-    proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml"),
-                                "trainer.val_before_train=false"],  # validation's episodes would take the one good call
-                               tool="calculator", arguments={"expression": "1"})
+    # no validation before step 1: its episodes would take the one good call
+    args = multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml", "trainer.val_before_train=false")
+    proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *args], tool="calculator", arguments={"expression": "1"})
     assert proc.returncode == 3, proc.stderr[-4000:]
     assert "step 2: tool calculator failed on every one of its" in proc.stderr
     assert (out / "global_step_1").is_dir() and not (out / "global_step_2").exists()

@@ -114,8 +114,8 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
     reward = tmp_path / "reward.py"
     reward.write_text(textwrap.dedent(FAILING_REWARD))
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out), "data.shuffle=false",
-                      "trainer.total_training_steps=3", "data.max_prompt_length=192", f"reward.custom.path={reward}"],
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, "data.shuffle=false",
+                      "trainer.total_training_steps=3", "data.max_prompt_length=192", f"reward.custom.path={reward}")],
                      check=False)
     assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
     assert "step 2: 100% of responses could not be scored" in proc.stderr and "reward.max_error_fraction=0.5" in proc.stderr
@@ -137,9 +137,9 @@ def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tin
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), "trainer.total_training_steps=2",
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, "trainer.total_training_steps=2",
                       "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2",
-                      f"reward.custom.path={reward}", "reward.num_workers=0"], check=False)
+                      f"reward.custom.path={reward}", "reward.num_workers=0")], check=False)
     assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
     assert "step 1: dynamic sampling found no group with different scores in 2 rounds" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -149,8 +149,9 @@ def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tin
 @pytest.mark.slow
 def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out), "trainer.val_only=true",
-               "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0", "trainer.val_generations_to_log=5"])
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, "trainer.val_only=true",
+               "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
+               "trainer.val_generations_to_log=5")])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = next(r for r in rows if "val/reward_mean" in r)
     assert "val/synthetic/arithmetic/acc" in val, f"per-source metrics: {val}"
@@ -198,8 +199,8 @@ def test_no_reward_worker_survives_sigkill_of_the_trainer(tiny_model_dir, arith_
     marks.mkdir()
     reward = tmp_path / "reward.py"
     reward.write_text(textwrap.dedent(HANGING_REWARD.format(marks=str(marks))))
-    args = [*tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run"), f"reward.custom.path={reward}",
-            "reward.timeout_s=250", "reward.num_workers=2", "trainer.val_before_train=false"]
+    args = [*tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run", f"reward.custom.path={reward}",
+            "reward.timeout_s=250", "reward.num_workers=2", "trainer.val_before_train=false")]
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, str(repo / "train_grpo.py"), "recipes/tiny_cpu.yaml", *args], cwd=repo,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

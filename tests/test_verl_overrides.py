@@ -20,6 +20,7 @@ from grpo_lib.config.load import _coerce
 from grpo_lib.config.schema import _all_leaf_keys
 from grpo_lib.config.verl_keys import IGNORED, _canonical, _match
 from tests.cli import run_main
+from tests.conftest import merge_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -290,10 +291,12 @@ DAPO_REFUSED = """
     +actor_rollout_ref.model.override_config.max_position_embeddings=32768
 """
 
-# verl's GRPO docs: Dr. GRPO is these three lines on top of a GRPO script.
-DR_GRPO = SEQ_BALANCE + """
+# verl's GRPO docs: Dr. GRPO is three lines on top of a GRPO script. One of them switches a key the script already sets
+# (use_kl_loss True -> False): that line is edited in place, since a key given twice with different values exits 2 here
+# instead of the last one silently winning (tests/test_config.py); the other two are added.
+assert SEQ_BALANCE.count("actor_rollout_ref.actor.use_kl_loss=True") == 1
+DR_GRPO = SEQ_BALANCE.replace("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.use_kl_loss=False") + """
     actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm
-    actor_rollout_ref.actor.use_kl_loss=False
     algorithm.norm_adv_by_std_in_grpo=False
 """
 
@@ -397,9 +400,9 @@ def test_verl_meanings(tiny_model_dir, arith_data, tmp_path):
     old = load_config(None, usable(lines_of(LORA_0_5B, tiny_model_dir, arith_data))[0], world_size=1)
     assert old.actor.ppo_micro_batch_size_per_gpu == 116  # verl's global 116 over 1 process
     assert old.rollout.log_prob_micro_batch_size_per_gpu == 116 and old.ref.log_prob_micro_batch_size_per_gpu == 116
-    on_4 = load_config(None, usable(lines_of(LORA_0_5B, tiny_model_dir, arith_data))[0] +
-                       ["trainer.n_gpus_per_node=4", "data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=64"],
-                       world_size=4)
+    on_4 = load_config(None, merge_overrides(*usable(lines_of(LORA_0_5B, tiny_model_dir, arith_data))[0],
+                                             "trainer.n_gpus_per_node=4", "data.train_batch_size=128",
+                                             "actor_rollout_ref.actor.ppo_mini_batch_size=64"), world_size=4)
     assert on_4.actor.ppo_micro_batch_size_per_gpu == 29  # 116 // 4
     both_spellings = tmp_path / "both.yaml"
     both_spellings.write_text("actor:\n  ppo_micro_batch_size: 8\n  ppo_micro_batch_size_per_gpu: 4\n")

@@ -153,7 +153,11 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         elif not dynamic and micro < 1:
             p.append(f"{name}_micro_batch_size_per_gpu={micro}: must be >= 1")
     t = cfg.trainer
-    if t.n_gpus_per_node is not None:
+    launch_keys = (("trainer.n_gpus_per_node", t.n_gpus_per_node, "processes per machine"), ("trainer.nnodes", t.nnodes, "machines"))
+    for key, value, unit in launch_keys:
+        if value is not None and value < 1:
+            p.append(f"{key}={value}: must be >= 1 ({unit}), or null to take it from the launch")
+    if t.n_gpus_per_node is not None and all(value is None or value >= 1 for _, value, _ in launch_keys):
         planned = t.n_gpus_per_node * t.nnodes
         if planned != world_size:
             p.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} = {planned} processes, but this "
@@ -248,6 +252,7 @@ def _value_ranges(cfg: Config) -> list[str]:
         ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, True, False, "a fraction in (0, 1]"),
         ("rollout.val_kwargs.temperature", r.val_kwargs.temperature, 0.0, None, False, False, "must be >= 0 (0: greedy)"),
         ("reward.timeout_s", rw.timeout_s, 0.0, None, True, False, "seconds, must be > 0 (default 10)"),
+        ("reward.import_timeout_s", rw.import_timeout_s, 0.0, None, True, False, "seconds, must be > 0 (default 120)"),
         ("reward.max_error_fraction", rw.max_error_fraction, 0.0, 1.0, False, False, "a fraction in [0, 1] (default 0.5)"),
     ]
     for key, value in (("actor.clip_ratio_low", a.clip_ratio_low), ("actor.clip_ratio_high", a.clip_ratio_high)):
@@ -281,6 +286,9 @@ def _value_ranges(cfg: Config) -> list[str]:
                        ("trainer.val_generations_to_log", t.val_generations_to_log)):
         if value < 0:
             p.append(f"{key}={value}: must be >= 0")
+    if cfg.data.seed < 0:
+        p.append(f"data.seed={cfg.data.seed}: the prompt-order seed must be >= 0 (numpy's generator takes no negative seed; "
+                 "default 1)")
     if t.total_training_steps is not None and t.total_training_steps < 1:
         p.append(f"trainer.total_training_steps={t.total_training_steps}: must be >= 1 (null: trainer.total_epochs x steps per epoch)")
     if t.val_only and not cfg.data.val_files:

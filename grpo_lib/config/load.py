@@ -110,17 +110,37 @@ def _build(cls: type, values: dict[str, Any], prefix: str = ""):
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """["actor.lr=1e-6", "trainer.logger=[console]"] -> {"actor.lr": 1e-06, "trainer.logger": ["console"]}."""
+    """["actor.lr=1e-6", "trainer.logger=[console]"] -> {"actor.lr": 1e-06, "trainer.logger": ["console"]}.
+
+    One key given twice with different values, in any spelling (`actor.lr=1e-3 actor.lr=1e-2`, or
+    `actor_rollout_ref.actor.optim.lr=1e-3 actor.lr=1e-2`), raises ConfigError naming both overrides: a later one never
+    silently replaces an earlier one. A repeat with the same value changes nothing and is accepted (verl's own
+    examples/tuning/0.5b script sets model.enable_gradient_checkpointing=True twice).
+    """
     parsed: dict[str, Any] = {}
-    for item in overrides:
+    first: dict[str, tuple[int, str, str]] = {}  # canonical key -> (1-based position, override, key as written)
+    duplicates = []
+    for position, item in enumerate(overrides, start=1):
         if "=" not in item:
             raise ConfigError([f"override {item!r}: expected key=value (for example actor.lr=1e-6)"])
         key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
         try:
-            parsed[key.strip().lstrip("+")] = yaml.safe_load(raw) if raw.strip() != "" else None
+            value = yaml.safe_load(raw) if raw.strip() != "" else None
         except yaml.YAMLError as exc:
             raise ConfigError([f"override {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it or fix the "
                                "brackets, for example data.train_files=[a.parquet,b.parquet]"]) from None
+        canonical = _canonical(key)
+        if canonical not in first:
+            first[canonical] = (position, item, key)
+            parsed[key] = value
+        elif parsed[first[canonical][2]] != value:
+            where, earlier, _ = first[canonical]
+            duplicates.append(f"{canonical} is set by two overrides with different values: #{where} {earlier!r} and "
+                              f"#{position} {item!r}; keep one (a later override does not replace an earlier one here; for a "
+                              "verl script that ends in $@, edit the script's line instead of adding a second one)")
+    if duplicates:
+        raise ConfigError(duplicates)
     return parsed
 
 
@@ -140,10 +160,14 @@ def read_raw(recipe: str | Path | None = None, overrides: list[str] | None = Non
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError([f"recipe file {str(path)!r} does not exist: pass a YAML file such as recipes/tiny_cpu.yaml"])
+        text = path.read_text()
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            duplicates = _repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader), str(path))
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError([f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(exc)}"]) from None
+        if duplicates:
+            raise ConfigError(duplicates)
         if not isinstance(tree, dict):
             raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
     raw = {_canonical(k): v for k, v in _flatten(tree).items()}
@@ -204,6 +228,50 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         lines = _recipe_lines(recipe, overrides)
         raise ConfigError([_with_line(problem, lines, recipe) for problem in problems])
     return config
+
+
+def _repeated_keys(node, recipe: str) -> list[str]:
+    """Keys a recipe sets twice, one problem each naming both places (recipe:line). PyYAML keeps the last of two equal
+    keys without a word, so a second `trainer:` section would silently replace the first; and two spellings of one key
+    (verl's `actor_rollout_ref.actor.optim.lr` and `actor.lr`) would leave one of them unused.
+
+    Example: "trainer:\\n  save_freq: 1\\ntrainer:\\n  save_freq: 2\\n" -> ["trainer is set twice in recipe r.yaml: at
+    r.yaml:1 and r.yaml:3 (...)"].
+    """
+    problems: list[str] = []
+    leaves: dict[str, list[tuple[str, int]]] = {}  # canonical key -> [(spelling, line)] of every leaf that sets it
+
+    def walk(mapping, prefix: str, *, in_list: bool = False) -> None:
+        seen: dict[str, int] = {}
+        for key_node, value_node in mapping.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: explicit keys may override merged ones
+                continue
+            dotted, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if dotted in seen:
+                fix = "merge the two blocks into one" if isinstance(value_node, yaml.MappingNode) else "keep one"
+                problems.append(f"{dotted} is set twice in recipe {recipe}: at {recipe}:{seen[dotted]} and {recipe}:{line} "
+                                f"(YAML would keep only the second, silently); {fix}")
+                continue
+            seen[dotted] = line
+            if isinstance(value_node, yaml.MappingNode) and value_node.value:
+                walk(value_node, dotted + ".", in_list=in_list)
+            elif not in_list:
+                leaves.setdefault(_canonical(dotted), []).append((dotted, line))
+            if isinstance(value_node, yaml.SequenceNode):  # mappings in a list: reward.functions: [{name: .., weight: ..}]
+                for i, item in enumerate(value_node.value):
+                    if isinstance(item, yaml.MappingNode):
+                        walk(item, f"{dotted}[{i}].", in_list=True)
+
+    if isinstance(node, yaml.MappingNode):
+        walk(node, "")
+    if problems:
+        return problems  # a repeated section repeats its leaves too: report the section alone
+    for canonical, where in leaves.items():
+        if len(where) > 1:
+            (first, first_line), (second, second_line) = where[:2]
+            problems.append(f"{canonical} is set twice in recipe {recipe}: as {first} at {recipe}:{first_line} and as {second} "
+                            f"at {recipe}:{second_line} (verl's spelling and ours name one key); keep one")
+    return problems
 
 
 def _key_lines(node, prefix: str = "") -> dict[str, int]:

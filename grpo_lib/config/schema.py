@@ -355,6 +355,9 @@ class RewardConfig:
     gsm8k: Gsm8kRewardConfig = field(default_factory=Gsm8kRewardConfig)
     timeout_s: float = may_change_on_resume(10.0)
     """Seconds one response may take to score; slower ones score 0 and are counted."""
+    import_timeout_s: float = may_change_on_resume(120.0)
+    """Seconds custom.path may take to import, in the trainer and in each reward worker (timeout_s covers calls only);
+    a slower import stops the run at setup (exit 2) naming the file, instead of hanging it."""
     num_workers: int = may_change_on_resume(2)
     """Processes scoring in parallel (0: in-process, no timeout). Helpers are added while calls hang."""
     max_error_fraction: float = may_change_on_resume(0.5)

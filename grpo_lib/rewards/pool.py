@@ -20,6 +20,13 @@ the parent knows which call runs and since when (to 10 ms). Time limits:
    calls (over timeout_s / 2 each) is also cut at that deadline; raise reward.timeout_s for such rewards.
 A worker that dies (segfault, os._exit) costs only the call it was running (an error); a fresh one replaces it.
 
+Start-up is bounded too (`import_timeout_s`: the reward files a worker imports may hang at import). `start()` starts
+the workers and waits until each has built its functions: a worker whose factory raises (the custom file's import
+timed out, in the worker, or raised there only) reports the error and exits; one not ready `import_timeout_s` +
+`START_GRACE_S` after it was started (a hang in C code) is killed; either way `start()` raises WorkerStartError with
+the message, so the trainer exits 2 at setup. A replacement started mid-run that fails the same way counts as a
+failed start (after MAX_FAILED_STARTS the calls score as errors, which stops the run via reward.max_error_fraction).
+
 Workers never outlive the trainer: each asks Linux to SIGKILL it when its parent (the forkserver, which exits
 with the trainer) dies (`prctl(PR_SET_PDEATHSIG)`), and a thread also exits the worker within a second once the
 trainer's pid is gone (the fallback elsewhere). The trainer's `close()` kills them on a normal exit.
@@ -65,6 +72,7 @@ MAX_HELPERS = 8  # extra worker processes at most, while calls hang
 MAX_CHUNK = 32  # calls sent to a worker at once
 RESULT_FLUSH_S = 0.01  # a worker sends its finished calls' results at least this often
 MAX_FAILED_STARTS = 8  # workers dying before they are ready, per pool, before calls are given up as errors
+START_GRACE_S = 30.0  # seconds past import_timeout_s for a worker's own start (interpreter, forkserver, preload) before it is killed
 POLL_S = 0.05  # parent's wait between checks of the workers
 TRAINER_POLL_S = 1.0  # how often a worker checks that the trainer is alive (fallback to PDEATHSIG)
 
@@ -75,6 +83,10 @@ Result = tuple[str, Any, str]
 
 class CallTimeout(BaseException):
     """Raised inside a worker's main thread when the running call passes its deadline."""
+
+
+class WorkerStartError(RuntimeError):
+    """A reward worker could not build its functions at `TimeoutPool.start` (the message says why)."""
 
 
 def call_safely(function: Callable, kwargs: dict) -> Result:
@@ -165,7 +177,11 @@ def _worker_main(conn, trainer_pid: int, factory: Callable[..., dict], factory_a
     # finishes its step, so its reward calls must still be answered. Workers end by SIGKILL (close(), PDEATHSIG).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    watchdog, functions = _Watchdog(), factory(*factory_args)
+    try:
+        watchdog, functions = _Watchdog(), factory(*factory_args)
+    except BaseException as error:  # e.g. the custom file's import raised or timed out here: the parent reports it
+        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        return
     conn.send("ready")
     outbox = _Outbox(conn)
     while True:
@@ -233,6 +249,7 @@ class _Worker:
     pending: list = field(default_factory=list)  # calls sent and not answered, in the order the worker runs them
     started: float = 0.0  # monotonic start of pending[0]: when it was sent or the previous result came back
     ignore: set = field(default_factory=set)  # calls taken back from this worker (re-queued); their results are dropped
+    spawned: float = field(default_factory=time.monotonic)  # when the process was started (its start-up is bounded)
 
     @property
     def free(self) -> bool:
@@ -243,10 +260,14 @@ class TimeoutPool:
     """Worker processes that run `Call`s by function name; every worker builds its functions once with
     `factory(*factory_args)` (a picklable module-level function returning {name: callable})."""
 
-    def __init__(self, *, num_workers: int, timeout_s: float, factory: Callable[..., dict], factory_args: tuple):
+    def __init__(self, *, num_workers: int, timeout_s: float, factory: Callable[..., dict], factory_args: tuple,
+                 import_timeout_s: float | None = None):
         assert num_workers >= 1, f"TimeoutPool needs num_workers >= 1, got {num_workers}"
         assert timeout_s > 0, f"timeout_s must be > 0, got {timeout_s}"
         self.num_workers, self.timeout_s = num_workers, timeout_s
+        # seconds from a worker's start until it must be ready (None: unbounded): the factory's imports plus the grace
+        self.start_limit_s = None if import_timeout_s is None else import_timeout_s + START_GRACE_S
+        self.last_start_failure = ""  # why the latest worker failed to start
         self._factory, self._factory_args = factory, factory_args
         methods = multiprocessing.get_all_start_methods()
         self._context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
@@ -282,6 +303,34 @@ class TimeoutPool:
         worker.conn.close()
         self._workers.remove(worker)
 
+    def start(self) -> None:
+        """Start the workers and wait until every one has built its functions; WorkerStartError (all workers stopped)
+        when one fails to (its factory raised, it died, or it was not ready within start_limit_s)."""
+        while len(self._workers) < self.num_workers:
+            self._spawn()
+        while not all(w.ready for w in self._workers):
+            failed_before = self._failed_starts
+            starting = [w for w in self._workers if not w.ready]
+            for conn in connection.wait([w.conn for w in starting], timeout=POLL_S):
+                worker = next(w for w in starting if w.conn is conn)
+                while worker in self._workers and not worker.ready and worker.conn.poll():
+                    self._receive(worker, deque(), {})
+            self._kill_stuck_starts()
+            if self._failed_starts > failed_before or len(self._workers) < self.num_workers:
+                self.close()
+                raise WorkerStartError(self.last_start_failure)
+
+    def _kill_stuck_starts(self) -> None:
+        """Kill workers still not ready start_limit_s after they were started (each counts as a failed start)."""
+        if self.start_limit_s is None:
+            return
+        now = time.monotonic()
+        for worker in [w for w in self._workers if not w.ready and now - w.spawned > self.start_limit_s]:
+            self._failed_starts += 1
+            self.last_start_failure = (f"a reward worker was not ready {self.start_limit_s:g} s after it started (building its "
+                                       "reward functions: importing the reward files); killed")
+            self._retire(worker)
+
     def run(self, calls: list[Call]) -> dict[int, Result]:
         """Run every call; returns {call_id: (status, value, message)}. Never raises for a call's failure."""
         results: dict[int, Result] = {}
@@ -291,7 +340,8 @@ class TimeoutPool:
         while queue or any(w.pending for w in self._workers):
             if self._failed_starts > MAX_FAILED_STARTS:  # workers cannot even start: give up on the rest
                 for call_id, _, _ in queue:
-                    results[call_id] = ("error", None, f"reward workers died {self._failed_starts} times while starting")
+                    results[call_id] = ("error", None, f"reward workers died {self._failed_starts} times while starting "
+                                        f"(last: {self.last_start_failure})")
                 queue.clear()
             now = time.monotonic()
             chunk_size = max(1, min(MAX_CHUNK, len(queue) // (4 * self.num_workers)))
@@ -328,6 +378,7 @@ class TimeoutPool:
                 worker = next(w for w in self._workers if w.conn is conn)
                 while worker in self._workers and worker.conn.poll():  # drain: one message per finished call
                     self._receive(worker, queue, results)
+            self._kill_stuck_starts()
             now = time.monotonic()
             for worker in [w for w in self._workers if w.pending]:
                 overdue = now - worker.started > self.timeout_s + HARD_GRACE_S
@@ -352,7 +403,10 @@ class TimeoutPool:
         try:
             message = worker.conn.recv()
         except (EOFError, OSError):  # the worker died: only the call it was running is lost
-            self._failed_starts += not worker.ready
+            if not worker.ready:
+                self._failed_starts += 1
+                worker.process.join(timeout=5)
+                self.last_start_failure = f"a reward worker exited while starting (exit code {worker.process.exitcode})"
             if worker.pending:
                 code = worker.process.exitcode
                 results[worker.pending[0][0]] = ("error", None, f"reward worker process died (exit code {code})")
@@ -361,6 +415,11 @@ class TimeoutPool:
             return
         if message == "ready":
             worker.ready = True
+            return
+        if isinstance(message, tuple) and message[0] == "failed":  # its factory raised: see _worker_main
+            self._failed_starts += 1
+            self.last_start_failure = f"a reward worker could not build its reward functions: {message[1]}"
+            self._retire(worker)
             return
         for call_id, result in message:
             if call_id in worker.ignore:  # a taken-back call, run elsewhere

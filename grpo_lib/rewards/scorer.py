@@ -18,6 +18,10 @@ field, that batch keys it `"<function>/<field>"` for both. A call that raises, r
 (NaN, no `score`), or passes `timeout_s` scores 0 and is counted; `score` never raises for one response.
 With `num_workers=0` everything runs in this process: no pool start-up, but NO timeout enforcement
 (a hanging reward hangs the trainer) -- meant for tests and debugging.
+
+The custom file is imported here (so a bad file fails before the engine starts) and by every worker; each import may
+take `import_timeout_s` seconds (reward.import_timeout_s), after which the constructor raises an ImportError naming the
+file (the trainer exits 2). The workers are started, and their imports waited for, in the constructor.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 from grpo_lib import names
 from grpo_lib.rewards.custom import load_custom_reward
-from grpo_lib.rewards.pool import TimeoutPool, call_safely
+from grpo_lib.rewards.pool import TimeoutPool, WorkerStartError, call_safely
 from grpo_lib.rewards.registry import compute_score, format_score
 from grpo_lib.rewards.gsm8k import GSM8K_MODES
 
@@ -71,15 +75,16 @@ def _normalized(function, **kwargs) -> tuple[float, dict]:
     return _as_score(function(**kwargs))
 
 
-def build_functions(custom_path: str | None, custom_name: str, gsm8k_mode: str) -> dict:
+def build_functions(custom_path: str | None, custom_name: str, gsm8k_mode: str, import_timeout_s: float | None = None) -> dict:
     """{name: callable(data_source, solution_str, ground_truth, extra_info) -> (score, extra)}.
 
-    Module-level so pool workers can build their own copy (and import the custom file themselves).
+    Module-level so pool workers can build their own copy (and import the custom file themselves, within
+    `import_timeout_s` seconds).
     """
     builtin_accuracy = functools.partial(compute_score, gsm8k_mode=gsm8k_mode)
     functions = {"format": functools.partial(_normalized, format_score)}
     if custom_path is not None:
-        custom = load_custom_reward(custom_path, custom_name)
+        custom = load_custom_reward(custom_path, custom_name, import_timeout_s=import_timeout_s)
         functions["custom"] = functools.partial(_normalized, custom)
         functions["accuracy"] = functions["custom"]
     else:
@@ -91,7 +96,7 @@ class RewardScorer:
     """Owns the worker pool; `score` once per step, `close` at the end (or use as a context manager)."""
 
     def __init__(self, *, functions: list[dict], custom_path: str | None = None, custom_name: str = "compute_score",
-                 gsm8k_mode: str = "strict", timeout_s: float = 10.0, num_workers: int = 2):
+                 gsm8k_mode: str = "strict", timeout_s: float = 10.0, num_workers: int = 2, import_timeout_s: float = 120.0):
         problems = []
         if not functions:
             problems.append(f"functions is empty; give at least one of {list(FUNCTION_NAMES)}")
@@ -113,18 +118,26 @@ class RewardScorer:
             problems.append(f"gsm8k_mode must be one of {list(GSM8K_MODES)}, got {gsm8k_mode!r}")
         if not timeout_s > 0:
             problems.append(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        if not import_timeout_s > 0:
+            problems.append(f"import_timeout_s must be > 0 seconds, got {import_timeout_s}")
         if num_workers < 0:
             problems.append(f"num_workers must be >= 0 (0 = in-process, no timeouts), got {num_workers}")
         if problems:
             raise ValueError("invalid reward config:\n  " + "\n  ".join(problems))
         self.last_error_samples: list[str] = []
         self.weights = {spec["name"]: float(spec.get("weight", DEFAULT_WEIGHT)) for spec in functions}
-        factory_args = (custom_path, custom_name, gsm8k_mode)
+        factory_args = (custom_path, custom_name, gsm8k_mode, import_timeout_s)
         self._local_functions = build_functions(*factory_args)  # fails fast on a bad custom file
         self._pool = None
         if num_workers > 0:
-            self._pool = TimeoutPool(num_workers=num_workers, timeout_s=timeout_s,
-                                     factory=build_functions, factory_args=factory_args)
+            self._pool = TimeoutPool(num_workers=num_workers, timeout_s=timeout_s, factory=build_functions,
+                                     factory_args=factory_args, import_timeout_s=import_timeout_s)
+            try:
+                self._pool.start()  # each worker imports the custom file too: bounded, reported here, not mid-run
+            except WorkerStartError as error:
+                where = f"custom reward file {custom_path}: " if custom_path else ""
+                raise ImportError(f"{where}{error}; reward.import_timeout_s={import_timeout_s} s bounds each import "
+                                  "(reward.num_workers=0 scores in the trainer alone)") from None
 
     def score(self, *, responses: list[str], data_sources: list[str], ground_truths: list,
               extra_infos: list[dict | None]) -> RewardOutput:

@@ -19,6 +19,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from grpo_lib import algorithms
 from grpo_lib.config import Config, load_config
 from grpo_lib.types import RolloutBatch
+from tests.conftest import merge_overrides
 
 VOCAB = 256
 MAX_PROMPT, MAX_RESPONSE = 12, 48  # the longest trajectory is exactly 60 = the smallest allowed token budget
@@ -77,7 +78,7 @@ def make_config(model_dir: Path, *, loss_agg_mode: str = "token-mean", remove_pa
         f"actor.ppo_max_token_len_per_gpu={max_tokens}" if dynamic else f"actor.ppo_micro_batch_size_per_gpu={micro_batch_size}",
         *extra,
     ]
-    return load_config(None, overrides, world_size=world_size)
+    return load_config(None, merge_overrides(*overrides), world_size=world_size)  # `extra` replaces a base setting
 
 
 def naive_logprobs(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
