@@ -16,7 +16,8 @@ is reported and skipped before the engine starts). SIGTERM / SIGINT finish the s
 model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
 fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
-loads; 3 the run stopped because its results could not be trusted (rewards failing, see `GRPOTrainer.stop_run`; or
+loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
+could not be trusted (rewards failing, a tool failing on every call of a step, see `GRPOTrainer.stop_run`; or
 trainer.max_bad_steps consecutive non-finite updates).
 """
 
@@ -63,6 +64,7 @@ class RunParts:
     scorer: Any  # grpo_lib.rewards.RewardScorer
     logger: Any  # grpo_lib.metrics.MetricLogger
     device: Any  # torch.device
+    episodes: Any = None  # grpo_lib.episodes.EpisodeRunner with rollout.multi_turn.enable, else None
 
 
 class GRPOTrainer:
@@ -76,9 +78,9 @@ class GRPOTrainer:
     # -- setup ----------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Tokenizer, data, reward scorer (before the engine: a bad reward file fails in seconds), engine, actor,
-        reference, metric logger; then the checkpoint of `resume` (the engine started from model.path is given the
-        resumed weights). Raises DataError / SetupError for exit code 2."""
+        """Tokenizer, tools (multi-turn), data, reward scorer (before the engine: a bad reward file or tool config fails in
+        seconds), engine, actor, reference, metric logger; then the checkpoint of `resume` (the engine started from
+        model.path is given the resumed weights). Raises DataError / SetupError for exit code 2."""
         import torch
         from transformers import AutoTokenizer
 
@@ -99,8 +101,15 @@ class GRPOTrainer:
         except (OSError, ValueError) as exc:
             raise SetupError(f"model.path={cfg.model.path!r}: cannot load a tokenizer from it ({exc}); "
                              "point it at a Hugging Face model folder or hub name") from exc
-        train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
-        val = load_prompts(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+        episodes = self.setup_episodes(tokenizer)  # None unless rollout.multi_turn.enable
+        tools = episodes.toolbox.schemas if episodes is not None else None  # the prompts list them (verl's dataset does)
+        try:
+            train = load_prompts(cfg.data.train_files, tokenizer, cfg.data, tools=tools)
+            val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, tools=tools) if cfg.data.val_files else None
+        except BaseException:
+            if episodes is not None:
+                episodes.toolbox.close()
+            raise
         sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         try:
             scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
@@ -131,9 +140,11 @@ class GRPOTrainer:
                                   experiment_name=cfg.trainer.experiment_name, resume_step=self.resume.step)
         except BaseException:
             scorer.close()  # its worker processes must not outlive a failed setup
+            if episodes is not None:
+                episodes.toolbox.close()
             raise
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
-                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device)
+                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -146,6 +157,28 @@ class GRPOTrainer:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             engine.release()
             engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+
+    def setup_episodes(self, tokenizer):
+        """rollout.multi_turn.enable: the tool config's tools and the episode loop (grpo_lib/episodes.py), checked against
+        the chat template; None when off. A tool config or template that cannot work raises SetupError (exit 2)."""
+        mt = self.cfg.rollout.multi_turn
+        if not mt.enable:
+            return None
+        from grpo_lib.episodes import EpisodeRunner, TemplateError
+        from grpo_lib.tools.calls import ToolBox
+        from grpo_lib.tools.config import ToolConfigError, load_tools
+
+        try:
+            tools = load_tools(mt.tool_config_path)
+        except ToolConfigError as exc:
+            raise SetupError(str(exc)) from exc
+        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s, max_response_chars=mt.max_tool_response_length,
+                          truncate_side=mt.tool_response_truncate_side)
+        try:
+            return EpisodeRunner.from_config(self.cfg, tokenizer=tokenizer, toolbox=toolbox)
+        except TemplateError as exc:
+            toolbox.close()
+            raise SetupError(f"rollout.multi_turn.enable: {exc}") from exc
 
     # -- the run --------------------------------------------------------------------------------------
 
@@ -198,6 +231,7 @@ class GRPOTrainer:
         """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
         when the rewards cannot be trusted or DAPO finds no usable group; the step's generation metrics are logged."""
         from grpo_lib import step as S
+        from grpo_lib.episodes import TemplateError
 
         cfg, p = self.cfg, self.parts
         engine, actor, reference = p.engine, p.actor, p.reference
@@ -207,13 +241,18 @@ class GRPOTrainer:
             gen_metrics = {}
             try:
                 batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
-                                                        world_size=self.world_size, rank=self.rank, timings=timings)
+                                                        world_size=self.world_size, rank=self.rank, timings=timings,
+                                                        episodes=p.episodes)
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
+                if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
+                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step)
             except S.RunAborted:
                 if gen_metrics:
                     p.logger.log(step, gen_metrics)
                 raise
+            except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
+                raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             # 4. reference logprobs (only with a KL term)
@@ -246,7 +285,7 @@ class GRPOTrainer:
 
         p = self.parts
         metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank, step=step,
-                                   tokenizer=p.tokenizer)
+                                   tokenizer=p.tokenizer, episodes=p.episodes)
         p.logger.log(step, metrics)
         p.logger.log_generations(step, rows)
 
@@ -284,6 +323,8 @@ class GRPOTrainer:
         if self.parts is not None:
             self.parts.scorer.close()
             self.parts.logger.close()
+            if self.parts.episodes is not None:
+                self.parts.episodes.toolbox.close()
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,7 @@ Why: the demo and the tests must run on a CPU machine with no hub access, with t
 a real run (AutoModelForCausalLM, AutoTokenizer, vLLM). The folder holds:
 
 - a byte-level BPE tokenizer trained with the `tokenizers` library on the synthetic arithmetic corpus,
-  with a Qwen-style chat template, `<|im_end|>` as eos and `<|endoftext|>` as pad;
+  with a Qwen-style chat template (tools and tool messages too), `<|im_end|>` as eos and `<|endoftext|>` as pad;
 - a Qwen3ForCausalLM with head_dim 32 (vLLM's CPU attention rejects 16), saved with save_pretrained.
 
 Optionally it warms the model up (`--warmup-steps`) by supervised training on the synthetic task with
@@ -34,9 +34,33 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from data_prep.synthetic import GSM8K_INSTRUCTION, make_problems, render_answer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A Qwen2.5-style template, short enough for the tiny model's context (transformers renders with trim_blocks: a newline
+# right after a {% tag %} is written as {{ '\\n' }}). Without `tools=` it renders every message as
+# <|im_start|>role\ncontent<|im_end|>\n (what the tiny model has always seen). With `tools=` the system message lists
+# the tools' JSON schemas and says how to call them; tool messages render as Qwen's do: consecutive ones share one
+# user turn, each inside <tool_response> tags; an assistant message's `tool_calls` render as <tool_call> blocks.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\nCall a tool as <tool_call>{\"name\": <name>, \"arguments\": <args>}</tool_call><|im_end|>\n"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] %}{% set call = call['function'] if call['function'] else call %}"
+    "<tool_call>{\"name\": \"{{ call['name'] }}\", \"arguments\": {{ call['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -21,6 +21,9 @@ Rules (the `data` config section):
 - Prompts longer than `max_prompt_length` tokens are dropped and counted (`filter_overlong_prompts`, a
   warning says how many), else `truncation` decides: `error` (names file, row and length), `left` (keep the
   end, where the question and generation prompt are) or `right` (keep the start).
+- Multi-turn runs (`load_prompts(..., tools=schemas)`) render the prompt with the template's `tools=` (the system
+  message lists the tools, as verl's dataset does) and keep each prompt's messages (`PromptDataset.messages`): the
+  episode loop renders the conversation again as it grows (grpo_lib/episodes.py).
 - The order is a seeded permutation per epoch (`PromptSampler`); `state_dict()` is the position to resume from.
 
 Speed: each file is rendered row by row (cheap) and tokenized in batched calls: a 7.5k-row GSM8K file
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -126,15 +129,11 @@ def _plain(value):
 
 
 # -------------------------------------------------------------------------------------------- rendering
-def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None,
-                chat_template_kwargs: dict | None = None) -> str:
-    """Chat messages (or a plain string) -> the prompt text the model sees, generation prompt included.
+def prompt_messages(prompt, *, system_prompt: str | None) -> list[dict]:
+    """A prompt cell (chat messages or a plain string) -> its messages, system_prompt in front when it has none.
 
-    Example: [{"role": "user", "content": "What is 3 + 4?"}] with a Qwen template ->
-    "<|im_start|>user\\nWhat is 3 + 4?<|im_end|>\\n<|im_start|>assistant\\n"; without the template ->
-    "What is 3 + 4?". `chat_template_kwargs` (data.apply_chat_template_kwargs) go to the template: Qwen3's
-    {"enable_thinking": False} appends an empty think block so the model answers directly.
-    Raises ValueError for a prompt that is neither a string nor a list of messages.
+    Example: prompt_messages("What is 3 + 4?", system_prompt="Be brief.") -> [{"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 3 + 4?"}]. Raises ValueError for anything else.
     """
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -143,16 +142,33 @@ def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: 
         raise ValueError(f"a prompt is a string or a non-empty list of {{'role', 'content'}} messages, got {str(prompt)[:200]!r}")
     if system_prompt and not any(m["role"] == "system" for m in prompt):
         prompt = [{"role": "system", "content": system_prompt}] + prompt
+    return prompt
+
+
+def render_text(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None,
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+    """Chat messages (or a plain string) -> the prompt text the model sees, generation prompt included.
+
+    Example: [{"role": "user", "content": "What is 3 + 4?"}] with a Qwen template ->
+    "<|im_start|>user\\nWhat is 3 + 4?<|im_end|>\\n<|im_start|>assistant\\n"; without the template ->
+    "What is 3 + 4?". `chat_template_kwargs` (data.apply_chat_template_kwargs) go to the template: Qwen3's
+    {"enable_thinking": False} appends an empty think block so the model answers directly. `tools` (OpenAI function
+    schemas, multi-turn runs) go to the template's `tools=`. Raises ValueError for a prompt that is neither a string nor
+    a list of messages.
+    """
+    prompt = prompt_messages(prompt, system_prompt=system_prompt)
     if apply_chat_template:
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
+        extra = {"tools": tools} if tools is not None else {}  # single-turn runs call the template exactly as before
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **extra,
+                                             **(chat_template_kwargs or {}))
     return "\n".join(m["content"] for m in prompt)
 
 
 def render_prompt(prompt, tokenizer, *, apply_chat_template: bool, system_prompt: str | None,
-                  chat_template_kwargs: dict | None = None) -> list[int]:
+                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
     """`render_text` then tokenize: the prompt token ids, exactly as `load_prompts` makes them."""
     text = render_text(prompt, tokenizer, apply_chat_template=apply_chat_template, system_prompt=system_prompt,
-                       chat_template_kwargs=chat_template_kwargs)
+                       chat_template_kwargs=chat_template_kwargs, tools=tools)
     return tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
 
 
@@ -167,6 +183,7 @@ class PromptDataset:
     num_filtered: int  # prompts dropped as longer than data.max_prompt_length
     num_truncated: int  # prompts cut to data.max_prompt_length by data.truncation
     num_invalid: int = 0  # rows dropped for a missing / None / NaN / empty ground truth (data.invalid_rows=drop)
+    messages: list[list[dict]] = field(default_factory=list)  # [rows][messages] kept for multi-turn runs only, else []
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -178,6 +195,7 @@ class PromptDataset:
             data_sources=[self.data_sources[i] for i in idx],
             ground_truths=[self.ground_truths[i] for i in idx],
             extra_infos=[self.extra_infos[i] for i in idx],
+            messages=[self.messages[i] for i in idx] if self.messages else None,
         )
 
 
@@ -216,8 +234,9 @@ def usable_ground_truth(value) -> bool:
     return True
 
 
-def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
-    """Read, render and tokenize every file of `files` (in order) with the `data` config section `cfg`.
+def load_prompts(files: list[str] | str, tokenizer, cfg, *, tools: list[dict] | None = None) -> PromptDataset:
+    """Read, render and tokenize every file of `files` (in order) with the `data` config section `cfg`; with `tools`
+    (a multi-turn run's tool schemas) the template lists them and each row's messages are kept.
 
     Raises DataError (missing / empty / unreadable file, missing column, bad row, overlong prompt with
     truncation=error, nothing left after filtering). Warns with the count of dropped / truncated prompts.
@@ -240,7 +259,7 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             raise DataError(f"data file {file!r} lacks column(s) {missing}; columns found: {list(frame.columns)}. "
                             "Rows need verl's schema (see data_prep/), or set data.prompt_key to the prompt column")
         records = frame.to_dict("records")
-        texts, checked, kept_rows = [], [], []
+        texts, checked, kept_rows, chats = [], [], [], []
         for row_index, row in enumerate(records):
             data_source, ground_truth = _check_row(file, row_index, row)
             if not usable_ground_truth(ground_truth):  # can never score: never trained or validated on
@@ -253,7 +272,10 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             kept_rows.append(row_index)
             try:
                 texts.append(render_text(_plain(row[cfg.prompt_key]), tokenizer, apply_chat_template=cfg.apply_chat_template,
-                                         system_prompt=cfg.system_prompt, chat_template_kwargs=cfg.apply_chat_template_kwargs))
+                                         system_prompt=cfg.system_prompt, chat_template_kwargs=cfg.apply_chat_template_kwargs,
+                                         tools=tools))
+                if tools is not None:
+                    chats.append(prompt_messages(_plain(row[cfg.prompt_key]), system_prompt=cfg.system_prompt))
             except Exception as error:  # a malformed message list, or the chat template rejecting it
                 raise DataError(f"{_where(file, row_index)}: cannot render column {cfg.prompt_key!r} "
                                 f"({type(error).__name__}: {error})") from error
@@ -262,7 +284,7 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
             all_ids += tokenizer(texts[start:start + _TOKENIZE_CHUNK_ROWS], add_special_tokens=not cfg.apply_chat_template,
                                  return_attention_mask=False)["input_ids"]
         stem = Path(file).stem
-        for row_index, ids, (data_source, ground_truth) in zip(kept_rows, all_ids, checked):
+        for position, (row_index, ids, (data_source, ground_truth)) in enumerate(zip(kept_rows, all_ids, checked)):
             row = records[row_index]
             if len(ids) > limit:
                 if cfg.filter_overlong_prompts:
@@ -274,6 +296,8 @@ def load_prompts(files: list[str] | str, tokenizer, cfg) -> PromptDataset:
                 ids = ids[-limit:] if cfg.truncation == "left" else ids[:limit]
                 out.num_truncated += 1
             out.prompt_ids.append(list(ids))
+            if tools is not None:
+                out.messages.append(chats[position])
             out.uids.append(f"{file_index}:{stem}:{row_index}")
             out.data_sources.append(data_source)
             out.ground_truths.append(ground_truth)

@@ -17,7 +17,13 @@ Metric names are namespaced and documented once here:
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |
 | `rollout/logprob_abs_diff_mean` | mean over loss tokens (`loss_mask`) of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
-| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step |
+| `episode/turns_mean`, `episode/turns_max` | multi-turn only: assistant turns (generations) per episode, mean over the step's episodes and the largest |
+| `episode/tool_calls_mean` | multi-turn: tool calls answered per episode (well-formed or not; a call left unanswered by a turn limit is not counted) |
+| `episode/stopped_turn_limit`, `episode/stopped_length` | multi-turn: fraction of episodes ended by max_assistant_turns / max_user_turns with a call unanswered, and by the data.max_response_length budget |
+| `tools/invalid_calls`, `tools/errors`, `tools/timeouts` | multi-turn, counts per step: calls with malformed JSON, an unknown tool or arguments the schema refuses; tool methods that raised (or returned no text / number); tool methods stopped at rollout.multi_turn.tool_timeout_s |
+| `tools/truncated_responses`, `tools/dropped_calls` | multi-turn, counts: responses cut to max_tool_response_length; calls past max_parallel_calls in one turn (not run) |
+| `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
+| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |

@@ -10,6 +10,10 @@ round's global batch, sample index), so no two samples of a run share a seed and
 the TP size changes what is generated. vLLM seeds the n children of a request seed, seed + 1, ...: the seed of
 sample k of a prompt is exactly the prompt's seed + k, so one request with n children is used (no per-sample
 requests); the hf engine follows the same rule.
+
+Multi-turn episodes (`turn_seed`): turn t of a sample is one request of its own (n=1), seeded from the sample's seed
+and t only, so it neither depends on the topology nor on which other samples are still running; turn 0 uses the
+sample's seed itself, so an episode's first turn is exactly the single-turn response of that sample.
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ def sample_seed(trainer_seed: int, *, purpose: str, step: int, round: int, promp
     counter = ((SEED_PURPOSES[purpose] << _STEP_BITS | step) << _ROUND_BITS | round) << _SAMPLE_BITS | prompt_index * n
     key = int.from_bytes(hashlib.blake2b(str(trainer_seed).encode(), digest_size=8).digest(), "little")
     return (key + counter) % _SEED_MODULUS
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """Seed of turn `turn` (0-based) of the episode whose sample seed is `sample_seed`.
+
+    Turn 0 is the sample seed (the first turn is the single-turn sample); a later turn hashes (sample seed, turn) into
+    [0, 2**62), so its seed is fixed by the sample and the turn alone. A hashed seed equals another seed of the run only
+    by a 2**-62 chance per pair (the sample seeds themselves are unique by construction). Example: turn_seed(s, 0) == s;
+    turn_seed(s, 1) != turn_seed(s + 1, 1).
+    """
+    assert turn >= 0, f"turn {turn} < 0"
+    if turn == 0:
+        return sample_seed
+    digest = hashlib.blake2b(f"{sample_seed}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _SEED_MODULUS
 
 
 def tp_group_share(num_prompts: int, *, world_size: int, rank: int, tp_size: int) -> tuple[list[int], list[int]]:

@@ -15,6 +15,7 @@ from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.config.checks import engine_logprobs_needed
 from grpo_lib.distributed import all_reduce_min, all_reduce_sum, broadcast_object, is_on
+from grpo_lib.episodes import episode_sums, reward_extra_info
 from grpo_lib.seeds import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
 
@@ -27,6 +28,7 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
     Example: prompt [5, 6] with responses [7, 2] and [8] (pad 0) ->
     input_ids [[5, 6, 7, 2], [5, 6, 8, 0]], response_mask [[0, 0, 1, 1], [0, 0, 1, 0]], loss_mask the same;
     a response [7, 9, 2] with loss_mask [1, 0, 1] (token 9 a tool's output) -> loss_mask row [0, 0, 1, 0, 1].
+    A multi-turn episode's row gets its own extra_info: the prompt's plus the tool rewards (`episodes.reward_extra_info`).
     """
     rows, meta = [], []
     for p, group in enumerate(generations):
@@ -57,7 +59,8 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
         rollout_logprobs=rollout_logprobs,
         group_ids=[prompts.group_ids[p] for p in meta], response_texts=[g.text for _, g in rows],
         data_sources=[prompts.data_sources[p] for p in meta], ground_truths=[prompts.ground_truths[p] for p in meta],
-        extra_infos=[prompts.extra_infos[p] for p in meta],
+        extra_infos=[prompts.extra_infos[p] if g.episode is None else reward_extra_info(prompts.extra_infos[p], g.episode)
+                     for p, (_, g) in zip(meta, rows)],
         truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
     )
 
@@ -136,8 +139,10 @@ def val_sampling(cfg) -> dict:
 
 
 def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: int, rank: int, purpose: str, step: int,
-                   round: int, sampling: dict) -> tuple[PromptBatch, list[list[Generation]]]:
-    """This process's strided share of `global_idx` (positions rank, rank + W, ...) and its generations.
+                   round: int, sampling: dict, episodes=None,
+                   timings: dict | None = None) -> tuple[PromptBatch, list[list[Generation]]]:
+    """This process's strided share of `global_idx` (positions rank, rank + W, ...) and its generations: responses, or
+    with `episodes` (an `episodes.EpisodeRunner`, rollout.multi_turn.enable) multi-turn episodes, one per sample.
 
     The ranks of a tensor-parallel group submit one identical request list (the union of their shares, same
     seeds, same sampling) and each keeps its part; seeds depend on the prompt's position in `global_idx`, never on
@@ -149,11 +154,15 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
         return dataset.batch([]), []
     group = dataset.batch([global_idx[i] for i in submit])
     seeds = [sample_seed(cfg.trainer.seed, purpose=purpose, step=step, round=round, prompt_index=i, n=sampling["n"]) for i in submit]
-    generations = engine.generate(group.prompt_ids, seeds=seeds, **sampling)
+    if episodes is None:
+        generations = engine.generate(group.prompt_ids, seeds=seeds, **sampling)
+    else:  # the TP group's members run the same episodes (deterministic tools keep their requests identical)
+        generations = episodes.generate(engine, group, seeds=seeds, timings=timings, **sampling)
     return dataset.batch([global_idx[submit[j]] for j in keep]), [generations[j] for j in keep]
 
 
-def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict):
+def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
+                     episodes=None):
     """Prompts -> generation (engine ready; the caller releases it afterwards) -> rewards; with filter_groups, repeat
     until enough informative groups.
 
@@ -163,12 +172,15 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     of them (the surplus of the last round is discarded) or max_num_gen_batches rounds have run (then the step
     trains on fewer groups). Logged: batch/gen_rounds, batch/dropped_groups (all-equal groups, all rounds),
     batch/kept_groups (trained on); reward/* and response/* cover every response generated, dropped ones too.
+    With `episodes` (multi-turn) each sample is an episode and episode/* and tools/* are logged over all of them
+    (`reduce_episode_metrics`).
     """
     per_rank = cfg.data.train_batch_size // world_size
     fg = cfg.algorithm.filter_groups
     kept: list[RolloutBatch] = []
     num_kept, dropped, rounds = 0, 0, 0
     sums: dict[str, float] = {"rollout/preemptions": 0.0}
+    tool_sums: dict[str, float] = {}
     # the t processes of a TP group drive one engine and each sees all of its preemptions: only the first counts them
     tp_leader = rank % cfg.rollout.tensor_model_parallel_size == 0
     engine.pop_metrics("rollout/")  # only the training rollouts count: drop what validation's generation preempted
@@ -179,8 +191,12 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         # process together hold exactly the global mini-batch m (process count never changes the update).
         start = time.perf_counter()
         prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
-                                              step=step, round=rounds, sampling=train_sampling(cfg))
+                                              step=step, round=rounds, sampling=train_sampling(cfg), episodes=episodes,
+                                              timings=timings)
         timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+        if episodes is not None:
+            for k, v in episode_sums(generations, episodes.tool_names).items():
+                tool_sums[k] = max(tool_sums.get(k, 0.0), v) if k.endswith("_max") else tool_sums.get(k, 0.0) + v
         preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
         if tp_leader:
             sums["rollout/preemptions"] += preempted
@@ -233,12 +249,50 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     metrics["response/length_max"] = -all_reduce_min(-max_len)
     for k in ("reward/errors", "reward/timeouts", "rollout/preemptions"):
         metrics[k] = metrics[k] * count  # counts, not fractions
+    if episodes is not None:
+        metrics.update(reduce_episode_metrics(tool_sums, episodes.tool_names))
     if metrics["rollout/preemptions"] > 0:
         warnings.warn(f"step {step}: the engine preempted {int(metrics['rollout/preemptions'])} sequences for lack of KV cache "
                       "(recomputed later: a slower generation); raise rollout.kv_cache_memory_bytes (CPU) or "
                       "rollout.gpu_memory_utilization (GPU), or leave kv_cache_memory_bytes unset on CPU to size it from the batch",
                       stacklevel=1)
     return batch, metrics
+
+
+def reduce_episode_metrics(sums: dict[str, float], tool_names: list[str]) -> dict[str, float]:
+    """This process's `episodes.episode_sums` -> the step's episode/* and tools/* metrics over all processes.
+
+    Example: 8 episodes with 12 assistant turns and 6 tool calls, one stopped by the turn limit ->
+    episode/turns_mean 1.5, episode/tool_calls_mean 0.75, episode/stopped_turn_limit 0.125 (a fraction); the error
+    counters (tools/errors, ...) and tools/<name>/calls are counts; tools/<name>/reward_mean is the mean over episodes.
+    """
+    count = max(all_reduce_sum(sums["episode/count"]), 1.0)
+    out = {"episode/turns_mean": all_reduce_sum(sums["episode/turns_sum"]) / count,
+           "episode/turns_max": -all_reduce_min(-sums["episode/turns_max"]),
+           "episode/tool_calls_mean": all_reduce_sum(sums["episode/tool_calls_sum"]) / count,
+           "episode/stopped_turn_limit": all_reduce_sum(sums["episode/stopped_turn_limit"]) / count,
+           "episode/stopped_length": all_reduce_sum(sums["episode/stopped_length"]) / count}
+    for key in ("tools/errors", "tools/timeouts", "tools/invalid_calls", "tools/truncated_responses", "tools/dropped_calls"):
+        out[key] = all_reduce_sum(sums[key])
+    for name in tool_names:
+        out[f"tools/{name}/calls"] = all_reduce_sum(sums[f"tools/{name}/calls"])
+        out[f"tools/{name}/failures"] = all_reduce_sum(sums[f"tools/{name}/failures"])
+        out[f"tools/{name}/reward_mean"] = all_reduce_sum(sums[f"tools/{name}/reward_sum"]) / count
+    return out
+
+
+def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step: int) -> None:
+    """Raise RunAborted (exit 3) when a tool failed (raised or timed out) on every call it got in the step: its
+    responses are all error messages, so the episodes would teach the model nothing about the tool. `metrics` are the
+    step's reduced metrics (the same on every process, so every process raises). Example: calculator 12 calls, 12
+    failures -> RunAborted; 12 calls, 11 failures -> nothing."""
+    for name in tool_names:
+        calls, failures = metrics.get(f"tools/{name}/calls", 0.0), metrics.get(f"tools/{name}/failures", 0.0)
+        if calls > 0 and failures >= calls:
+            raise RunAborted(f"step {step}: tool {name} failed on every one of its {calls:.0f} calls (tools/errors "
+                             f"{metrics['tools/errors']:.0f}, tools/timeouts {metrics['tools/timeouts']:.0f} over all tools): "
+                             "its answers were all error messages. Fix the tool (run its execute by hand on one call), or "
+                             "raise rollout.multi_turn.tool_timeout_s if it is only slow")
 
 
 def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
@@ -267,7 +321,7 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
 
 
 def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: int = 0,
-             tokenizer=None) -> tuple[dict[str, float], list[dict]]:
+             tokenizer=None, episodes=None) -> tuple[dict[str, float], list[dict]]:
     """rollout.val_kwargs generation (greedy unless do_sample) over this process's share of the validation set
     -> (metrics, logged rows). The engine must be ready; seeds are the "val" purpose's, at `step`.
 
@@ -276,7 +330,7 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     """
     vk = cfg.rollout.val_kwargs
     prompts, generations = generate_share(cfg, engine, dataset, list(range(len(dataset))), world_size=world_size, rank=rank,
-                                          purpose="val", step=step, round=0, sampling=val_sampling(cfg))
+                                          purpose="val", step=step, round=0, sampling=val_sampling(cfg), episodes=episodes)
     batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
     from grpo_lib.validation import generation_rows, val_metrics
 

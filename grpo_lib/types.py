@@ -36,20 +36,41 @@ class PromptBatch:
     data_sources: list[str]  # [num_prompts]
     ground_truths: list  # [num_prompts]
     extra_infos: list[dict]  # [num_prompts]
+    messages: list[list[dict]] | None = None  # [num_prompts][messages] the chat the prompt renders (multi-turn only)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
 
 @dataclass
+class EpisodeStats:
+    """What one multi-turn episode did (grpo_lib/episodes.py): the step's episode/* and tools/* metrics, and the tool
+    rewards the reward function receives."""
+
+    assistant_turns: int  # generations of the episode (>= 1)
+    user_turns: int  # tool-response turns appended (one per assistant turn whose calls ran)
+    stop: str  # "answer" (a turn without tool call), "turn_limit" (max_assistant_turns / max_user_turns), "length"
+    calls: dict[str, int]  # tool name -> calls that reached its execute (well-formed calls, answered or not)
+    failures: dict[str, int]  # tool name -> those of its calls that raised or timed out (a failed create included)
+    invalid_calls: int = 0  # malformed JSON, unknown tool name, wrong arguments
+    errors: int = 0  # tool methods that raised (or returned no text / no number)
+    timeouts: int = 0  # tool methods stopped at rollout.multi_turn.tool_timeout_s
+    truncated_responses: int = 0  # tool responses cut to rollout.multi_turn.max_tool_response_length
+    dropped_calls: int = 0  # calls past rollout.multi_turn.max_parallel_calls in one turn (not run)
+    tool_rewards: dict[str, float] | None = None  # tool name -> calc_reward at the episode's end
+    step_rewards: list[float] | None = None  # execute's step reward of each call run, in order
+
+
+@dataclass
 class Generation:
-    """What the engine returns for one sampled response."""
+    """What the engine returns for one sampled response (or the episode loop for one multi-turn episode)."""
 
     token_ids: list[int]  # [response_len] (includes the eos token when the model stopped)
     logprobs: list[float]  # [response_len] engine's logprob of each sampled token (0 where none was sampled)
     text: str
     finish_reason: str  # "stop" or "length"
     loss_mask: list[int] | None = None  # [response_len] 1 on tokens the loss trains on, 0 on holes; None: all 1
+    episode: EpisodeStats | None = None  # a multi-turn episode's facts; None for a single-turn response
 
 
 @dataclass

@@ -38,6 +38,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", warmup_steps=0, seed=0)
 
 
+EOS_SCALE = 16.0  # p(<|im_end|>) after a chat prompt: 0.004 unscaled; at 16x about half the turns end within a few tokens
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with its eos made likely (the <|im_end|> embedding row scaled by EOS_SCALE; tied embeddings, so
+    its output row too): its turns end with its own <|im_end|> after a few tokens, as a chat model's do, which the
+    multi-turn tests need (the random tiny model almost never stops)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("eos_model")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] *= EOS_SCALE
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def arith_data(tmp_path_factory) -> dict[str, Path]:
     from data_prep.synthetic import write_dataset

@@ -450,7 +450,8 @@ def test_math_changing_verl_keys_are_refused_not_ignored(tiny_model_dir, arith_d
     assert "reward_model.reward_manager='dapo' is not supported" in text
     assert "reward_model.reward_kwargs.overlong_buffer_cfg.enable=True is not supported: DAPO's overlong reward shaping" in text
     assert "model.override_config.max_position_embeddings=32768 is not supported" in text
-    for line, needle in (("actor_rollout_ref.rollout.multi_turn.enable=True", "multi-turn tool use is not supported"),
+    for line, needle in (("actor_rollout_ref.rollout.multi_turn.interaction_config_path=user_sim.yaml",
+                          "simulated-user interactions are not implemented"),
                          ("reward_model.enable=True", "no learned reward model")):
         with pytest.raises(ConfigError, match=needle):
             load_config(REPO / "recipes/tiny_cpu.yaml", [line])

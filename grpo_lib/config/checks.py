@@ -218,6 +218,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         p.append(f"rollout.name=hf with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: the transformers engine "
                  "has no tensor parallelism; set rollout.tensor_model_parallel_size=1 or rollout.name=vllm")
     p += _value_ranges(cfg)
+    p += _multi_turn_problems(cfg)
     return p
 
 
@@ -308,4 +309,29 @@ def _value_ranges(cfg: Config) -> list[str]:
             p.append(f"reward.functions: {fn['name']!r} is listed more than once; give it one entry with the summed weight")
     if "custom" in listed and rw.custom.path is None:
         p.append("reward.functions lists 'custom' but reward.custom.path is not set: point it at a Python file with compute_score")
+    return p
+
+
+def _multi_turn_problems(cfg: Config) -> list[str]:
+    """rollout.multi_turn.*: the ranges of its numbers, and what enable needs (a tool config, the chat template)."""
+    p: list[str] = []
+    mt = cfg.rollout.multi_turn
+    for key, value in (("max_assistant_turns", mt.max_assistant_turns), ("max_user_turns", mt.max_user_turns)):
+        if value is not None and value < 1:
+            p.append(f"rollout.multi_turn.{key}={value}: must be >= 1 (turns per episode), or null for no limit but "
+                     "data.max_response_length")
+    for key, value, unit in (("max_parallel_calls", mt.max_parallel_calls, "tool calls run per assistant turn; verl's default 1"),
+                             ("max_tool_response_length", mt.max_tool_response_length, "characters; verl's default 256")):
+        if value < 1:
+            p.append(f"rollout.multi_turn.{key}={value}: must be >= 1 ({unit})")
+    if _outside(mt.tool_timeout_s, 0.0, None, low_open=True):
+        p.append(f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s}: seconds, must be > 0 (default 30)")
+    if not mt.enable:
+        return p
+    if not mt.tool_config_path:
+        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path: a tool config YAML in verl's format "
+                 "(README, 'Multi-turn tool use')")
+    if not cfg.data.apply_chat_template:
+        p.append("rollout.multi_turn.enable=true with data.apply_chat_template=false: tool responses join the episode as the "
+                 "chat template renders them; set data.apply_chat_template=true")
     return p

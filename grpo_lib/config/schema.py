@@ -197,6 +197,38 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts with tool calls (grpo_lib/episodes.py): the model calls the tools of tool_config_path during
+    its response, their outputs join the context with loss_mask 0. Off: single-turn generation, unchanged."""
+    format: Literal["hermes"] = "hermes"
+    """Tool-call format in the assistant's text. hermes (Qwen's, what a Qwen chat template with tools= asks for):
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+    max_assistant_turns: int | None = None
+    """Most assistant turns (generations) per episode; the episode ends after that turn, a tool call in it unanswered.
+    None: no limit but data.max_response_length (verl's default)."""
+    max_user_turns: int | None = None
+    """Most tool-response turns per episode (one per assistant turn with tool calls, whatever the number of calls in it).
+    None: no limit but data.max_response_length (verl's default)."""
+    max_parallel_calls: int = 1
+    """Tool calls run per assistant turn: the first ones in the text (verl's key and default 1); later calls of the same
+    turn are not run and get no response (counted as tools/dropped_calls)."""
+    tool_config_path: str | None = None
+    """verl's tool config YAML (`tools: - class_name: pkg.module.Class, config: {...}, tool_schema: {type: function,
+    function: {name, description, parameters}}`); required with enable. The classes are imported and run as your code."""
+    max_tool_response_length: int = 256
+    """Characters of one tool response the model sees (verl's unit and default); a longer one is cut on
+    tool_response_truncate_side with a "(truncated)" marker and counted (tools/truncated_responses)."""
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    """Which part of an over-long tool response is kept (verl's names): left keeps the start, right keeps the end,
+    middle keeps half of max_tool_response_length from each end (verl's default)."""
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call (create, execute, calc_reward or release) may take; a slower call is answered with a timeout
+    message and counted (tools/timeouts). A synchronous tool runs in a worker thread that cannot be killed: the episode
+    moves on, the thread finishes on its own."""
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     """Generation engine: vllm (colocated vLLM) or hf (transformers, a hand-written sampling loop with a KV cache;
@@ -245,6 +277,7 @@ class RolloutConfig:
     lora_mode: Literal["merged", "adapter"] = "merged"
     """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
     like full weights (exact, any engine)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

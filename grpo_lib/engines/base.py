@@ -40,14 +40,15 @@ class RolloutEngine(Protocol):
 
     Token ids in; token ids, per-token logprobs (processed: after temperature / top-k / top-p; 0.0 when greedy),
     finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
-    seeds[i] + k (`grpo_lib/seeds.py`). The memory methods follow the state machine of the module docstring;
+    seeds[i] + k (`grpo_lib/seeds.py`). `max_tokens` is one limit, or one per prompt (the multi-turn loop's remaining
+    budget per episode). The memory methods follow the state machine of the module docstring;
     `EngineGlue` supplies prepare_for_generation and pop_metrics.
     """
 
     pad_id: int
     lifecycle: Lifecycle
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int], top_p: float = 1.0,
                  top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True) -> list[list[Generation]]: ...
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...

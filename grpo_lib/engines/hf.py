@@ -122,29 +122,34 @@ class HFEngine(EngineGlue):
     # -- generation ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int,
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
                  logprobs: bool = True) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations. Sample k of prompt i uses seeds[i] + k.
+        `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
         The sampled tokens' logprobs come out of the sampling step itself, so `logprobs` (the vLLM engine's switch) costs nothing here."""
         with self.lifecycle.transition("generate"):
-            rows = [(list(ids), None if seeds is None else seeds[i] + k) for i, ids in enumerate(prompt_ids) for k in range(n)]
+            limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
+            rows = [(list(ids), None if seeds is None else seeds[i] + k, limits[i])
+                    for i, ids in enumerate(prompt_ids) for k in range(n)]
             done: list[Generation] = []
             for start in range(0, len(rows), self.cfg.max_num_seqs):
                 done += self._generate_rows(rows[start:start + self.cfg.max_num_seqs], temperature=temperature,
-                                            max_tokens=max_tokens, top_p=top_p, top_k=top_k)
+                                            top_p=top_p, top_k=top_k)
         return [done[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
-    def _generate_rows(self, rows: list[tuple[list[int], int | None]], *, temperature: float, max_tokens: int,
+    def _generate_rows(self, rows: list[tuple[list[int], int | None, int]], *, temperature: float,
                        top_p: float, top_k: int) -> list[Generation]:
-        b, width = len(rows), max(len(ids) for ids, _ in rows)
+        """Rows of (prompt ids, seed, max tokens) in one left-padded batch; a row stops at eos or its own max tokens."""
+        b, width = len(rows), max(len(ids) for ids, _, _ in rows)
+        limits = [limit for _, _, limit in rows]
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)  # [b, P] left padded
         mask = torch.zeros((b, width), dtype=torch.long)  # [b, P]
-        for r, (ids, _) in enumerate(rows):
+        for r, (ids, _, _) in enumerate(rows):
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             mask[r, width - len(ids):] = 1
         generators = []
-        for _, seed in rows:
+        for _, seed, _ in rows:
             g = torch.Generator(device=self.device)
             g.manual_seed(seed) if seed is not None else g.seed()
             generators.append(g)
@@ -154,7 +159,7 @@ class HFEngine(EngineGlue):
         logprobs: list[list[float]] = [[] for _ in rows]
         finished = [False] * b
         cache, step_ids = None, input_ids
-        for _ in range(max_tokens):
+        for _ in range(max(limits)):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
                              logits_to_keep=1)  # only the last position is sampled: no [b, P, V] prefill logits
             cache = out.past_key_values
@@ -171,7 +176,7 @@ class HFEngine(EngineGlue):
                 if not finished[r]:
                     tokens[r].append(tok)
                     logprobs[r].append(lp)
-                    finished[r] = tok in self.eos_ids
+                    finished[r] = tok in self.eos_ids or len(tokens[r]) >= limits[r]
             if all(finished):
                 break
             step_ids = next_ids[:, None]  # [b, 1]

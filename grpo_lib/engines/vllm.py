@@ -155,10 +155,11 @@ class VLLMEngine(EngineGlue):
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int,
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
                  logprobs: bool = True) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out).
+        `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
 
         logprobs=False skips the engine's sampling logprobs (a full log-softmax per step; Generation.logprobs are then
         zeros): only algorithm.rollout_correction and the rollout/logprob_abs_diff_mean metric read them.
@@ -170,7 +171,8 @@ class VLLMEngine(EngineGlue):
             for i, ids in enumerate(prompt_ids):
                 requests.append({"prompt_token_ids": list(ids)})
                 params.append(SamplingParams(
-                    n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+                    n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+                    max_tokens=max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
                     logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
                 ))
             preemptions_before = self.preemptions_total()

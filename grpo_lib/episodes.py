@@ -1,0 +1,294 @@
+"""Multi-turn episodes (`rollout.multi_turn.enable`): the model answers, calls tools, reads their responses, answers
+again, until it answers without a tool call. One `Generation` per episode comes out, as single-turn generation gives
+one per response, so everything after generation (rewards, advantages, the loss) is unchanged but for the loss mask.
+
+One episode, as tokens after the prompt (a = sampled by the model, t = written by the chat template):
+
+    a a a a <tool_call>...</tool_call> <|im_end|> | \\n <|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n | a a a <|im_end|>
+    loss_mask 1 ...                                1 | 0 ...                                                                                 0 | 1 ...          1
+    logprobs  the engine's ...                       | 0 ...                                                                                 0 | the engine's ...
+
+How a turn is batched: ONE engine call per turn generates the next turn of every episode of this process still
+running (each its own request with n=1, its context = prompt + episode so far, max_tokens = what is left of
+data.max_response_length; vLLM's prefix cache reuses the shared context). Seeds: turn t of sample k of prompt i uses
+`seeds.turn_seed(seeds[i] + k, t)`, so it depends on the sample and the turn only (not on the process count, nor on
+which episodes are still running); turn 0 is the single-turn sample itself. Then the tool calls of all those turns run
+at once (grpo_lib/tools/calls.py, each under rollout.multi_turn.tool_timeout_s), and each episode's context grows by
+the chat template's rendering of its tool responses.
+
+Tokens are never re-tokenized: the model's sampled ids stay as they are. The tool responses join as the token delta of
+the chat template (`EpisodeRunner.template_delta`): the conversation (prompt messages, each assistant turn as its
+decoded text, the tool messages) is rendered without and with the newest assistant turn and its tool messages
+(`add_generation_prompt` on the longer); the shorter must be a token prefix of the longer, and the tokens after the
+newest turn's text are appended: the template's end of the turn (`<|im_end|>\\n` for Qwen, less the `<|im_end|>` the
+model sampled itself), the tool messages, the next generation prompt. A template that breaks the prefix property
+raises TemplateError naming the model: the episode would otherwise drift from what the template renders (the drift
+behind TRL's and verl's multi-turn reports). The newest turn's own rendering is exempt (its tokens are the model's):
+Qwen3's template writes an empty think block into the last assistant turn only.
+
+An episode stops when a turn holds no tool call (stop "answer"), when it reached rollout.multi_turn.max_assistant_turns
+or max_user_turns with a call unanswered ("turn_limit"), or when data.max_response_length, which counts every token
+after the prompt (assistant and tool, as verl counts it), is spent ("length": a turn cut at it, or a tool response cut
+to the budget; finish_reason "length"). At the end every tool's calc_reward gives the episode's tool rewards; they
+reach the reward function as verl passes them, `extra_info["rollout_reward_scores"]` ({tool: reward}), with
+`extra_info["num_turns"]` (verl's count: assistant + tool turns + 1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from grpo_lib.seeds import turn_seed
+from grpo_lib.tools.calls import CallOutcome, ToolBox
+from grpo_lib.tools.hermes import parse_tool_calls
+from grpo_lib.types import EpisodeStats, Generation, PromptBatch
+
+_PROBE = "grpo-probe-7f3a"  # assistant text whose rendering shows what the template writes after an assistant turn
+
+
+class TemplateError(RuntimeError):
+    """The chat template renders a conversation so that appending a message changes tokens before it."""
+
+
+@dataclass
+class _Episode:
+    """One episode in progress: its context and what it has done so far."""
+
+    instance_id: str  # the tools' instance id of this episode
+    prompt_ids: list[int]
+    messages: list[dict]  # the conversation so far, as the chat template sees it
+    seed: int | None  # the sample's seed; turn t uses turn_seed(seed, t)
+    stats: EpisodeStats
+    tokens: list[int] = field(default_factory=list)  # [response_len] everything after the prompt
+    mask: list[int] = field(default_factory=list)  # [response_len] 1 sampled, 0 template / tool
+    logprobs: list[float] = field(default_factory=list)  # [response_len] the engine's on sampled tokens, else 0
+
+    def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.tokens += ids
+        self.mask += [1 if sampled else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+class EpisodeRunner:
+    """The episode loop of one run: the tokenizer that renders the chat template, the tools, the turn limits."""
+
+    def __init__(self, *, tokenizer, toolbox: ToolBox, multi_turn, chat_template_kwargs: dict | None = None):
+        self.tokenizer, self.toolbox, self.cfg = tokenizer, toolbox, multi_turn  # cfg: rollout.multi_turn
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.model = getattr(tokenizer, "name_or_path", "?")
+        self.turn_end = self._turn_end_ids()
+        self.check_template()
+
+    @classmethod
+    def from_config(cls, cfg, *, tokenizer, toolbox: ToolBox) -> EpisodeRunner:
+        return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=cfg.rollout.multi_turn,
+                   chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
+
+    @property
+    def tool_names(self) -> list[str]:
+        return list(self.toolbox.tools)
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+
+    def generate(self, engine, prompts: PromptBatch, *, n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
+                 top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
+                 timings: dict | None = None) -> list[list[Generation]]:
+        """`n` episodes per prompt, [num_prompts][n] Generations, as `engine.generate` gives responses; `max_tokens` is
+        the response budget of each episode (data.max_response_length). Adds the tools' wall time to
+        timings["timing_s/tools"]."""
+        assert prompts.messages is not None, "multi-turn prompts keep their messages: load_prompts(..., tools=schemas)"
+        episodes = [
+            _Episode(instance_id=f"{i}:{k}:{prompts.group_ids[i]}", prompt_ids=list(prompts.prompt_ids[i]),
+                     messages=list(prompts.messages[i]), seed=None if seeds is None else seeds[i] + k,
+                     stats=EpisodeStats(assistant_turns=0, user_turns=0, stop="", calls={}, failures={}))
+            for i in range(len(prompts)) for k in range(n)]
+        timings = timings if timings is not None else {}
+        started = time.perf_counter()
+        tools_kwargs = [(prompts.extra_infos[i] or {}).get("tools_kwargs") or {} for i in range(len(prompts)) for _ in range(n)]
+        for ep, failed in zip(episodes, self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)])):
+            self._count_failures(ep.stats, failed)
+        tool_seconds = time.perf_counter() - started
+        active, turn = list(episodes), 0
+        while active:
+            outputs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], n=1, temperature=temperature,
+                                      max_tokens=[max_tokens - len(ep.tokens) for ep in active], top_p=top_p, top_k=top_k,
+                                      seeds=None if seeds is None else [turn_seed(ep.seed, turn) for ep in active],
+                                      logprobs=logprobs)
+            pending = []  # (episode, its assistant text, the calls to run)
+            for ep, (out,) in zip(active, outputs):
+                ep.append(out.token_ids, sampled=True, logprobs=out.logprobs)
+                ep.stats.assistant_turns += 1
+                calls = parse_tool_calls(out.text)
+                if out.finish_reason == "length" or len(ep.tokens) >= max_tokens:
+                    ep.stats.stop = "length"
+                elif not calls:
+                    ep.stats.stop = "answer"
+                elif self._at_turn_limit(ep.stats):
+                    ep.stats.stop = "turn_limit"
+                else:
+                    ep.stats.dropped_calls += max(0, len(calls) - self.cfg.max_parallel_calls)
+                    pending.append((ep, out, calls[:self.cfg.max_parallel_calls]))
+            started = time.perf_counter()
+            outcomes = self.toolbox.run([(ep.instance_id, call) for ep, _, calls in pending for call in calls])
+            tool_seconds += time.perf_counter() - started
+            for ep, out, calls in pending:
+                answered, outcomes = outcomes[:len(calls)], outcomes[len(calls):]
+                self._count_calls(ep.stats, answered)
+                self._append_tool_turn(ep, out.text, out.token_ids, answered, budget=max_tokens)
+            active = [ep for ep in active if not ep.stats.stop]
+            turn += 1
+        started = time.perf_counter()
+        for ep, (rewards, failed) in zip(episodes, self.toolbox.finish([ep.instance_id for ep in episodes])):
+            ep.stats.tool_rewards = rewards
+            self._count_failures(ep.stats, failed)
+        timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + tool_seconds + time.perf_counter() - started
+        done = [Generation(token_ids=ep.tokens, logprobs=ep.logprobs, loss_mask=ep.mask, episode=ep.stats,
+                           text=self.tokenizer.decode(ep.tokens, skip_special_tokens=True),
+                           finish_reason="length" if ep.stats.stop == "length" else "stop") for ep in episodes]
+        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _at_turn_limit(self, stats: EpisodeStats) -> bool:
+        """verl's rule, checked after each generation: the turn just made reached a limit, so its calls are not run."""
+        c = self.cfg
+        return (c.max_assistant_turns is not None and stats.assistant_turns >= c.max_assistant_turns) or \
+            (c.max_user_turns is not None and stats.user_turns >= c.max_user_turns)
+
+    def _append_tool_turn(self, ep: _Episode, text: str, sampled: list[int], answered: list[CallOutcome], *,
+                          budget: int) -> None:
+        """The template's end of the assistant turn and its rendering of the tool messages, cut to the budget."""
+        tool_messages = [{"role": "tool", "content": o.text} for o in answered]
+        delta = self.template_delta(ep.messages, text, tool_messages)
+        ep.messages += [{"role": "assistant", "content": text}, *tool_messages]
+        # the model sampled the first tokens of the turn's end itself (its eos, Qwen's <|im_end|>): not twice
+        overlap = max(k for k in range(min(len(sampled), len(self.turn_end), len(delta)) + 1)
+                      if k == 0 or sampled[-k:] == delta[:k])
+        added = delta[overlap:]
+        room = budget - len(ep.tokens)
+        ep.append(added[:room], sampled=False)
+        ep.stats.user_turns += 1
+        if len(added) >= room:
+            ep.stats.stop = "length"
+
+    # -- the chat template -------------------------------------------------------------------------------------
+
+    def render_text(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        """`messages` as the chat template renders them with the run's tools (as data.load_prompts renders prompts)."""
+        return self.tokenizer.apply_chat_template(messages, tools=self.toolbox.schemas, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **self.chat_template_kwargs)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def template_delta(self, history: list[dict], assistant_text: str, tool_messages: list[dict]) -> list[int]:
+        """Tokens the template writes after an assistant turn with `assistant_text` that follows `history`, when
+        `tool_messages` follow it: the end of the turn, the tool messages, the next generation prompt.
+
+        Rendered: the history alone (no generation prompt) and the whole conversation (history, the turn, the tool
+        messages, generation prompt). The shorter must be a token prefix of the longer (earlier messages render the
+        same whatever follows), and so must the longer cut after the turn's text; the delta is the rest. The turn's
+        own rendering is exempt, since its tokens are the model's: Qwen3's template writes an empty think block into
+        the last assistant turn only, which moves nothing we append. Raises TemplateError naming the model otherwise.
+
+        Example (Qwen's template): history [system, user], text "<tool_call>...</tool_call>", tool "42" -> ids of
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n".
+        """
+        assistant = {"role": "assistant", "content": assistant_text}
+        full_text = self.render_text(history + [assistant] + tool_messages, add_generation_prompt=True)
+        probe = self.render_text(history + [{"role": "assistant", "content": _PROBE}] + tool_messages, add_generation_prompt=True)
+        tail = probe[probe.rindex(_PROBE) + len(_PROBE):] if _PROBE in probe else None
+        if tail is None or not full_text.endswith(tail):
+            raise TemplateError(f"the chat template of {self.model} renders what follows an assistant turn differently "
+                                "depending on the turn's text (or drops the text): the tool responses cannot be appended "
+                                "as a delta; use a template whose tool turns do not depend on the assistant's text")
+        full = self._ids(full_text)
+        head = self._ids(full_text[:len(full_text) - len(tail)])  # up to the end of the turn's text
+        before = self._ids(self.render_text(history, add_generation_prompt=False))
+        for shorter, what in ((before, "the conversation before the turn"), (head, "the conversation up to the turn's end")):
+            if full[:len(shorter)] != shorter:
+                at = next(i for i, (a, b) in enumerate(zip(shorter, full + [None] * len(shorter))) if a != b)
+                raise TemplateError(
+                    f"the chat template of {self.model} breaks the prefix property: {what} renders to {len(shorter)} tokens, "
+                    f"but with the tool message(s) after it token {at} changes "
+                    f"({self.tokenizer.decode(shorter[max(0, at - 8):at + 8])!r} becomes "
+                    f"{self.tokenizer.decode(full[max(0, at - 8):at + 8])!r}). Appending the difference would drift from what "
+                    "the template renders; use a template that renders earlier messages the same whatever follows them")
+        return full[len(head):]
+
+    def check_template(self) -> None:
+        """At start-up, before the engine: the template shows the tools to the model (each tool's name is in a rendered
+        prompt) and renders a tool turn as a delta (`template_delta` on a two-message conversation). TemplateError if not."""
+        prompt = self.render_text([{"role": "user", "content": "u"}], add_generation_prompt=True)
+        unseen = [name for name in self.tool_names if name not in prompt]
+        if unseen:
+            raise TemplateError(f"the chat template of {self.model} does not show the tools to the model: {unseen} not in "
+                                f"the rendered prompt {prompt[:300]!r}; use a chat template that renders tools= "
+                                "(Qwen2.5 / Qwen3 do)")
+        self.template_delta([{"role": "user", "content": "u"}], "a", [{"role": "tool", "content": "t"}])
+
+    def _turn_end_ids(self) -> list[int]:
+        """Tokens the template writes after an assistant message's content (Qwen: `<|im_end|>\n`): the most of a
+        tool turn's delta that the model may have sampled itself (its eos)."""
+        text = self.render_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}],
+                                add_generation_prompt=False)
+        if _PROBE not in text:
+            raise TemplateError(f"the chat template of {self.model} does not render an assistant message's content; "
+                                "multi-turn episodes need one that does")
+        return self._ids(text[text.rindex(_PROBE) + len(_PROBE):])
+
+    # -- counting ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _count_calls(stats: EpisodeStats, outcomes: list[CallOutcome]) -> None:
+        for o in outcomes:
+            if o.kind == "invalid":
+                stats.invalid_calls += 1
+            else:  # the call reached the tool
+                stats.calls[o.tool] = stats.calls.get(o.tool, 0) + 1
+                if o.kind != "ok":
+                    stats.failures[o.tool] = stats.failures.get(o.tool, 0) + 1
+            stats.errors += o.kind == "error"
+            stats.timeouts += o.kind == "timeout"
+            stats.truncated_responses += o.truncated
+            if o.kind == "ok":
+                stats.step_rewards = (stats.step_rewards or []) + [o.step_reward]
+
+    @staticmethod
+    def _count_failures(stats: EpisodeStats, failed: list[CallOutcome]) -> None:
+        """Failed creates (before the first turn; that tool's calls then fail too) or calc_reward / release (after)."""
+        for o in failed:
+            stats.errors += o.kind == "error"
+            stats.timeouts += o.kind == "timeout"
+
+
+def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> dict[str, float]:
+    """This process's sums of the episode/* and tools/* metrics over its episodes; the keys are the same on every
+    process (the tool names come from the config), so they reduce key by key. step.reduce_episode_metrics turns them
+    into the logged values (docs in grpo_lib/metrics.py)."""
+    episodes = [g.episode for group in generations for g in group if g.episode is not None]
+    sums = {"episode/count": float(len(episodes)),
+            "episode/turns_sum": float(sum(e.assistant_turns for e in episodes)),
+            "episode/turns_max": float(max((e.assistant_turns for e in episodes), default=0)),
+            "episode/tool_calls_sum": float(sum(sum(e.calls.values()) + e.invalid_calls for e in episodes)),
+            "episode/stopped_turn_limit": float(sum(e.stop == "turn_limit" for e in episodes)),
+            "episode/stopped_length": float(sum(e.stop == "length" for e in episodes)),
+            "tools/errors": float(sum(e.errors for e in episodes)),
+            "tools/timeouts": float(sum(e.timeouts for e in episodes)),
+            "tools/invalid_calls": float(sum(e.invalid_calls for e in episodes)),
+            "tools/truncated_responses": float(sum(e.truncated_responses for e in episodes)),
+            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes))}
+    for name in tool_names:
+        sums[f"tools/{name}/calls"] = float(sum(e.calls.get(name, 0) for e in episodes))
+        sums[f"tools/{name}/failures"] = float(sum(e.failures.get(name, 0) for e in episodes))
+        sums[f"tools/{name}/reward_sum"] = float(sum((e.tool_rewards or {}).get(name, 0.0) for e in episodes))
+    return sums
+
+
+def reward_extra_info(extra_info: dict, episode: EpisodeStats) -> dict:
+    """The row's extra_info plus what verl's reward manager adds for a multi-turn episode (a new dict per episode).
+
+    Example: ({"index": 3}, an episode of 2 assistant turns, 1 tool turn, calc_gsm8k_reward 1.0) ->
+    {"index": 3, "rollout_reward_scores": {"calc_gsm8k_reward": 1.0}, "num_turns": 4, "tool_step_rewards": [0.0]}.
+    """
+    return {**(extra_info or {}), "rollout_reward_scores": dict(episode.tool_rewards or {}),
+            "num_turns": episode.assistant_turns + episode.user_turns + 1, "tool_step_rewards": list(episode.step_rewards or [])}

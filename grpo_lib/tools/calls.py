@@ -1,0 +1,291 @@
+"""Running the tool calls of a turn: every call of every episode at once, each with a timeout, and whatever goes wrong
+answered as text the model reads (an observation, never a crash).
+
+    box = ToolBox(load_tools(path), timeout_s=30, max_response_chars=256, truncate_side="middle")
+    box.start([("ep0", {"calculator": {"create_kwargs": {}}})])       # create(instance_id, **create_kwargs) per tool
+    [out] = box.run([("ep0", ToolCall("calculator", {"expression": "6 * 7"}))])
+    out.text == "42"; out.kind == "ok"
+    rewards, failures = box.finish(["ep0"])[0]                         # calc_reward, then release, per tool
+    box.close()
+
+What the model reads when a call cannot be answered, and its `kind` (the episode loop counts kinds as metrics):
+
+    not valid JSON / not a {"name", "arguments"} object   "Error: the tool call is not valid JSON (...). Call a tool as ..."   invalid
+    a tool name the config does not have                  "Error: there is no tool named 'x'; the tools are: ..."            invalid
+    arguments the schema does not allow                   "Error: wrong arguments for calculator: missing ..."               invalid
+    the tool raises (or returns no text / no number)      "Error: calculator failed: ValueError: ..."                        error
+    the tool takes longer than timeout_s                  "Error: calculator did not answer within 30 s."                     timeout
+
+Every response text, an error's too, is cut to `max_response_chars` characters as verl cuts it (left: keep the start +
+"...(truncated)"; right: "(truncated)..." + keep the end; middle: half from each end around "...(truncated)...") and
+`truncated` says so.
+
+How calls run: one asyncio event loop in a daemon thread, kept for the whole run (an async tool's connections live
+across turns). An `async def` method runs on that loop (one that blocks the loop without awaiting cannot be timed
+out); a plain method runs in its own daemon thread (at most MAX_THREADS at a time; the timeout clock runs from the
+call's submission), so a hung one is abandoned at its timeout and never blocks the trainer's exit. Methods a class
+inherits unchanged from `BaseTool` (no-op defaults) run inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import threading
+from dataclasses import dataclass
+
+from grpo_lib.tools.base import BaseTool
+from grpo_lib.tools.hermes import ToolCall
+
+MAX_THREADS = 64
+CALL_FORMAT = 'Call a tool as <tool_call>{"name": <tool name>, "arguments": {...}}</tool_call>.'
+
+
+@dataclass
+class CallOutcome:
+    """One tool call (or create / calc_reward / release) as it ended."""
+
+    text: str  # what the model reads (after truncation); a failure's message for the lifecycle calls
+    kind: str  # "ok" | "invalid" (the model's call is malformed) | "error" (the tool failed) | "timeout"
+    tool: str | None  # the tool's name; None when the call named no tool of the config
+    step_reward: float = 0.0  # execute's step reward (0 unless ok)
+    truncated: bool = False
+
+
+def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
+    """(text cut to `limit` characters plus verl's marker, whether it was cut).
+
+    Example: truncate("abcdefgh", 4, "left") -> ("abcd...(truncated)", True); side "right" -> ("(truncated)...efgh",
+    True); "middle" -> ("ab...(truncated)...gh", True); truncate("abc", 4, "left") -> ("abc", False).
+    """
+    if len(text) <= limit:
+        return text, False
+    if side == "left":
+        return text[:limit] + "...(truncated)", True
+    if side == "right":
+        return "(truncated)..." + text[-limit:], True
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + (text[-half:] if half else ""), True
+
+
+def argument_problem(parameters: dict, arguments: dict) -> str | None:
+    """Why `arguments` do not fit the tool's parameters schema (required, declared names, JSON types, enum); None if they do.
+
+    Example: schema {properties: {expression: {type: string}}, required: [expression]}: {} -> "missing required argument
+    'expression'"; {"expression": 3} -> "'expression' must be a string, got 3"; {"x": 1, "expression": "1"} -> "unknown
+    argument 'x' (calculator takes: expression)" (unless the schema sets additionalProperties: true).
+    """
+    properties = parameters.get("properties") or {}
+    missing = [key for key in parameters.get("required") or [] if key not in arguments]
+    if missing:
+        return "missing required argument " + ", ".join(repr(k) for k in missing)
+    unknown = [key for key in arguments if key not in properties]
+    if unknown and parameters.get("additionalProperties") is not True:
+        return "unknown argument " + ", ".join(repr(k) for k in unknown) + f" (it takes: {', '.join(properties) or 'none'})"
+    for key, value in arguments.items():
+        spec = properties.get(key) or {}
+        types = spec.get("type")
+        types = [types] if isinstance(types, str) else types
+        if types and not any(_is_json_type(value, t) for t in types):
+            return f"{key!r} must be {' or '.join('an ' + t if t[0] in 'aeiou' else 'a ' + t for t in types)}, got {json.dumps(value)}"
+        if "enum" in spec and value not in spec["enum"]:
+            return f"{key!r} must be one of {json.dumps(spec['enum'])}, got {json.dumps(value)}"
+    return None
+
+
+def _is_json_type(value, name: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {"string": isinstance(value, str), "number": number, "integer": number and float(value).is_integer(),
+            "boolean": isinstance(value, bool), "array": isinstance(value, list), "object": isinstance(value, dict),
+            "null": value is None}.get(name, True)
+
+
+def _response_parts(value) -> tuple[str, float]:
+    """execute's return (verl: (response, step reward, metrics)) -> (text, step reward); ValueError if unusable."""
+    response, step_reward = value, 0.0
+    if isinstance(value, tuple) and len(value) in (2, 3):
+        response, step_reward = value[0], value[1]
+    if isinstance(response, str):
+        text = response
+    elif hasattr(response, "text"):
+        text = response.text or ""
+        if not isinstance(text, str):
+            raise ValueError(f"execute returned a response whose text is {type(text).__name__}, not a string")
+    else:
+        raise ValueError(f"execute returned {type(response).__name__}, expected the response text, an object with .text, "
+                         "or (response, step_reward, metrics)")
+    if isinstance(step_reward, bool) or not isinstance(step_reward, (int, float)) or not math.isfinite(step_reward):
+        raise ValueError(f"execute returned the step reward {step_reward!r}, expected a finite number")
+    return text, float(step_reward)
+
+
+class ToolBox:
+    """The run's tools, their per-episode instances and the thread-side event loop that runs them."""
+
+    def __init__(self, tools: dict, *, timeout_s: float, max_response_chars: int, truncate_side: str):
+        self.tools = dict(tools)  # name -> tool object, in the config's order
+        self._schemas = {name: _schema_of(tool) for name, tool in self.tools.items()}  # name -> plain-dict schema
+        self.timeout_s, self.max_response_chars, self.truncate_side = timeout_s, max_response_chars, truncate_side
+        self.failed_create: dict[tuple[str, str], str] = {}  # (episode, tool) -> why its create failed
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tool-loop", daemon=True)
+        self._thread.start()
+        self._slots: asyncio.Semaphore | None = None  # made on the loop (MAX_THREADS plain calls at a time)
+
+    @property
+    def schemas(self) -> list[dict]:
+        """The tools' OpenAI schemas, in order: what the chat template's `tools=` shows the model."""
+        return [dict(schema) for schema in self._schemas.values()]
+
+    # -- episode lifecycle --------------------------------------------------------------------------------------
+
+    def start(self, episodes: list[tuple[str, dict]]) -> list[list[CallOutcome]]:
+        """create(instance_id, **create_kwargs) of every tool for every (instance id, extra_info.tools_kwargs) episode;
+        returns each episode's failed creates (that tool then answers every call of the episode with the failure)."""
+        jobs, where = [], []
+        for episode, tools_kwargs in episodes:
+            for name in self.tools:
+                kwargs = (tools_kwargs or {}).get(name) or {}
+                create_kwargs = kwargs.get("create_kwargs") or {} if isinstance(kwargs, dict) else {}
+                jobs.append(self._lifecycle(name, "create", episode, **create_kwargs))
+                where.append((episode, name))
+        failures: dict[str, list[CallOutcome]] = {episode: [] for episode, _ in episodes}
+        for (episode, name), outcome in zip(where, self._run_all(jobs)):
+            if outcome.kind != "ok":
+                self.failed_create[(episode, name)] = outcome.text
+                failures[episode].append(outcome)
+        return [failures[episode] for episode, _ in episodes]
+
+    def run(self, calls: list[tuple[str, ToolCall]]) -> list[CallOutcome]:
+        """Every (instance id, call) at once; one outcome per call, in order."""
+        return self._run_all([self._call(episode, call) for episode, call in calls])
+
+    def finish(self, episodes: list[str]) -> list[tuple[dict[str, float], list[CallOutcome]]]:
+        """calc_reward then release of every tool for every episode -> per episode ({tool: reward}, failed calls).
+        A tool whose create failed is neither scored nor released; a failed calc_reward scores 0."""
+        pairs = [(e, name) for e in episodes for name in self.tools if (e, name) not in self.failed_create]
+        rewards = self._run_all([self._lifecycle(name, "calc_reward", e) for e, name in pairs])
+        releases = self._run_all([self._lifecycle(name, "release", e) for e, name in pairs])
+        out = {e: ({}, []) for e in episodes}
+        for (e, name), reward, release in zip(pairs, rewards, releases):
+            value = 0.0
+            if reward.kind == "ok":
+                try:
+                    value = float(reward.text)
+                    if not math.isfinite(value):
+                        raise ValueError
+                except (TypeError, ValueError):
+                    reward = CallOutcome(f"{name}.calc_reward returned {reward.text!r}, not a finite number", "error", name)
+                    value = 0.0
+            out[e][0][name] = value
+            out[e][1].extend(o for o in (reward, release) if o.kind != "ok")
+        for e in episodes:
+            for name in self.tools:
+                self.failed_create.pop((e, name), None)
+        return [out[e] for e in episodes]
+
+    def close(self) -> None:
+        """Stop the event loop (abandoned calls' threads are daemons: they never hold the process)."""
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    # -- one call -------------------------------------------------------------------------------------------------
+
+    async def _call(self, episode: str, call: ToolCall) -> CallOutcome:
+        if call.error is not None:
+            return self._outcome(f"Error: {call.error}. {CALL_FORMAT}", "invalid", None)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return self._outcome(f"Error: there is no tool named {call.name!r}; the tools are: {', '.join(self.tools)}.",
+                                 "invalid", None)
+        problem = argument_problem(self._schemas[call.name]["function"].get("parameters") or {}, call.arguments)
+        if problem is not None:
+            return self._outcome(f"Error: wrong arguments for {call.name}: {problem}.", "invalid", call.name)
+        if (episode, call.name) in self.failed_create:
+            return self._outcome(f"Error: {call.name} could not start for this episode: {self.failed_create[episode, call.name]}",
+                                 "error", call.name)
+        kind, value = await self._timed(tool.execute, episode, call.arguments)
+        if kind == "ok":
+            try:
+                text, step_reward = _response_parts(value)
+            except ValueError as error:
+                return self._outcome(f"Error: {call.name} failed: {error}", "error", call.name)
+            return self._outcome(text, "ok", call.name, step_reward)
+        if kind == "timeout":
+            return self._outcome(f"Error: {call.name} did not answer within {self.timeout_s:g} s.", "timeout", call.name)
+        return self._outcome(f"Error: {call.name} failed: {type(value).__name__}: {value}", "error", call.name)
+
+    async def _lifecycle(self, name: str, method: str, episode: str, **kwargs) -> CallOutcome:
+        """create / calc_reward / release of tool `name`; an ok outcome's text is str(return value) (calc_reward's number)."""
+        fn = getattr(self.tools[name], method, None)
+        if fn is None:  # a class that does not subclass BaseTool may leave these out: verl's defaults
+            return CallOutcome("0.0" if method == "calc_reward" else "", "ok", name)
+        kind, value = await self._timed(fn, episode, **kwargs)
+        if kind == "ok":
+            return CallOutcome(str(value) if method == "calc_reward" else "", "ok", name)
+        if kind == "timeout":
+            return CallOutcome(f"{name}.{method} did not answer within {self.timeout_s:g} s", "timeout", name)
+        return CallOutcome(f"{name}.{method} raised {type(value).__name__}: {value}", "error", name)
+
+    def _outcome(self, text: str, kind: str, tool: str | None, step_reward: float = 0.0) -> CallOutcome:
+        text, cut = truncate(text, self.max_response_chars, self.truncate_side)
+        return CallOutcome(text, kind, tool, step_reward, cut)
+
+    async def _timed(self, fn, *args, **kwargs) -> tuple[str, object]:
+        """("ok", value) | ("timeout", None) | ("error", exception) of fn(*args, **kwargs) under timeout_s."""
+        try:
+            return "ok", await asyncio.wait_for(self._invoke(fn, *args, **kwargs), self.timeout_s)
+        except asyncio.TimeoutError:
+            return "timeout", None
+        except Exception as error:  # the tool's own failure, whatever it is
+            return "error", error
+
+    async def _invoke(self, fn, *args, **kwargs):
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        if getattr(type(getattr(fn, "__self__", None)), fn.__name__, None) is getattr(BaseTool, fn.__name__, object()):
+            return fn(*args, **kwargs)  # BaseTool's no-op default: nothing to wait for
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_THREADS)
+        async with self._slots:
+            result = await self._in_thread(fn, *args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
+
+    def _in_thread(self, fn, *args, **kwargs) -> asyncio.Future:
+        loop, future = self._loop, self._loop.create_future()
+
+        def settle(value, error):
+            if not future.done():  # cancelled meanwhile: the call timed out
+                future.set_exception(error) if error is not None else future.set_result(value)
+
+        def work():
+            try:
+                value, error = fn(*args, **kwargs), None
+            except BaseException as exc:  # handed to the awaiting coroutine, never raised in this thread
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop was closed (the run ended): nobody waits for this call any more
+                pass
+
+        threading.Thread(target=work, name="tool-call", daemon=True).start()
+        return future
+
+    def _run_all(self, jobs: list) -> list:
+        async def gather():
+            return await asyncio.gather(*jobs)
+
+        if not jobs:
+            return []
+        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+
+
+def _schema_of(tool) -> dict:
+    """A tool's schema as a plain dict (its tool_schema, or verl's get_openai_tool_schema())."""
+    schema = getattr(tool, "tool_schema", None)
+    if schema is None and hasattr(tool, "get_openai_tool_schema"):
+        schema = tool.get_openai_tool_schema()
+    return schema.model_dump() if hasattr(schema, "model_dump") else dict(schema)

@@ -1,0 +1,41 @@
+"""train_grpo.py with a model that calls a tool in every turn, for the multi-turn end-to-end test
+(tests/test_train_tools_e2e.py):
+
+    python tests/scripts/train_with_tool_calls.py TOOL_NAME JSON_ARGUMENTS -- RECIPE.yaml [key=value ...]
+
+The random tiny model never writes `<tool_call>` text, so the hermes parser is replaced (a monkeypatch installed
+before `train_grpo.main(argv)`, as tests/scripts/train_with_faults.py installs its faults) by one that reads every
+assistant turn as one call of TOOL_NAME with JSON_ARGUMENTS; rollout.multi_turn.max_assistant_turns ends the episodes.
+Everything else is the product's own path: tool config loading, the episode loop, engines, rewards, the update.
+Reward workers import this file as `__mp_main__` (grpo_lib/rewards/pool.py): its top level stays imports only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    name, arguments = argv[0], json.loads(argv[1])
+    import grpo_lib.episodes as episodes
+    from grpo_lib.tools.hermes import ToolCall
+
+    episodes.parse_tool_calls = lambda text: [ToolCall(name, dict(arguments))]
+    import train_grpo
+
+    return train_grpo.main(argv[split + 1:])
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    if "grpo_lib.distributed" in sys.modules:
+        from grpo_lib.distributed import close_distributed
+
+        close_distributed()
+    sys.exit(code)
