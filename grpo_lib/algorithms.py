@@ -103,6 +103,18 @@ def compute_advantages(scores: Tensor | Sequence[float], group_ids: Sequence[Has
 # --------------------------------------------------------------------------- KL estimators
 
 
+def overlong_penalty(response_lengths: Tensor, *, max_resp_len: int, buffer_len: int, penalty_factor: float) -> Tensor:
+    """DAPO's soft overlong punishment (verl's DAPO reward manager), added to each response's score.
+
+    expected = max_resp_len - buffer_len; penalty = min(-(length - expected) / buffer_len * penalty_factor, 0): 0 up to
+    `expected` tokens, then linear down to -penalty_factor at max_resp_len.
+    Example: max_resp_len 20, buffer_len 4, factor 1, lengths [15, 17, 20] -> [0, -0.25, -1.0].
+    """
+    assert buffer_len > 0, f"the overlong buffer must be > 0 tokens, got {buffer_len}"
+    exceed = response_lengths.float() - (max_resp_len - buffer_len)  # [B]
+    return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)  # [B]
+
+
 def _k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k1: lp - ref (unbiased KL estimate, high variance, can be negative)."""
     return logprobs - ref_logprobs

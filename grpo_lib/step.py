@@ -76,18 +76,48 @@ def balance_batch(actor, batch: RolloutBatch) -> RolloutBatch:
     return RolloutBatch.concat([balance_across_ranks(batch.select(rows)) for rows in actor.mini_batch_rows(batch)])
 
 
-def score(scorer, batch: RolloutBatch) -> dict[str, float]:
-    """Fill batch.scores with the weighted reward; return per-function metrics (local sums, reduced by caller)."""
+def score(scorer, batch: RolloutBatch, *, overlong_buffer=None, max_response_length: int | None = None) -> dict[str, float]:
+    """Fill batch.scores with the weighted reward (plus, with `overlong_buffer` enabled, DAPO's overlong penalty, kept in
+    batch.overlong_penalties) and batch.accuracies (filter_groups' acc: the accuracy reward > 0, or as verl's DAPO
+    manager a custom reward's `acc` field, else its score); return per-function metrics (local sums, reduced by caller).
+
+    The penalty's length is the whole response (`response_lengths`: a multi-turn episode's tool tokens count, as
+    verl's DAPO manager counts its response's attention mask); its max_resp_len is overlong_buffer.max_resp_len or
+    `max_response_length`. Example: max_response_length 20, len 4, factor 1, a response of 17 tokens scoring 1 -> 0.75.
+    """
     out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
                        extra_infos=batch.extra_infos)
     batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
     sums = {f"reward/{name}/mean": float(sum(v)) for name, v in out.per_function.items()}
     if "accuracy" in out.per_function:
-        sums["reward/accuracy"] = float(sum(1.0 for v in out.per_function["accuracy"] if v > 0))
+        batch.accuracies = torch.tensor([1.0 if v > 0 else 0.0 for v in out.per_function["accuracy"]])  # [B]
+        sums["reward/accuracy"] = float(batch.accuracies.sum())
+    elif "custom" in out.per_function:  # verl's DAPO manager: a dict return's `acc` field (math_dapo returns {"score",
+        # "acc", "pred"}), else the returned score itself; a response whose call failed gets its score (0)
+        acc = out.extra.get("acc", [None] * len(batch))
+        batch.accuracies = torch.tensor([float(a) if a is not None else s
+                                         for a, s in zip(acc, out.per_function["custom"])], dtype=torch.float32)  # [B]
+    if overlong_buffer is not None and overlong_buffer.enable:
+        max_resp_len = overlong_buffer.max_resp_len if overlong_buffer.max_resp_len is not None else max_response_length
+        batch.overlong_penalties = algorithms.overlong_penalty(
+            batch.response_lengths, max_resp_len=max_resp_len, buffer_len=overlong_buffer.len,
+            penalty_factor=overlong_buffer.penalty_factor)  # [B]
+        batch.scores = batch.scores + batch.overlong_penalties  # [B]
+        sums["reward/overlong_penalty_mean"] = float(batch.overlong_penalties.sum())
     sums["reward/errors"] = float(out.num_errors)
     sums["reward/timeouts"] = float(out.num_timeouts)
     sums["reward/error_fraction"] = float(out.num_failed_responses)  # divided by the response count on reduction
     return sums
+
+
+def mask_truncated(batch: RolloutBatch) -> None:
+    """actor.mask_truncated_responses: zero the loss mask of every truncated row (finish reason `length`), in place.
+
+    The row's score stays (it still enters its group's baseline: `compute_advantages` puts it on the last response
+    token); a row without loss tokens adds nothing to the loss counts. Example: truncated [False, True] ->
+    loss_mask [[0, 1, 1], [0, 1, 1]] becomes [[0, 1, 1], [0, 0, 0]].
+    """
+    batch.loss_mask[batch.truncated] = 0.0  # [B, T]
 
 
 class RunAborted(RuntimeError):
@@ -114,10 +144,26 @@ def check_reward_errors(cfg, metrics: dict[str, float], *, step: int, samples: l
                          "training on their zero rewards would be noise. Fix the reward function (or raise reward.timeout_s)")
 
 
-def informative_groups(batch: RolloutBatch) -> list[str]:
-    """Groups whose scores are not all equal (DAPO dynamic sampling keeps only these)."""
+def filter_values(batch: RolloutBatch, metric: str) -> list[float]:
+    """The per-response value of algorithm.filter_groups.metric (verl's names): acc the accuracies (1/0), score the
+    weighted reward before the overlong penalty, seq_reward / seq_final_reward the score the advantages use (the
+    in-reward KL penalty comes after dynamic sampling; checks.py refuses seq_final_reward with it).
+    Example: scores [0.75, 1.0], overlong penalties [-0.25, 0] -> score [1.0, 1.0], seq_reward [0.75, 1.0]."""
+    if metric == "acc":
+        assert batch.accuracies is not None, ("algorithm.filter_groups.metric=acc needs the accuracy reward or a custom "
+                                              "reward returning an `acc` field")
+        return batch.accuracies.tolist()
+    if metric == "score":
+        return (batch.scores if batch.overlong_penalties is None else batch.scores - batch.overlong_penalties).tolist()
+    assert metric in ("seq_reward", "seq_final_reward"), (
+        f"unknown algorithm.filter_groups.metric {metric!r}; supported: acc, score, seq_reward, seq_final_reward")
+    return batch.scores.tolist()
+
+
+def informative_groups(batch: RolloutBatch, metric: str = "seq_reward") -> list[str]:
+    """Groups whose `metric` values (`filter_values`) are not all equal (DAPO dynamic sampling keeps only these)."""
     by_group: dict[str, set] = {}
-    for g, s in zip(batch.group_ids, batch.scores.tolist()):
+    for g, s in zip(batch.group_ids, filter_values(batch, metric)):
         by_group.setdefault(g, set()).add(round(s, 9))
     return [g for g, values in by_group.items() if len(values) > 1]
 
@@ -201,10 +247,13 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         if tp_leader:
             sums["rollout/preemptions"] += preempted
         batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
+        if cfg.actor.mask_truncated_responses:
+            mask_truncated(batch)
         if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
         start = time.perf_counter()
-        for k, v in score(scorer, batch).items():
+        for k, v in score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
+                          max_response_length=cfg.data.max_response_length).items():
             sums[k] = sums.get(k, 0.0) + v
         sums["count"] = sums.get("count", 0.0) + len(batch)
         sums["reward/sum"] = sums.get("reward/sum", 0.0) + float(batch.scores.sum())
@@ -215,7 +264,7 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         if not fg.enable:
             kept.append(batch)
             break
-        good = set(informative_groups(batch))
+        good = set(informative_groups(batch, fg.metric))
         dropped += len(set(batch.group_ids)) - len(good)
         if good:
             kept.append(batch.select([i for i, g in enumerate(batch.group_ids) if g in good]))

@@ -88,7 +88,9 @@ class RolloutBatch:
     ground_truths: list  # [B]
     extra_infos: list[dict]  # [B]
     truncated: torch.Tensor  # [B] bool, hit max_response_length
-    scores: torch.Tensor | None = None  # [B] float, weighted reward per response
+    scores: torch.Tensor | None = None  # [B] float, weighted reward per response (+ the overlong penalty if enabled)
+    overlong_penalties: torch.Tensor | None = None  # [B] float, the part of scores from reward.overlong_buffer (<= 0)
+    accuracies: torch.Tensor | None = None  # [B] float, 1 correct / 0 wrong (accuracy reward > 0, or a custom `acc`); None: no such reward
     token_rewards: torch.Tensor | None = None  # [B, T] score on the last response token (minus KL on loss tokens if in reward)
     advantages: torch.Tensor | None = None  # [B, T] float, sequence advantage broadcast over loss tokens
     old_logprobs: torch.Tensor | None = None  # [B, T] float, actor before this step's updates

@@ -296,6 +296,18 @@ def test_dapo_recipe_drops_and_refills_groups(tiny_model_dir, arith_data, reward
 
 
 @pytest.mark.slow
+def test_dapo_recipe_with_overlong_penalty_and_truncation_masking_trains(tiny_model_dir, arith_data, reward_file, tmp_path):
+    # responses of up to 16 tokens, buffer 8: a response past 8 tokens is penalised; truncated ones leave the loss;
+    # dynamic sampling on verl's acc (the custom reward's float score here, as in verl's DAPO manager)
+    rows = train("tiny_cpu_dapo.yaml", tmp_path, tiny_model_dir, arith_data, reward_file, "trainer.total_training_steps=2",
+                 "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8", "actor.mask_truncated_responses=true",
+                 "algorithm.filter_groups.metric=acc")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_finite(rows, COMMON + ("reward/overlong_penalty_mean", "batch/kept_groups"))
+    assert all(-1.0 <= r["reward/overlong_penalty_mean"] <= 0.0 for r in rows), rows
+
+
+@pytest.mark.slow
 def test_gspo_recipe_clips_later_updates(tiny_model_dir, arith_data, reward_file, tmp_path):
     # 4 prompts, 1 per mini-batch: 4 updates per step as in the recipe (32 / 8)
     rows = train("tiny_cpu_gspo.yaml", tmp_path, tiny_model_dir, arith_data, reward_file, "actor.ppo_mini_batch_size=1")

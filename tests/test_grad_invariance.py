@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import grpo_lib.actor as actor_module
+from grpo_lib import step
 from grpo_lib.actor import Actor
 from grpo_lib.algorithms import LOSS_AGG_MODES
 from tests.scripts import grad_case as case
@@ -117,6 +118,33 @@ def test_holes_are_left_out_of_the_loss(setup, loss_agg_mode):
         grads, metrics = actor_grads(actor, cfg, batch)
         assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} against the loss without the holes")
         assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
+
+
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_masked_truncation_is_the_row_masked_by_hand(setup, loss_agg_mode):
+    """actor.mask_truncated_responses (`step.mask_truncated`): one truncated row (row 2, 48 response tokens, the
+    longest) -> the gradient of the batch with that row's loss positions zeroed by hand, whose seq-mean counts have
+    one sequence fewer (`dropped_positions_loss` skips a row without loss tokens: S = 7, or 6 with the holes' row 3)."""
+    actor, batch = setup["actor"], setup["batch"]
+    truncated = batch.select(list(range(len(batch))))
+    truncated.loss_mask = batch.loss_mask.clone()  # [B, T]
+    truncated.truncated = torch.zeros(len(batch), dtype=torch.bool)
+    truncated.truncated[2] = True
+    step.mask_truncated(truncated)
+    by_hand = batch.select(list(range(len(batch))))
+    by_hand.loss_mask = batch.loss_mask.clone()  # [B, T]
+    by_hand.loss_mask[2] = 0.0
+    assert torch.equal(truncated.loss_mask, by_hand.loss_mask) and torch.equal(truncated.scores, batch.scores)
+    cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode)
+    actor.model.zero_grad(set_to_none=True)
+    dropped_positions_loss(actor.model, by_hand, cfg).backward()
+    expected = case.grads_of(actor.model)
+    unmasked, _ = reference(setup, cfg, loss_agg_mode)
+    assert any((unmasked[k] - expected[k]).abs().max() > 1e-4 * expected[k].abs().max() for k in expected), \
+        "the truncated row's 48 tokens carried gradient before masking"
+    cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=True, micro_batch_size=3)
+    grads, _ = actor_grads(actor, cfg, truncated)
+    assert_same_grads(grads, expected, f"{loss_agg_mode}: truncated row masked by actor.mask_truncated_responses")
 
 
 def test_metrics_are_means_over_loss_tokens(setup):

@@ -219,8 +219,18 @@ DR_GRPO_1_5B = """
 """
 
 # recipe/dapo/test_dapo_7b_math.sh with NNODES=1 (its ${NNODES:-8} default is 8 machines) and without its
-# reward-shaping and model-override lines (DAPO_REFUSED below: they change the math and are refused).
+# model-override line (DAPO_REFUSED below: it changes the model and is refused). Its reward-shaping lines
+# (overlong buffer 4096 of 8192 tokens, factor 1.0) and dynamic sampling on acc run here.
 DAPO = """
+    reward_model.reward_manager=dapo
+    +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True
+    +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
+    +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
+    +reward_model.reward_kwargs.overlong_buffer_cfg.log=False
+    +reward_model.reward_kwargs.max_resp_len=8192
+    algorithm.filter_groups.enable=True
+    algorithm.filter_groups.metric=acc
+    algorithm.filter_groups.max_num_gen_batches=10
     data.train_files=$TRAIN
     data.val_files=$TEST
     data.prompt_key=prompt
@@ -285,9 +295,7 @@ DAPO = """
 """
 
 DAPO_REFUSED = """
-    reward_model.reward_manager=dapo
-    +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True
-    +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
+    +reward_model.reward_kwargs.some_other_kwarg=1
     +actor_rollout_ref.model.override_config.max_position_embeddings=32768
 """
 
@@ -394,6 +402,20 @@ def test_verl_meanings(tiny_model_dir, arith_data, tmp_path):
     assert (dapo.rollout.log_prob_max_token_len_per_gpu, dapo.ref.log_prob_max_token_len_per_gpu) == (30720, 30720)
     assert dapo.actor.ppo_max_token_len_per_gpu == 20480 and dapo.actor.clip_ratio_high == 0.28
     assert dapo.trainer.logger == ["console", "wandb"] and dapo.trainer.project_name == "DAPO"
+    ob = dapo.reward.overlong_buffer  # verl's reward_kwargs.overlong_buffer_cfg.* spelling
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.max_resp_len) == (True, 4096, 1.0, 8192)
+    assert dapo.algorithm.filter_groups.metric == "acc" and "reward_model.reward_manager='dapo'" in dapo.ignored
+    plain = load_config(REPO / "recipes/tiny_cpu.yaml", ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=8",
+                                                         "reward_model.overlong_buffer.penalty_factor=0.5"])
+    assert (plain.reward.overlong_buffer.len, plain.reward.overlong_buffer.penalty_factor) == (8, 0.5)  # verl's config key
+    for line, needle in (("reward_model.reward_manager=prime", r"only \['naive', 'dapo'\]"),
+                         ("reward_model.overlong_buffer.enable=true", "reward.overlong_buffer.len=0 with enable"),
+                         ("algorithm.filter_groups.metric=pass", "algorithm.filter_groups.metric")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(REPO / "recipes/tiny_cpu.yaml", [line])
+    with pytest.raises(ConfigError, match="metric=seq_final_reward with algorithm.use_kl_in_reward=true"):
+        load_config(REPO / "recipes/tiny_cpu.yaml", ["algorithm.filter_groups.enable=true", "algorithm.use_kl_in_reward=true",
+                                                     "algorithm.filter_groups.metric=seq_final_reward"])
     dr = load_config(None, usable(lines_of(DR_GRPO, tiny_model_dir, arith_data))[0], world_size=8)
     assert dr.actor.loss_agg_mode == "seq-mean-token-sum-norm" and dr.algorithm.norm_adv_by_std_in_grpo is False
     assert dr.actor.loss_scale_factor == 1024.0  # resolved: data.max_response_length
@@ -447,8 +469,8 @@ def test_math_changing_verl_keys_are_refused_not_ignored(tiny_model_dir, arith_d
     with pytest.raises(ConfigError) as err:
         load_config(None, keep + refused, world_size=8)
     text = str(err.value)
-    assert "reward_model.reward_manager='dapo' is not supported" in text
-    assert "reward_model.reward_kwargs.overlong_buffer_cfg.enable=True is not supported: DAPO's overlong reward shaping" in text
+    assert "reward_model.reward_kwargs.some_other_kwarg=1 is not supported: reward-manager kwargs other than" in text
+    assert len(err.value.problems) == 2, f"DAPO's shaping lines are accepted, only the two lines of DAPO_REFUSED refused: {text}"
     assert "model.override_config.max_position_embeddings=32768 is not supported" in text
     for line, needle in (("actor_rollout_ref.rollout.multi_turn.interaction_config_path=user_sim.yaml",
                           "simulated-user interactions are not implemented"),

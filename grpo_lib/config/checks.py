@@ -309,6 +309,23 @@ def _value_ranges(cfg: Config) -> list[str]:
             p.append(f"reward.functions: {fn['name']!r} is listed more than once; give it one entry with the summed weight")
     if "custom" in listed and rw.custom.path is None:
         p.append("reward.functions lists 'custom' but reward.custom.path is not set: point it at a Python file with compute_score")
+    ob = rw.overlong_buffer
+    max_resp_len = cfg.data.max_response_length if ob.max_resp_len is None else ob.max_resp_len
+    if ob.enable and not 0 < ob.len <= max_resp_len:
+        p.append(f"reward.overlong_buffer.len={ob.len} with enable: the buffer must be 1 to max_resp_len={max_resp_len} tokens "
+                 "(DAPO: 4096 of 20480); set it, or reward.overlong_buffer.enable=false")
+    if _outside(ob.penalty_factor, 0.0, None):
+        p.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor}: must be >= 0 (the penalty at max_resp_len; 1.0 in DAPO)")
+    if ob.max_resp_len is not None and ob.max_resp_len < 1:
+        p.append(f"reward.overlong_buffer.max_resp_len={ob.max_resp_len}: tokens, must be >= 1 (null: data.max_response_length)")
+    fg = cfg.algorithm.filter_groups
+    if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        p.append("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the in-reward KL penalty "
+                 "needs the old and reference logprobs, computed after dynamic sampling; use metric=seq_reward (the score "
+                 "before that penalty) or use_kl_in_reward=false")
+    if fg.enable and fg.metric == "acc" and not {"accuracy", "custom"} & set(listed):
+        p.append("algorithm.filter_groups.metric=acc: reward.functions has neither accuracy nor custom (whose `acc` field it "
+                 f"reads), only {listed}; add one, or use metric=seq_reward")
     return p
 
 

@@ -176,6 +176,10 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     """Entropy bonus weight (loss -= entropy_coeff x entropy). Entropy is logged either way (computed without grad
     from the same logits when the coefficient is 0)."""
+    mask_truncated_responses: bool = False
+    """Leave responses cut at data.max_response_length (finish reason `length`) out of the loss: their loss_mask is all 0,
+    so they add no token and no sequence to any loss count (TRL's mask_truncated_completions). Their score stays in their
+    group's advantage baseline. Off (verl, TRL's default): truncated responses train like the others."""
     use_torch_compile: bool = may_change_on_resume(False)
     """torch.compile each decoder layer of the actor (dynamic shapes) for the update and logprob passes. Off by default:
     a one-off compile of tens of seconds on CPU for about 10% of the update (bench/results_cpu.md)."""
@@ -316,6 +320,11 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose scores are all equal and generate more prompts."""
     max_num_gen_batches: int = 10
     """Most generate rounds per step (0: unlimited); the step trains on what it has after that."""
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "seq_reward"
+    """Per-response value whose all-equal groups are dropped (verl's names; its DAPO scripts use acc). acc: the accuracy
+    reward's correct (1) / wrong (0), or a custom reward's `acc` field (else its score, as verl's DAPO manager); score: the weighted reward before the overlong
+    penalty; seq_reward: the score the advantages use (reward + reward.overlong_buffer penalty); seq_final_reward: the
+    same, since the in-reward KL penalty is computed after dynamic sampling (with use_kl_in_reward it is refused)."""
 
 
 @dataclass
@@ -348,11 +357,28 @@ class Gsm8kRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO's soft overlong punishment (verl: reward_model.overlong_buffer.*, or its DAPO scripts'
+    reward_model.reward_kwargs.overlong_buffer_cfg.*): a response longer than max_resp_len - len tokens gets
+    min(-(length - (max_resp_len - len)) / len x penalty_factor, 0) added to its score (docs/ALGORITHMS.md)."""
+    len: int = 0
+    """Tokens of the buffer before max_resp_len in which the penalty grows linearly from 0 to -penalty_factor; must be
+    > 0 with enable (verl's default 0; DAPO uses 4096 of 20480)."""
+    penalty_factor: float = 1.0
+    """Penalty at the full max_resp_len (verl's default 1.0)."""
+    max_resp_len: int | None = None
+    """Length the buffer ends at, in response tokens (verl: reward_model.reward_kwargs.max_resp_len). None:
+    data.max_response_length (what verl's DAPO scripts pass)."""
+
+
+@dataclass
 class RewardConfig:
     functions: list[dict] = field(default_factory=lambda: [{"name": "accuracy", "weight": 1.0}])
     """Reward functions and weights: accuracy (rule by data_source), format, custom."""
     custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     gsm8k: Gsm8kRewardConfig = field(default_factory=Gsm8kRewardConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     timeout_s: float = may_change_on_resume(10.0)
     """Seconds one response may take to score; slower ones score 0 and are counted."""
     import_timeout_s: float = may_change_on_resume(120.0)

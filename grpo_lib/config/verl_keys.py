@@ -22,6 +22,10 @@ ALIASES: dict[str, str] = {
     "trainer.log_val_generations": "trainer.val_generations_to_log",
     "custom_reward_function.": "reward.custom.",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    # DAPO's overlong shaping: verl's config key and its DAPO scripts' reward-manager kwargs
+    "reward_model.overlong_buffer.": "reward.overlong_buffer.",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.": "reward.overlong_buffer.",
+    "reward_model.reward_kwargs.max_resp_len": "reward.overlong_buffer.max_resp_len",
     # Earlier spelling of the old-logprob pass's knobs; verl names them under rollout.
     "actor.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
     "actor.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
@@ -65,15 +69,18 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
     "ray_init.": ("there is no Ray: accelerate launches the processes", None),
     "trainer.device": ("the device follows the launch (CUDA when available)", ("cuda", "cpu")),
     "reward_model.enable": ("no learned reward model: rewards are rules by data_source", (False,)),
-    "reward_model.reward_manager": ("verl's naive manager is this trainer's rule reward by data_source", ("naive",)),
+    "reward_model.reward_manager": ("verl's naive manager is this trainer's rule reward by data_source; its dapo manager "
+                                    "is that plus the overlong penalty of reward.overlong_buffer (off unless enabled)",
+                                    ("naive", "dapo")),
+    "reward.overlong_buffer.log": ("verl's per-response overlong log: reward/overlong_penalty_mean is always logged here", None),
     "actor.optim.warmup_style": ("the schedule here is linear warm-up then constant", ("constant",)),
 }
 
 # verl keys that would change the math and are not implemented: refused with the reason (never ignored).
 REFUSED: dict[str, str] = {
     "model.override_config.": "overrides the model's config (changes the model): edit a copy of the model's config.json instead",
-    "reward_model.reward_kwargs.": "DAPO's overlong reward shaping is not implemented (it changes the rewards): drop these lines",
-    "reward_model.overlong_buffer.": "DAPO's overlong reward shaping is not implemented (it changes the rewards): drop these lines",
+    "reward_model.reward_kwargs.": ("reward-manager kwargs other than overlong_buffer_cfg.* and max_resp_len (DAPO's, "
+                                    "reward.overlong_buffer.*) are not implemented: drop these lines"),
     "critic.": "GRPO has no critic: drop the critic.* lines",
 }
 
