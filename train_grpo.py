@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,10 +88,12 @@ class GRPOTrainer:
         from grpo_lib.actor import Actor
         from grpo_lib.data import PromptSampler, load_prompts
         from grpo_lib.engines import build_engine
+        from grpo_lib.episodes import EpisodeRunner, TemplateError
         from grpo_lib.lora import check_lora_setup
         from grpo_lib.metrics import MetricLogger
         from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
         from grpo_lib.rewards import RewardScorer, registered_sources
+        from grpo_lib.tools.config import ToolConfigError
 
         cfg, rank = self.cfg, self.rank
         torch.manual_seed(cfg.trainer.seed)
@@ -101,23 +103,24 @@ class GRPOTrainer:
         except (OSError, ValueError) as exc:
             raise SetupError(f"model.path={cfg.model.path!r}: cannot load a tokenizer from it ({exc}); "
                              "point it at a Hugging Face model folder or hub name") from exc
-        episodes = self.setup_episodes(tokenizer)  # None unless rollout.multi_turn.enable
+        try:  # the episode loop and its tools: None unless rollout.multi_turn.enable
+            episodes = EpisodeRunner.from_config(cfg, tokenizer=tokenizer)
+        except (ToolConfigError, TemplateError) as exc:
+            raise SetupError(f"rollout.multi_turn.enable: {exc}" if isinstance(exc, TemplateError) else str(exc)) from exc
         tools = episodes.toolbox.schemas if episodes is not None else None  # the prompts list them (verl's dataset does)
-        try:
+        with ExitStack() as undo:  # a failed setup stops what it started (tool threads, reward workers)
+            if episodes is not None:
+                undo.callback(episodes.toolbox.close)
             train = load_prompts(cfg.data.train_files, tokenizer, cfg.data, tools=tools)
             val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, tools=tools) if cfg.data.val_files else None
-        except BaseException:
-            if episodes is not None:
-                episodes.toolbox.close()
-            raise
-        sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        try:
-            scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                                  gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
-                                  import_timeout_s=cfg.reward.import_timeout_s)
-        except (ValueError, OSError, ImportError, AttributeError) as exc:
-            raise SetupError(f"reward setup: {exc}") from exc
-        try:
+            sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+            try:
+                scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
+                                      gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s,
+                                      num_workers=cfg.reward.num_workers, import_timeout_s=cfg.reward.import_timeout_s)
+            except (ValueError, OSError, ImportError, AttributeError) as exc:
+                raise SetupError(f"reward setup: {exc}") from exc
+            undo.callback(scorer.close)
             if cfg.reward.custom.path is None:
                 unknown = sorted(set(train.data_sources + (val.data_sources if val else [])) - set(registered_sources()))
                 if unknown:
@@ -138,11 +141,7 @@ class GRPOTrainer:
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
                                   total_steps=total_steps, project_name=cfg.trainer.project_name,
                                   experiment_name=cfg.trainer.experiment_name, resume_step=self.resume.step)
-        except BaseException:
-            scorer.close()  # its worker processes must not outlive a failed setup
-            if episodes is not None:
-                episodes.toolbox.close()
-            raise
+            undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
                               actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
@@ -157,28 +156,6 @@ class GRPOTrainer:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             engine.release()
             engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
-
-    def setup_episodes(self, tokenizer):
-        """rollout.multi_turn.enable: the tool config's tools and the episode loop (grpo_lib/episodes.py), checked against
-        the chat template; None when off. A tool config or template that cannot work raises SetupError (exit 2)."""
-        mt = self.cfg.rollout.multi_turn
-        if not mt.enable:
-            return None
-        from grpo_lib.episodes import EpisodeRunner, TemplateError
-        from grpo_lib.tools.calls import ToolBox
-        from grpo_lib.tools.config import ToolConfigError, load_tools
-
-        try:
-            tools = load_tools(mt.tool_config_path)
-        except ToolConfigError as exc:
-            raise SetupError(str(exc)) from exc
-        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s, max_response_chars=mt.max_tool_response_length,
-                          truncate_side=mt.tool_response_truncate_side)
-        try:
-            return EpisodeRunner.from_config(self.cfg, tokenizer=tokenizer, toolbox=toolbox)
-        except TemplateError as exc:
-            toolbox.close()
-            raise SetupError(f"rollout.multi_turn.enable: {exc}") from exc
 
     # -- the run --------------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from grpo_lib.seeds import turn_seed
 from grpo_lib.tools.calls import CallOutcome, ToolBox
+from grpo_lib.tools.config import load_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch
 
@@ -81,9 +82,20 @@ class EpisodeRunner:
         self.check_template()
 
     @classmethod
-    def from_config(cls, cfg, *, tokenizer, toolbox: ToolBox) -> EpisodeRunner:
-        return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=cfg.rollout.multi_turn,
-                   chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
+    def from_config(cls, cfg, *, tokenizer) -> EpisodeRunner | None:
+        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path, checked against the chat template;
+        None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot load) or TemplateError (a
+        template that cannot extend an episode), both before the engine starts; the tools are closed on a failure."""
+        mt = cfg.rollout.multi_turn
+        if not mt.enable:
+            return None
+        toolbox = ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
+                          max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
+        try:
+            return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
+        except TemplateError:
+            toolbox.close()
+            raise
 
     @property
     def tool_names(self) -> list[str]:
