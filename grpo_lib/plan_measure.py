@@ -29,13 +29,13 @@ A real-tensor run of the same code (`fake=False`, small models only) gives the s
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
 
-from grpo_lib.plan import GIB, ModelSizes
 
 TORCH_VERSION = "2.13"  # the version whose private APIs (fake_pg, FSDPMemTracker, DTensor propagation) this was written for
 
@@ -268,7 +268,7 @@ def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = Tru
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
         actor = _actor(cfg, model, device)
         actor.policy.train()
-        _create_optimizer_state(actor)  # a steady-state step: AdamW's moments exist before the backward
+        _steady_state(actor)  # AdamW's moments and the earlier micro-batches' gradients exist before this backward
         tracker = FSDPMemTracker(actor.policy, actor.optimizer)
         tracker.track_inputs((batch.input_ids, batch.attention_mask))
         backward = {}
@@ -288,16 +288,52 @@ def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = Tru
                     seconds=time.perf_counter() - start)
 
 
-def _create_optimizer_state(actor) -> None:
-    """One AdamW step on zero gradients, outside the tracker: the moments exist, as in every step after the first."""
-    for p in actor.model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+def _steady_state(actor) -> None:
+    """Outside the tracker: one AdamW step on zero gradients (the moments exist, as in every step after the first),
+    then zero gradients left in place: the measured micro-batch is one after the first of its mini-batch (a mini-batch
+    has hundreds), whose backward accumulates into the whole sharded gradient."""
+    params = [p for p in actor.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
     actor.optimizer.step()
-    actor.optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
 
 
 def _kinds(snapshot) -> dict[str, int]:
     """A tracker snapshot of one device -> {kind: bytes, "Total": bytes}."""
     (per_kind,) = snapshot.values()  # one device: the CPU
     return {getattr(k, "value", str(k)): int(v) for k, v in per_kind.items() if v or k == "Total"}
+
+
+def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict) -> list[str]:
+    """The measured training phase's lines, beside the analytic plan's (`parts`, grpo_lib.plan.memory_plan)."""
+    from grpo_lib.plan import GIB
+
+    m = measure_update(cfg, model_config, world_size=world_size)
+    analytic = parts["training phase"] - parts["CUDA context + NCCL"]
+    lines = [f"micro-batch {' + '.join(map(str, m.micro_batch_tokens))} tokens, after earlier micro-batches of its mini-batch; "
+             f"measured in {m.seconds:.0f} s (torch {torch.__version__})"]
+    for name, kinds in (("forward + backward", m.backward), ("clip + AdamW step", m.optimizer_step)):
+        shown = ", ".join(f"{k} {v / GIB:.2f}" for k, v in kinds.items() if k != "Total" and v >= 0.005 * GIB)
+        lines.append(f"{name:<20} {kinds['Total'] / GIB:7.2f} GiB ({shown})")
+    lines.append(f"measured peak        {m.peak / GIB:7.2f} GiB; analytic training phase without the CUDA context "
+                 f"{analytic / GIB:.2f} GiB ({(m.peak / analytic - 1) * 100:+.1f}%)")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    """`python -m grpo_lib.plan_measure RECIPE [key=value ...] [--num-processes N] [--gpu-memory-gb G] [--model-config F]`:
+    the plan of `--print-plan` with the measured training phase (the same as `train_grpo.py RECIPE --print-plan --measure`)."""
+    from grpo_lib.plan import print_plan
+
+    try:
+        check_torch()
+    except MeasureError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return print_plan([*argv, "--print-plan", "--measure"], measure=measure_lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
