@@ -259,7 +259,7 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step. `tokens`: the update's micro-batch
     bound (default: the config's).
     """
-    a, d, P, W = cfg.actor, cfg.data, sizes.params, world_size
+    a, P, W = cfg.actor, sizes.params, world_size
     param_offload, optim_offload = a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload
     if compute_bytes is None:  # the actor's compute dtype (actor.fsdp_config.param_dtype) on a GPU
         compute_bytes = _dtype_bytes(a.fsdp_config.param_dtype)
@@ -278,12 +278,12 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "AdamW state": 2 * master_bytes * trained / W,
         # foreach AdamW's step: a float32 temporary of the largest local tensor and its square root's sibling
         "AdamW step temporary": 2 * master_bytes * (sizes.embed_params if full else 0) / W,
-        "gathered units": compute_bytes * (root + sizes.layer_params) if W > 1 else 0.0,
+        "gathered units": float(compute_bytes * (root + sizes.layer_params)) if W > 1 else 0.0,
         "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else _dtype_bytes(cfg.model.dtype) * P / W,
         "activations": float(tokens * activation_bytes_per_token(cfg, sizes, compute_bytes)),
         "output head chunk": float(HEAD_BYTES_PER_LOGIT * head_tokens * sizes.vocab),
-        "head weight gradient": compute_bytes * vh if full else 0.0,
-        "tied embedding gradient": (2 if tied else 1) * compute_bytes * vh if full else 0.0,
+        "head weight gradient": float(compute_bytes * vh) if full else 0.0,
+        "tied embedding gradient": float((2 if tied else 1) * compute_bytes * vh) if full else 0.0,
         "root reduce-scatter": master_bytes * root / W if (W > 1 and full) else 0.0,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
         "CUDA context + NCCL": ctx,

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 TORCH_VERSION = "2.13"  # the version whose private APIs (fake_pg, FSDPMemTracker, DTensor propagation) this was written for
 
 
@@ -121,7 +120,9 @@ class _RealSmallTensors(torch.utils._python_dispatch.TorchDispatchMode):
 def _fake_world(world_size: int):
     """A fake process group of `world_size` ranks, this process rank 0; torn down after."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,  # registers the "fake" backend
+    )
 
     if dist.is_initialized():
         raise MeasureError("--measure needs a process without a process group (run it outside accelerate launch)")

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from grpo_lib.config import ConfigError, load_config
-from grpo_lib.plan import (GIB, all_gathers_per_mini_batch, auto_budget_notes, fitting_budget, host_memory, memory_plan,
-                           model_sizes, print_plan)
+from grpo_lib.plan import (
+    GIB,
+    all_gathers_per_mini_batch,
+    auto_budget_notes,
+    fitting_budget,
+    host_memory,
+    memory_plan,
+    model_sizes,
+    print_plan,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_4B = REPO / "tests" / "data" / "qwen3_4b_config.json"
