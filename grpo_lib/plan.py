@@ -7,28 +7,44 @@ config validation resolved it, the verl keys accepted without effect, and a memo
 `config.json` (a local folder, the Hugging Face hub cache, or `--model-config FILE`).
 
 Flags: `--num-processes N` (default: trainer.n_gpus_per_node x trainer.nnodes when given, else the current
-launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`.
+launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--measure` (the training phase measured
+on fake tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module
+imports neither torch nor transformers).
 
 Exit codes, so a script can gate on the plan: 0 the plan fits (or has no model config.json to plan memory from);
 2 a config or flag problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than
 --gpu-memory-gb ("DOES NOT FIT" in the plan).
 
-The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everything over all W):
+The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everything over all W; c the compute dtype's
+bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: embedding, untied head, final norm):
 
     actor master weights   4 P / W       fp32 (model.dtype auto on GPU: fp32 master, bf16 compute)
-    gradients              4 P / W       fp32, sharded; freed after each optimizer step (LoRA: adapter parameters only)
+    gradients              4 P / W       fp32, sharded (LoRA: adapter parameters only)
     AdamW state            8 P / W       fp32 exp_avg + exp_avg_sq (LoRA: adapter parameters only)
-    gathered units         2 x 2 x U     bf16 all-gathered unit (largest of a decoder layer and the embedding), x2 prefetch
+    AdamW step temporary   2 x 4 E / W   foreach AdamW: two fp32 temporaries of the largest local tensor (the embedding)
+    gathered units         c x (root + one layer)   the bf16 all-gathered root and decoder layer
     reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU) or LoRA
     activations            tokens x per-token bytes of the update's micro-batch bound (checkpointing: one layer
                            input per layer kept, one layer recomputed; without: every layer's saved tensors)
-    output head chunk      3 x 1024 x V x 4   float32 logits, log-softmax and its gradient of one 1024-token chunk
+    output head chunk      20 x 1024 x V  one chunk's recomputed backward: bf16 + fp32 logits (2 + 4), log-sum-exp's
+                           softmax (4), the gather's gradient (4), their sum (4), the bf16 gradient (2) per logit
+    head weight gradient   c x V x H     accumulated over the chunks until the root's backward
+    tied embedding grad.   2 c V H (tied: the embedding's gradient and the sum, three V x H alive), c V H untied
+    root reduce-scatter    4 x root / W  the root's fp32 reduce-scatter output
     vLLM share             rollout.gpu_memory_utilization x GPU size during generation; with
                            rollout.free_cache_engine the KV cache is freed and the weights offloaded for training
+    CUDA context + NCCL    1.5 GiB       per process, outside vLLM's share (an estimate)
 
-Peak = max(generation phase, training phase). Activation sizes are an upper-bound estimate (bf16 saved tensors
-of a Llama/Qwen decoder layer: norms, q/k/v/o, the 4 MLP intermediates), not a measurement; the CPU check in
-tests/test_plan.py holds the plan within 2x of a measured update's peak RSS.
+Phases: generation (weights + AdamW + reference + vLLM share + context); training = the largest of the layers'
+backward (weights + gradients + AdamW + gathered units + activations + head chunk + head gradient), the root's backward
+(the bf16 root, the head and embedding gradients, the reduce-scatter) and the optimizer step; resume (checkpoint.load
+creates AdamW's state with the engine awake). Peak = the largest phase. The host-memory line counts what the processes
+of one machine load at start and keep resident after. Measured against the real update on fake tensors:
+`--measure` (grpo_lib/plan_measure.py; tests/test_plan_measure.py holds the Qwen3-4B plan within 10% of it).
+
+Token budgets that fit: the largest actor.ppo_max_token_len_per_gpu whose layers' backward fits FIT_FRACTION of the
+GPU (activations are the only term that grows with it), and the no-grad log-prob passes' budget; `auto` as the value
+of those keys takes them (`resolve_auto_budgets`: here for --gpu-memory-gb, at setup for the device's memory).
 """
 
 from __future__ import annotations
@@ -516,7 +532,7 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
 def print_plan(argv: list[str], measure=None) -> int:
     """argv: RECIPE [key=value ...] with --print-plan and the optional flags; returns the exit code.
 
-    `measure`: with --measure, a function (cfg, config.json dict, sizes, world_size, parts) -> lines that measures the
+    `measure`: with --measure, a function (cfg, config.json dict, sizes, world_size, parts, gpu_bytes) -> lines that measures the
     training phase (grpo_lib.plan_measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.plan_measure`,
     so this module stays light)."""
     args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None}
@@ -589,7 +605,7 @@ def print_plan(argv: list[str], measure=None) -> int:
             out = ["", f"measured training phase (rank 0 of {world_size}, our update on fake tensors, {where}):"]
             parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
             try:
-                out += [f"  {line}" for line in measure(cfg, config_json, sizes, world_size, parts)]
+                out += [f"  {line}" for line in measure(cfg, config_json, sizes, world_size, parts, gpu_gb * GIB)]
             except RuntimeError as exc:  # plan_measure.MeasureError: another torch version, LoRA, a launch
                 print("\n".join(out) + f"\nerror: {exc}", file=sys.stderr)
                 return 2

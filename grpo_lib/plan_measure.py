@@ -307,9 +307,9 @@ def _kinds(snapshot) -> dict[str, int]:
     return {getattr(k, "value", str(k)): int(v) for k, v in per_kind.items() if v or k == "Total"}
 
 
-def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict) -> list[str]:
+def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict, gpu_bytes: float) -> list[str]:
     """The measured training phase's lines, beside the analytic plan's (`parts`, grpo_lib.plan.memory_plan)."""
-    from grpo_lib.plan import GIB
+    from grpo_lib.plan import GIB, fitting_budget
 
     m = measure_update(cfg, model_config, world_size=world_size)
     analytic = parts["training phase"] - parts["CUDA context + NCCL"]
@@ -320,6 +320,12 @@ def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict) 
         lines.append(f"{name:<20} {kinds['Total'] / GIB:7.2f} GiB ({shown})")
     lines.append(f"measured peak        {m.peak / GIB:7.2f} GiB; analytic training phase without the CUDA context "
                  f"{analytic / GIB:.2f} GiB ({(m.peak / analytic - 1) * 100:+.1f}%)")
+    tokens = sum(m.micro_batch_tokens)
+    slope = m.backward.get("Activation", 0) / tokens
+    if slope > 0:
+        best = fitting_budget(cfg, sizes, world_size=world_size, gpu_bytes=gpu_bytes, slope=slope)
+        lines.append(f"measured activations {slope / 2**20:.3f} MiB per token (at the peak, over {tokens} tokens): largest "
+                     f"actor.ppo_max_token_len_per_gpu that fits {gpu_bytes / GIB:g} GiB {best}")
     return lines
 
 

@@ -29,6 +29,7 @@ SMALL = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_s
 SMALL_OVERRIDES = ["data.max_prompt_length=64", "data.max_response_length=64", "actor.ppo_max_token_len_per_gpu=200"]
 
 
+@pytest.mark.slow  # ~20 s: torch.distributed / transformers imports and two FSDP2 builds
 def test_fake_measurement_equals_a_real_tensor_run_of_the_same_code():
     """The same update on real tensors (a small model, the fake process group for the collectives) gives the tracker's
     byte counts of the fake run exactly: the fake-mode helpers change no allocation."""
