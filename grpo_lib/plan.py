@@ -587,7 +587,9 @@ def print_plan(argv: list[str], measure=None) -> int:
     out += [f"  {line}" for line in batch_lines(cfg, world_size)]
     out += ["", "divisibility checks:"] + [f"  {line}" for line in check_lines(cfg, world_size)]
     out += ["", "derived defaults (resolved once, in config validation):"] + [f"  {line}" for line in resolved_lines(cfg)]
-    out += [f"  {key}=auto -> {value} (the largest that fits {gpu_gb:g} GiB, below)" for key, value in auto.items()]
+    why = (f"the largest that fits {gpu_gb:g} GiB, below" if sizes is not None else
+           f"no model config.json to plan from: max(one sequence, {CPU_AUTO_BUDGET})")
+    out += [f"  {key}=auto -> {value} ({why})" for key, value in auto.items()]
     if cfg.ignored:
         out += ["", "verl keys accepted and ignored (performance only):"] + [f"  {k}: {why}" for k, why in cfg.ignored.items()]
     for problem in environment_problems(cfg):

@@ -240,11 +240,11 @@ def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = Tru
                    lengths: list[int] | None = None) -> Measured:
     """Run one optimizer step of our update (one micro-batch filling the token budget) on rank 0 of a fake
     `world_size`-process group and return the tracker's peak. `fake=False` runs the same on real tensors (small models)."""
+    check_torch()  # before the private imports below
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_torch()
     if cfg.model.lora_rank > 0:
         raise MeasureError("--measure covers full fine-tuning; with LoRA (model.lora_rank > 0) read the analytic plan")
     start = time.perf_counter()

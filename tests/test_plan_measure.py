@@ -52,6 +52,31 @@ def test_measure_refuses_another_torch_version():
         check_torch("2.11.0+cu130")
 
 
+def test_print_plan_measure_on_another_torch_exits_2_without_numbers(capsys, monkeypatch):
+    """The lent GPU machine has torch 2.11: --measure says it was written for 2.13 and prints no measured number."""
+    from grpo_lib import plan_measure
+
+    monkeypatch.setattr(plan_measure.torch, "__version__", "2.11.0+cu130")
+    code = print_plan([str(RECIPE), "--print-plan", "--measure", "--model-config", str(QWEN3_4B)], measure=plan_measure.measure_lines)
+    captured = capsys.readouterr()
+    assert code == 2 and "peak per GPU" in captured.out  # the analytic plan is printed first
+    assert "written for torch 2.13" in captured.err and "this is torch 2.11.0+cu130" in captured.err
+    assert "measured peak" not in captured.out + captured.err
+    assert plan_measure.main([str(RECIPE)]) == 2
+
+
+@pytest.mark.slow  # ~15 s: a small model measured through the command line
+def test_print_plan_measure_prints_the_measured_phase_beside_the_plan(tmp_path, capsys):
+    from grpo_lib import plan_measure
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    code = plan_measure.main([str(RECIPE), *SMALL_OVERRIDES, "--model-config", str(tmp_path / "config.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "training phase" in out and "measured training phase (rank 0 of 4" in out
+    assert "micro-batch 128 + 72 tokens" in out and "measured peak" in out and "analytic training phase" in out
+
+
 def test_budget_lengths_fill_the_budget():
     from grpo_lib.plan_measure import budget_lengths
 
