@@ -29,7 +29,7 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
     output head chunk      20 x 1024 x V  one chunk's recomputed backward: bf16 + fp32 logits (2 + 4), log-sum-exp's
                            softmax (4), the gather's gradient (4), their sum (4), the bf16 gradient (2) per logit
     head weight gradient   c x V x H     accumulated over the chunks until the root's backward
-    tied embedding grad.   2 c V H (tied: the embedding's gradient and the sum, three V x H alive), c V H untied
+    embedding gradient     2 c V H (tied: the embedding's gradient and the sum, three V x H alive), c V H untied
     root reduce-scatter    4 x root / W  the root's fp32 reduce-scatter output
     vLLM share             rollout.gpu_memory_utilization x GPU size during generation; with
                            rollout.free_cache_engine the KV cache is freed and the weights offloaded for training
@@ -288,19 +288,22 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     root, vh = root_params(sizes), sizes.vocab * sizes.hidden
     tied = sizes.params < sizes.layers * sizes.layer_params + 2 * sizes.embed_params
     ctx = CUDA_CONTEXT_BYTES if with_engine else 0.0
+    # FSDP2 units exist on every GPU run (one process starts a 1-process group there); with_engine=False plans the CPU
+    # twin, where one process has no group and nothing is gathered
+    sharded = W > 1 or with_engine
     parts = {
         "actor master weights": master_bytes * P / W,
         "gradients": master_bytes * trained / W,
         "AdamW state": 2 * master_bytes * trained / W,
         # foreach AdamW's step: a float32 temporary of the largest local tensor and its square root's sibling
         "AdamW step temporary": 2 * master_bytes * (sizes.embed_params if full else 0) / W,
-        "gathered units": float(compute_bytes * (root + sizes.layer_params)) if W > 1 else 0.0,
+        "gathered units": float(compute_bytes * (root + sizes.layer_params)) if sharded else 0.0,
         "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else _dtype_bytes(cfg.model.dtype) * P / W,
         "activations": float(tokens * activation_bytes_per_token(cfg, sizes, compute_bytes)),
         "output head chunk": float(HEAD_BYTES_PER_LOGIT * head_tokens * sizes.vocab),
         "head weight gradient": float(compute_bytes * vh) if full else 0.0,
-        "tied embedding gradient": float((2 if tied else 1) * compute_bytes * vh) if full else 0.0,
-        "root reduce-scatter": master_bytes * root / W if (W > 1 and full) else 0.0,
+        "embedding gradient": float((2 if tied else 1) * compute_bytes * vh) if full else 0.0,
+        "root reduce-scatter": master_bytes * root / W if (sharded and full) else 0.0,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
         "CUDA context + NCCL": ctx,
     }
@@ -310,7 +313,7 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     phases = {
         "layers' backward": held + parts["gathered units"] + parts["activations"] + parts["output head chunk"]
                             + parts["head weight gradient"],
-        "root's backward": held + compute_bytes * root + parts["head weight gradient"] + parts["tied embedding gradient"]
+        "root's backward": held + compute_bytes * root + parts["head weight gradient"] + parts["embedding gradient"]
                            + parts["root reduce-scatter"],
         "optimizer step": weights + grads + adam + parts["AdamW step temporary"] + ref + engine_in_training + ctx,
     }

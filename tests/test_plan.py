@@ -124,7 +124,7 @@ def test_memory_plan_arithmetic_qwen3_4b():
     root = E + 2560  # the FSDP2 root: embedding (= head) + final norm
     assert parts["output head chunk"] == 20 * 1024 * V  # bf16 2 + fp32 4 logits, lse softmax 4, gather grad 4, sum 4, bf16 grad 2
     assert parts["head weight gradient"] == 2 * E  # bf16, accumulated over the chunks
-    assert parts["tied embedding gradient"] == 2 * 2 * E  # embedding's bf16 gradient and the sum: 3 x V x H with the head's
+    assert parts["embedding gradient"] == 2 * 2 * E  # embedding's bf16 gradient and the sum: 3 x V x H with the head's
     assert parts["root reduce-scatter"] == 4 * root / 4  # float32 reduce-scatter output of the root unit
     assert parts["AdamW step temporary"] == 2 * 4 * E / 4  # foreach step: two fp32 temporaries of the largest local tensor
     assert parts["gathered units"] == 2 * (root + sizes.layer_params)  # root + one layer in bf16
@@ -247,3 +247,17 @@ def test_bad_plan_flags_exit_2_naming_the_flag(capsys, monkeypatch, flags, needl
     code, out = plan(capsys, "recipes/tiny_cpu.yaml", *flags)
     assert code == 2, out
     assert needle in out and "Traceback" not in out, out
+
+
+def test_untied_head_terms_qwen3_8b():
+    """Qwen3-8B (untied head, 8 processes): the root holds embedding AND head (2E + norm); the embedding's gradient is
+    one bf16 V x H of its own (no sum with the head's), the head's another."""
+    cfg = load_config(REPO / "recipes/qwen3_8b_gsm8k_math.yaml", world_size=8)
+    sizes = model_sizes(json.loads((DATA / "qwen3_8b_config.json").read_text()))
+    E = 151936 * 4096
+    parts = memory_plan(cfg, sizes, world_size=8, gpu_bytes=80 * 2**30)
+    root = 2 * E + 4096
+    assert sizes.params - sizes.layers * sizes.layer_params == root
+    assert parts["embedding gradient"] == 2 * E and parts["head weight gradient"] == 2 * E
+    assert parts["root reduce-scatter"] == 4 * root / 8
+    assert parts["gathered units"] == 2 * (root + sizes.layer_params)
