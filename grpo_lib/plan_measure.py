@@ -87,10 +87,9 @@ class _RealSmallTensors(torch.utils._python_dispatch.TorchDispatchMode):
             return 1.0 if fake[0].dtype.is_floating_point else 1  # .item() of a fake value: a placeholder
         if func in (aten.index.Tensor, aten._unsafe_index.Tensor) and fake:
             return func(args[0], [i for index in args[1] for i in self._positions(index)])
-        if not fake:
-            if tensors or self._integral_factory(func, args, kwargs):
-                with unset_fake_temporarily():
-                    return func(*args, **kwargs)
+        if not fake and (tensors or self._integral_factory(func, args, kwargs)):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
     @staticmethod
@@ -101,7 +100,7 @@ class _RealSmallTensors(torch.utils._python_dispatch.TorchDispatchMode):
         try:
             with unset_fake_temporarily():
                 out = func(*args, **{**kwargs, "device": torch.device("meta")})
-        except Exception:  # a factory without a device argument: left fake
+        except (TypeError, RuntimeError, NotImplementedError):  # a factory without a device argument: left fake
             return False
         return isinstance(out, torch.Tensor) and not (out.dtype.is_floating_point or out.dtype.is_complex)
 
@@ -259,6 +258,7 @@ def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = Tru
     batch = _batch(lengths, d.max_prompt_length / max_seq, hf_config.vocab_size, kl)
     fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng())  # the caller's random state is left as it was
         stack.enter_context(_fake_world(world_size))
         stack.enter_context(_module_hooks_only_with_grad())
         if fake:
@@ -313,8 +313,8 @@ def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict, 
 
     m = measure_update(cfg, model_config, world_size=world_size)
     analytic = parts["training phase"] - parts["CUDA context + NCCL"]
-    lines = [f"micro-batch {' + '.join(map(str, m.micro_batch_tokens))} tokens, after earlier micro-batches of its mini-batch; "
-             f"measured in {m.seconds:.0f} s (torch {torch.__version__})"]
+    lines = [(f"micro-batch {' + '.join(map(str, m.micro_batch_tokens))} tokens, after earlier micro-batches of its mini-batch; "
+              f"measured in {m.seconds:.0f} s (torch {torch.__version__})")]
     for name, kinds in (("forward + backward", m.backward), ("clip + AdamW step", m.optimizer_step)):
         shown = ", ".join(f"{k} {v / GIB:.2f}" for k, v in kinds.items() if k != "Total" and v >= 0.005 * GIB)
         lines.append(f"{name:<20} {kinds['Total'] / GIB:7.2f} GiB ({shown})")
