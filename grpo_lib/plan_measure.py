@@ -1,11 +1,12 @@
 """`--print-plan --measure`: the training phase's memory per GPU MEASURED by running our real update at the real model
-size on fake tensors, on a CPU, in well under a minute for Qwen3-4B (`python -m grpo_lib.plan_measure RECIPE ...`).
+size on fake tensors, on a CPU, in about a minute for Qwen3-4B (43-59 s on a shared 2-core machine) (`python -m grpo_lib.plan_measure RECIPE ...`).
 
 What runs is this project's own code, not a model of it: `fsdp.shard` (FSDP2 over a fake W-process group, this
 process = rank 0), `Actor.accumulate_gradients` (the packed logprob path through the FSDP2 root, the chunked
 checkpointed output head, the loss, backward) and `Actor._optimizer_step` (norm, clipping, AdamW), on ONE micro-batch
 that fills the token budget (`actor.ppo_max_token_len_per_gpu`: sequences of the longest allowed length and a last
-one with the rest). Every tensor is a `FakeTensor` (shape, dtype, no storage): the model is built from its config.json
+one with the rest), in the steady state: AdamW's moments exist and the earlier micro-batches' gradients are in place
+(a mini-batch has hundreds of micro-batches; the first one peaks lower). Every tensor is a `FakeTensor` (shape, dtype, no storage): the model is built from its config.json
 on fake tensors, so nothing is downloaded or allocated. torch's `FSDPMemTracker` counts every live tensor by kind
 (sharded parameters, gradients, optimizer state, unsharded parameters, activations, temporaries) and keeps the peak.
 
@@ -20,8 +21,10 @@ print wrong numbers):
   into a fake tensor becomes its real `nonzero()` positions; `.item()` of a fake float answers a placeholder (1.0).
 - DTensor's sharding propagation gets its own fake mode: it reuses the active one otherwise, and the tracker then counts
   its global-shape scratch tensors (as optimizer state at the step).
-- The tracker's module pre-forward hook is skipped under `no_grad` (the prompt tokens scored without grad inside the
-  update's forward): it would restart the root's statistics mid-iteration.
+- The tracker's module hooks (ModTracker's pre- and post-forward) are skipped under `no_grad` (the prompt tokens scored
+  without grad inside the update's forward): the pre-forward hook asserts there, on real tensors too.
+- The split between the backward's and the optimizer step's peak resets the tracker's peak fields at the step's
+  pre-hook (`_peak_mem`, `_peak_mem_snap`).
 A real-tensor run of the same code (`fake=False`, small models only) gives the same tracker numbers
 (tests/test_plan_measure.py).
 """
