@@ -163,9 +163,12 @@ def token_logprobs(
     max(packed_row_tokens, longest sequence)), balanced by `batching.partition_balanced`; packed_row_tokens=None
     packs everything into one row. Why several rows: sdpa and eager compute the dense [row, row] attention of a
     packed row, so k rows cost ~1/k of one row's attention, for a little padding (rows are right-padded to the
-    longest; bench/results_cpu.md). A varlen kernel (flash_attention_2) is indifferent to k.
-    remove_padding=False runs the padded batch with its attention_mask and position_ids = cumsum(mask) - 1 (so
-    left padding works too).
+    longest; bench/results_cpu.md). With a varlen implementation (`attention.is_varlen`: flash_attention_2,
+    grpo_varlen) everything goes into ONE row, no pad segment, and the boundaries travel as cu_seq_lens kwargs
+    (`batching.packed_forward_kwargs`). Whether packing pays is the caller's call (`packing_pays`).
+    remove_padding=False runs the padded batch: right-padded rows with no mask at all (plain causal attention is exact
+    for every real token; no [b, T, T] mask is built), other paddings with the attention_mask and position_ids =
+    cumsum(mask) - 1.
     score_mask [b, T] (the loss mask): only tokens where it is nonzero are scored, the others get 0 (the prompt's
     tokens and the response's holes are never used by the loss; the decoder still runs over them, the output head does
     not).
