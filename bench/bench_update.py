@@ -1,4 +1,7 @@
-"""Update-phase benchmark: tokens/s with padding-free packing on vs off, and peak memory vs batch size.
+"""Update-phase benchmark: tokens/s with padding-free packing on vs off, and peak memory vs batch size; with
+`--works no_spread,long_tail`, issue 21's two works: our update against a minimal padded loop (TRL's work), written to
+bench/results_update_works_cpu.md (`works`, `MinimalLoop`; run with `--threads 1` on a shared machine: CPU seconds
+then count the work, not the spinning of oversubscribed threads).
 
 Not a test: `python bench/bench_update.py` prints a table and writes bench/results_cpu.md (machine from lscpu /
 nproc, torch version, settings, numbers). About 2.5 minutes on 2 idle CPU cores with the defaults.
@@ -309,7 +312,7 @@ class MinimalLoop:
             mask = mb.loss_mask[:, 1:]  # [b, T-1]
             loss = -(lp * mb.advantages[:, 1:] * mask).sum() / num_tokens
             loss.backward()
-            entropy_sum += float((entropy * mask).sum())
+            entropy_sum += float((entropy.detach() * mask).sum())  # the metric read (the graph was built: TRL's cost)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
