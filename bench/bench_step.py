@@ -8,6 +8,10 @@ Shape (issue 13): a random Qwen3-architecture model it builds (hidden 256, 4 lay
 (chat template, < 32 tokens) x rollout.n 8, responses of 128 tokens (temperature 1), one update per step
 (ppo_mini_batch_size = train_batch_size), micro-batches of 32 trajectories, no KL, a custom reward that varies.
 
+`--work` (issue 21): `no_spread` forces every response to the 128-token cap, `long_tail` forces per-prompt lengths under a
+512 cap (lognormal, median 50: mean ~83, longest 480; ignore_eos and one max_tokens per prompt, in the trainer's engine
+and the bare one alike); `none` (default) lets the model decide. The `fast_pack` setting adds model.use_remove_padding.
+
 Per setting, three measurements per round, alternated between the settings within one run:
 1. step: one whole training step in a trainer process built by train_grpo.setup (generation -> reward -> advantages
    -> update -> weight push), with its phases (timing_s/gen, timing_s/update, ...).
@@ -15,8 +19,9 @@ Per setting, three measurements per round, alternated between the settings withi
    same settings (the trainer's constructor, but vLLM's default disable_log_stats=True: no stats, so the cost of the
    trainer's preemption counter shows) in a separate process that holds nothing else (no actor, no optimizer, no
    reward workers), timed around `LLM.generate` alone.
-3. minimal: a minimal forward + backward + AdamW loop (HF forward with full logits, log-softmax, a policy-gradient
-   loss, one optimizer step) over the same sequences and micro-batches, in the trainer process.
+3. minimal: a minimal forward + backward + AdamW loop (HF forward with full logits, log-softmax and entropy with grad
+   at every position as TRL does, a policy-gradient loss, one optimizer step) over the same sequences and
+   micro-batches, in the trainer process. "bare gen + minimal" is the phases' sum a trainer that just pads would pay.
 Each process lives for the whole run and sits blocked on its pipe between measurements, so the settings alternate
 without restarting engines. Before each measurement the coordinator waits for the CPU to be idle (/proc/stat: idle
 share >= --idle over 1 s, at most --max-wait-s), and records the CPU share other processes took during it (total busy
@@ -55,7 +60,28 @@ SETTINGS = {
     # the engine keeps 2 torch threads (OMP_NUM_THREADS=2 set before start; vLLM's default for serving is 1)
     "fast_omp2": [],
 }
+SETTINGS["fast_pack"] = ["model.use_remove_padding=true"]  # + packing where it pays (issue 21), on grpo_varlen
 SETTING_ENV = {"fast_omp2": {"OMP_NUM_THREADS": "2"}}
+# Issue 21's works (--work): response lengths forced by the bench (ignore_eos, one max_tokens per prompt, the same for
+# the trainer's engine and the bare one). none: the model's own lengths (issue 13's runs). no_spread: every response at
+# the 128-token cap. long_tail: a 512 cap, per-prompt lengths from bench_update.work_lengths (lognormal, median 50).
+WORKS = ("none", "no_spread", "long_tail")
+
+
+def forced_lengths(work: str) -> list[int] | None:
+    """One response length per prompt of a step (its n samples share it), or None (the model decides)."""
+    if work == "none":
+        return None
+    if work == "no_spread":
+        return [RESPONSE_TOKENS] * PROMPTS
+    from bench.bench_update import work_lengths
+
+    drawn = sorted(work_lengths("long_tail", PROMPTS * GROUP))  # 128 draws: mean ~83, p90 ~200, max ~480
+    return [drawn[GROUP * i + GROUP // 2] for i in range(PROMPTS - 1)] + [drawn[-1]]  # bin medians + the longest
+
+
+def max_response_tokens(work: str) -> int:
+    return 512 if work == "long_tail" else RESPONSE_TOKENS
 # baseline: the actor's passes keep the engine's 1 torch thread, as before perf.capture_torch_threads existed
 NO_THREAD_FIX = {"baseline"}
 REWARD = """def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -95,9 +121,9 @@ def build_fixtures(work: Path) -> None:
     (work / "reward.py").write_text(REWARD)
 
 
-def overrides(work: Path, setting: str) -> list[str]:
+def overrides(work: Path, setting: str, shape: str = "none") -> list[str]:
     return [f"model.path={work / 'model'}", f"data.train_files=[{work / 'train.parquet'}]", f"data.train_batch_size={PROMPTS}",
-            "data.max_prompt_length=32", f"data.max_response_length={RESPONSE_TOKENS}", f"actor.ppo_mini_batch_size={PROMPTS}",
+            "data.max_prompt_length=32", f"data.max_response_length={max_response_tokens(shape)}", f"actor.ppo_mini_batch_size={PROMPTS}",
             f"actor.ppo_micro_batch_size_per_gpu={MICRO_BATCH}", f"rollout.n={GROUP}", "actor.lr=1e-5", "actor.use_kl_loss=false",
             f"reward.custom.path={work / 'reward.py'}", "reward.num_workers=0", "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={work / ('out_' + setting)}", "trainer.total_training_steps=1000", *SETTINGS[setting]]
@@ -110,7 +136,18 @@ def reply(obj: dict) -> None:
     print(MARK + json.dumps(obj), flush=True)
 
 
-def trainer_worker(work: Path, setting: str) -> None:
+def force_lengths(shape: str) -> list[int] | None:
+    """Make every SamplingParams of this process ignore EOS when the work forces lengths; the lengths to ask for."""
+    lengths = forced_lengths(shape)
+    if lengths is not None:
+        import vllm
+
+        params_class = vllm.SamplingParams
+        vllm.SamplingParams = lambda **kwargs: params_class(**{**kwargs, "ignore_eos": True})
+    return lengths
+
+
+def trainer_worker(work: Path, setting: str, shape: str = "none") -> None:
     """A trainer process (train_grpo.setup): answers `step` and `minimal` commands."""
     import torch
 
@@ -119,7 +156,8 @@ def trainer_worker(work: Path, setting: str) -> None:
     from grpo_lib.config import load_config
     from grpo_lib.perf import capture_torch_threads, trainer_threads, tune_allocator
 
-    cfg = load_config(None, overrides(work, setting))
+    cfg = load_config(None, overrides(work, setting, shape))
+    lengths = force_lengths(shape)
     if cfg.trainer.tune_allocator:
         tune_allocator()
     if setting not in NO_THREAD_FIX:
@@ -130,6 +168,8 @@ def trainer_worker(work: Path, setting: str) -> None:
     generate = engine.generate
 
     def recording_generate(prompt_ids, **kwargs):
+        if lengths is not None:
+            kwargs["max_tokens"] = lengths[: len(prompt_ids)]
         recorded.update(prompt_ids=[list(p) for p in prompt_ids], **kwargs)
         return generate(prompt_ids, **kwargs)
 
@@ -158,6 +198,7 @@ def trainer_worker(work: Path, setting: str) -> None:
             reqs.write_text(json.dumps(recorded))
             reply({**timings, "cpu_s": time.process_time() - c0, "requests": str(reqs),
                    "tokens": int(batch.response_mask.sum()), "preemptions": gen_metrics["rollout/preemptions"],
+                   "perf_packed": train_metrics.get("perf/packed"), "real_token_fraction": train_metrics.get("perf/real_token_fraction"),
                    "logprob_gap": train_metrics.get("rollout/logprob_abs_diff_mean")})
         elif cmd["cmd"] == "minimal":
             with trainer_threads():  # the update's thread count
@@ -172,7 +213,8 @@ _MINIMAL: dict = {}
 
 
 def minimal_update(cfg, batch, *, autocast) -> float:
-    """Forward (full logits) + log-softmax + PG loss + backward per micro-batch of MICRO_BATCH rows, then AdamW."""
+    """Forward (full logits) + log-softmax + entropy with grad (every position) + PG loss + backward per micro-batch of
+    MICRO_BATCH rows, then AdamW: a trainer that just pads (TRL's GRPOTrainer work, issue 21's reference)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -193,16 +235,19 @@ def minimal_update(cfg, batch, *, autocast) -> float:
         adv = batch.advantages[lo:lo + MICRO_BATCH, 1:width]  # [b, T-1]
         with autocast():
             logits = model(input_ids=ids, attention_mask=mask).logits  # [b, T, V]
-        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [b, T-1]
+        logp = torch.log_softmax(logits[:, :-1].float(), -1)  # [b, T-1, V]: every position, as TRL
+        lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [b, T-1]
+        entropy = -(logp.exp() * logp).sum(-1)  # [b, T-1], with grad on (TRL computes it with the loss, for its metric)
         loss = -(lp * adv * resp).sum() / num_tokens
         loss.backward()
+        float((entropy.detach() * resp).sum())  # the metric read
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - start
 
 
-def bare_worker(work: Path, setting: str) -> None:
+def bare_worker(work: Path, setting: str, shape: str = "none") -> None:
     """A process with only a vLLM engine (the trainer's constructor and settings): answers `gen` commands."""
     import vllm
     from vllm import SamplingParams
@@ -212,7 +257,8 @@ def bare_worker(work: Path, setting: str) -> None:
     from grpo_lib.perf import resolve_kv_cache_bytes
     from grpo_lib.engines.vllm import VLLMEngine
 
-    cfg = load_config(None, overrides(work, setting))
+    cfg = load_config(None, overrides(work, setting, shape))
+    force_lengths(shape)
     cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
         cfg, world_size=1, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
     llm_class = vllm.LLM
@@ -226,8 +272,9 @@ def bare_worker(work: Path, setting: str) -> None:
             break
         req = json.loads(Path(cmd["requests"]).read_text())
         params = [SamplingParams(n=req["n"], temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"] if req["top_k"] > 0 else 0,
-                                 max_tokens=req["max_tokens"], logprobs=0 if req["logprobs"] and req["temperature"] > 0 else None, seed=seed)
-                  for seed in req["seeds"]]
+                                 max_tokens=req["max_tokens"][i] if isinstance(req["max_tokens"], list) else req["max_tokens"],
+                                 ignore_eos=forced_lengths(shape) is not None, logprobs=0 if req["logprobs"] and req["temperature"] > 0 else None, seed=seed)
+                  for i, seed in enumerate(req["seeds"])]
         c0 = time.process_time()
         start = time.perf_counter()
         outputs = engine.llm.generate([{"prompt_token_ids": p} for p in req["prompt_ids"]], params, use_tqdm=False)
@@ -260,10 +307,11 @@ def wait_for_idle(min_idle: float, max_wait_s: float) -> float:
 
 
 class Worker:
-    def __init__(self, role: str, setting: str, work: Path, log: Path):
+    def __init__(self, role: str, setting: str, work: Path, log: Path, shape: str = "none"):
         self.name = f"{role}:{setting}"
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", role, "--setting", setting, "--work-dir", str(work)],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", role, "--setting", setting, "--work-dir", str(work),
+                                      "--work", shape],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **SETTING_ENV.get(setting, {})})
         self.ready = self.read()
@@ -320,13 +368,16 @@ def main() -> None:
     parser.add_argument("--max-wait-s", type=float, default=30.0, help="longest wait for an idle CPU before measuring anyway")
     parser.add_argument("--work-dir", default=None, help="model/data folder (reused across runs; default: a temp folder)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results_step_cpu.md"))
+    parser.add_argument("--work", choices=WORKS, default="none",
+                        help="issue 21's works: response lengths forced (no_spread: all at the 128 cap; long_tail: 512 cap, "
+                             "lognormal lengths); none: the model's own (issue 13)")
     parser.add_argument("--worker", choices=["trainer", "bare"], help=argparse.SUPPRESS)
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_step_"))
     if args.worker:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        (trainer_worker if args.worker == "trainer" else bare_worker)(work, args.setting)
+        (trainer_worker if args.worker == "trainer" else bare_worker)(work, args.setting, args.work)
         return
     work.mkdir(parents=True, exist_ok=True)
     build_fixtures(work)
@@ -335,8 +386,8 @@ def main() -> None:
     print(start_info, flush=True)
     workers = {}
     for s in settings:  # one at a time: engine starts (and compiles) do not overlap
-        workers[("trainer", s)] = Worker("trainer", s, work, work / f"trainer_{s}.log")
-        workers[("bare", s)] = Worker("bare", s, work, work / f"bare_{s}.log")
+        workers[("trainer", s)] = Worker("trainer", s, work, work / f"trainer_{s}.log", args.work)
+        workers[("bare", s)] = Worker("bare", s, work, work / f"bare_{s}.log", args.work)
         print(f"{s}: workers ready (KV cache {workers[('trainer', s)].ready['kv_cache_bytes'] / 2**20:.0f} MiB)", flush=True)
     results: dict[str, list[dict]] = {s: [] for s in settings}
     try:
@@ -362,11 +413,11 @@ def main() -> None:
 
 def write_report(path: Path, start_info: str, args, results: dict[str, list[dict]]) -> None:
     lines = ["# Whole-step benchmark (CPU)", "", "Produced by `python bench/bench_step.py "
-             f"--settings {args.settings} --rounds {args.rounds}` (see its docstring for the shape and method).", "",
+             f"--settings {args.settings} --rounds {args.rounds} --work {args.work}` (see its docstring for the shape and method).", "",
              "## Machine", "", "```", start_info, f"load average at end: {os.getloadavg()}", "```", "",
              "## Results (median over measured rounds; best in brackets)", "",
-             "| setting | step s | gen s in trainer | bare gen s | gen speed vs bare | update s | minimal loop s | update / minimal | push s | preemptions | others' CPU share (step) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| setting | step s | gen s in trainer | bare gen s | gen speed vs bare | update s | minimal loop s | update / minimal | bare gen + minimal s | push s | preemptions | perf/packed | others' CPU share (step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, rows in results.items():
         if not rows:
             continue
@@ -378,10 +429,14 @@ def write_report(path: Path, start_info: str, args, results: dict[str, list[dict
         push = [r["step"]["timing_s/push"] for r in rows]
         pre = [r["step"]["preemptions"] for r in rows]
         others = [r["step"]["others_cpu_share"] for r in rows]
+        parts = [r["bare"]["bare_gen_s"] + r["minimal"]["minimal_s"] for r in rows]  # the phases' sum a padding trainer pays
+        packed = [r["step"].get("perf_packed") for r in rows if r["step"].get("perf_packed") is not None]
         lines.append(f"| {s} | {median(step):.2f} ({min(step):.2f}) | {median(gen):.2f} ({min(gen):.2f}) | {median(bare):.2f} ({min(bare):.2f}) "
                      f"| {median(bare) / median(gen):.0%} ({min(bare) / min(gen):.0%}) | {median(upd):.2f} ({min(upd):.2f}) "
                      f"| {median(mini):.2f} ({min(mini):.2f}) | {median(upd) / median(mini):.2f}x ({min(upd) / min(mini):.2f}x) "
-                     f"| {median(push):.2f} | {median(pre):.0f} | {median(others):.0%} |")
+                     f"| {median(parts):.2f} ({min(parts):.2f}) | {median(push):.2f} | {median(pre):.0f} "
+                     f"| {median(packed):.2f} | {median(others):.0%} |" if packed else
+                     f"| {median(parts):.2f} ({min(parts):.2f}) | {median(push):.2f} | {median(pre):.0f} | | {median(others):.0%} |")
     lines += ["", "Raw rows (seconds; others_cpu_share: CPU share other processes took during the measurement):", "", "```"]
     for s, rows in results.items():
         for r in rows:

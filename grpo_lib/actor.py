@@ -31,10 +31,11 @@ from dataclasses import fields
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, dtypes, fsdp, lora, perf
+from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
+from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, packing_pays, real_token_fraction
 from grpo_lib.types import RolloutBatch
 from grpo_lib.weights import weights_for
 
@@ -50,8 +51,11 @@ def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
-def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+               attn_implementation: str = "sdpa"):
+    """`attn_implementation`: `grpo_lib.attention.select_attn_implementation` for the device the model will compute on."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation)
     return model.to(device)
 
 
@@ -119,7 +123,7 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
         score_mask = response_scores(mb)
         with autocast() if autocast is not None else contextlib.nullcontext():
             lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                           remove_padding=remove_padding, score_mask=None if score_mask is None else score_mask.to(device),
+                           remove_padding=remove_padding and packing_pays(mb.attention_mask), score_mask=None if score_mask is None else score_mask.to(device),
                            score_unmasked=True)  # [b, t]
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
@@ -140,8 +144,9 @@ class Actor:
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
         # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
+        self.attn_implementation = attention.select_attn_implementation(device, self.param_dtype)
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code)
+                                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation)
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
@@ -167,6 +172,9 @@ class Actor:
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
         self.offload_device = torch.device("cpu")
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
+        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)}; "
+              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block" if cfg.model.use_remove_padding
+                 else "packing off (model.use_remove_padding)"), flush=True)
 
     # -- offload (actor.fsdp_config.param_offload / optimizer_offload; no-ops on CPU) -----------------------
 
@@ -234,12 +242,16 @@ class Actor:
         a, alg = self.cfg.actor, self.cfg.algorithm
         mask = mb.loss_mask.to(self.device)  # [b, T] every term, count and metric below reads the loss mask
         score_mask = response_scores(mb)
+        # Packed only where it pays (the old-logprob pass decides alike on the same micro-batch); the prompt and the
+        # response's holes are not scored at all here (score_unmasked=False): the loss reads the loss tokens only, and
+        # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
+        pack = self.cfg.model.use_remove_padding and packing_pays(mb.attention_mask)
         with self.autocast():
             lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                      temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
+                                      temperature=self.cfg.rollout.temperature, remove_padding=pack,
                                       compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
                                       score_mask=None if score_mask is None else score_mask.to(self.device),
-                                      score_unmasked=True, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
+                                      score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -253,6 +265,9 @@ class Actor:
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
+        real = int(mb.attention_mask.sum())  # computed tokens: packed rows hold the real ones (+ pad segments if dense)
+        metrics.update({"perf/packed": float(pack), "perf/real_tokens": float(real),
+                        "perf/computed_tokens": real / (1.0 if pack else real_token_fraction(mb.attention_mask))})
         if engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
             gap = ((old - mb.rollout_logprobs.to(self.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
             metrics["rollout/logprob_abs_diff_mean"] = gap.item()
@@ -364,6 +379,7 @@ class Actor:
         compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
         metrics: dict[str, float] = defaultdict(float)
         weighted: dict[str, float] = defaultdict(float)
+        perf_counts: dict[str, float] = defaultdict(float)
         idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                   micro_batch_size=a.ppo_micro_batch_size_per_gpu)
         for idx in idx_lists:
@@ -372,8 +388,11 @@ class Actor:
             loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
                                                                 compute_entropy=compute_entropy)
             (loss * (weight * self.world_size)).backward()
+            perf_counts["micro_batches"] += weight
             for k, v in mb_metrics.items():
-                if k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+                if k.startswith("perf/"):
+                    perf_counts[k] += weight * v  # counts: summed, turned into fractions below
+                elif k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
                     metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
                 else:
                     weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
@@ -383,6 +402,10 @@ class Actor:
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
             if k in metrics:
                 metrics[k] = all_reduce_sum(metrics[k])
+        # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
+        totals = {k: all_reduce_sum(perf_counts[k]) for k in ("micro_batches", "perf/packed", "perf/real_tokens", "perf/computed_tokens")}
+        metrics["perf/packed"] = totals["perf/packed"] / max(totals["micro_batches"], 1.0)
+        metrics["perf/real_token_fraction"] = totals["perf/real_tokens"] / max(totals["perf/computed_tokens"], 1.0)
         return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter in each backward
 
     # -- save ------------------------------------------------------------------------------------------
@@ -416,7 +439,8 @@ class Reference:
         param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
         offload = cfg.ref.fsdp_config.param_offload
         self.model = load_model(cfg.model.path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code)
+                                trust_remote_code=cfg.model.trust_remote_code,
+                                attn_implementation=attention.select_attn_implementation(device, param_dtype))
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
                                  cpu_offload=offload)

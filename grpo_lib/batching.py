@@ -23,8 +23,10 @@ a forward like any token); nothing here reads `response_mask` or `loss_mask`.
   transformers 5.19, eager / sdpa / flex_attention build a block-diagonal causal mask from such position_ids,
   but ONLY when the model is called with `attention_mask=None` AND `use_cache=False` (a KV cache, or any
   2D mask, silently disables the detection and sequences attend to each other); the mask is built per row, so
-  several rows work alike (measured). `check_packing_isolated` verifies this once at start-up for the model
-  actually in use, with one and with two packed rows.
+  several rows work alike (measured). A varlen implementation (`grpo_lib.attention`: flash_attention_2, grpo_varlen)
+  gets one row and the segment boundaries as kwargs instead (`packed_forward_kwargs`), and computes no dense mask.
+  `check_packing_isolated` verifies this once at start-up for the model actually in use, with the kwargs
+  token_logprobs sends it (one and two packed rows for a dense implementation, one row for a varlen one).
 
 Example: micro_batch_indices([5, 3, 4, 4], max_tokens=8) -> [[0, 1], [2, 3]]  (8 and 8 tokens).
 """
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_lib.attention import is_varlen
 from grpo_lib.types import RolloutBatch
 
 
@@ -400,6 +403,18 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int =
     )
 
 
+def packed_forward_kwargs(packed: PackedBatch, *, varlen: bool) -> dict:
+    """Model kwargs for packed rows: restarting position_ids, no attention mask, no cache (transformers then isolates the
+    sequences), and with a varlen implementation (`attention.is_varlen`) the segment boundaries as transformers'
+    FlashAttentionKwargs (`cu_seq_lens_q/k`, `max_length_q/k`), which its varlen kernels read instead of a mask.
+    Example: one row [5, 6 | 7] -> position_ids [[0, 1, 0]], cu_seq_lens_q [0, 2, 3], max_length_q 2."""
+    kwargs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False)
+    if varlen:
+        kwargs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
+                      max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+    return kwargs
+
+
 @torch.no_grad()
 def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None, seed: int = 0) -> None:
     """Start-up check that packed sequences do not attend to each other with the model's attention backend.
@@ -427,10 +442,11 @@ def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None,
             for i, n in enumerate(lens.tolist())
         ]  # each [n, V]
         diffs = {}
-        for num_rows in (1, 2):
+        # A varlen implementation gets one packed row with its boundaries (what token_logprobs sends it); dense ones
+        # get one and two rows, boundaries from position_ids only.
+        for num_rows in ((1,) if is_varlen(model) else (1, 2)):
             packed = pack_sequences(input_ids, mask, num_rows=num_rows)
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                           use_cache=False).logits  # [k, width, V]
+            logits = model(**packed_forward_kwargs(packed, varlen=is_varlen(model))).logits  # [k, width, V]
             unpacked = packed.unpack(logits.float().log_softmax(-1))  # [3, 9, V]
             diffs[num_rows] = max((unpacked[i, :n] - alone[i]).abs().max().item() for i, n in enumerate(lens.tolist()))
     finally:

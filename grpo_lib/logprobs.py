@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from grpo_lib.batching import pack_sequences
+from grpo_lib.attention import is_varlen
+from grpo_lib.batching import pack_sequences, packed_forward_kwargs
 
 
 def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
@@ -114,6 +115,27 @@ def num_packed_rows(mask: Tensor, packed_row_tokens: int | None) -> int:
     return max(1, -(-int(lens.sum()) // row_tokens))
 
 
+# Pack a micro-batch only when its real tokens are under this fraction of its padded [b, longest] block: above it the
+# padding saved is smaller than what packing costs (the per-sequence attention calls, or a dense [row, row] mask).
+PACK_BELOW_REAL_FRACTION = 0.9
+
+
+def real_token_fraction(attention_mask: Tensor) -> float:
+    """Real tokens / (rows x longest row) of a right-padded [b, T] micro-batch: 1.0 without length spread.
+
+    Example: lengths [4, 2] -> 6 / (2 x 4) = 0.75."""
+    lens = attention_mask.sum(dim=1)  # [b]
+    return float(lens.sum()) / max(1, int(lens.max()) * lens.shape[0]) if lens.numel() else 1.0
+
+
+def packing_pays(attention_mask: Tensor) -> bool:
+    """Whether `model.use_remove_padding` packs this micro-batch: real_token_fraction < PACK_BELOW_REAL_FRACTION.
+
+    A function of the micro-batch alone, so the old-logprob pass and the update decide alike on the same micro-batch
+    (first update's ratio bitwise 1). Example: lengths [128, 128, 127] -> no; [480, 40, 60] -> yes."""
+    return real_token_fraction(attention_mask) < PACK_BELOW_REAL_FRACTION
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -141,9 +163,12 @@ def token_logprobs(
     max(packed_row_tokens, longest sequence)), balanced by `batching.partition_balanced`; packed_row_tokens=None
     packs everything into one row. Why several rows: sdpa and eager compute the dense [row, row] attention of a
     packed row, so k rows cost ~1/k of one row's attention, for a little padding (rows are right-padded to the
-    longest; bench/results_cpu.md). A varlen kernel (flash_attention_2) is indifferent to k.
-    remove_padding=False runs the padded batch with its attention_mask and position_ids = cumsum(mask) - 1 (so
-    left padding works too).
+    longest; bench/results_cpu.md). With a varlen implementation (`attention.is_varlen`: flash_attention_2,
+    grpo_varlen) everything goes into ONE row, no pad segment, and the boundaries travel as cu_seq_lens kwargs
+    (`batching.packed_forward_kwargs`). Whether packing pays is the caller's call (`packing_pays`).
+    remove_padding=False runs the padded batch: right-padded rows with no mask at all (plain causal attention is exact
+    for every real token; no [b, T, T] mask is built), other paddings with the attention_mask and position_ids =
+    cumsum(mask) - 1.
     score_mask [b, T] (the loss mask): only tokens where it is nonzero are scored, the others get 0 (the prompt's
     tokens and the response's holes are never used by the loss; the decoder still runs over them, the output head does
     not).
@@ -163,18 +188,13 @@ def token_logprobs(
     )
     batch_size, seq_len = input_ids.shape
     mask = attention_mask.to(torch.long)  # [b, T]
+    varlen = is_varlen(model)
     # Token t is scored iff it and its predecessor are real tokens: [b, T - 1] for targets 1..T-1.
     scored = (mask[:, 1:] * mask[:, :-1]).bool()  # [b, T - 1]
 
     if remove_padding:
-        packed = pack_sequences(input_ids, mask, num_rows=num_packed_rows(mask, packed_row_tokens))
-        hidden = _decoder_hidden_states(
-            model,
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            use_cache=False,
-        )  # [k, width, hidden]
+        packed = pack_sequences(input_ids, mask, num_rows=1 if varlen else num_packed_rows(mask, packed_row_tokens))
+        hidden = _decoder_hidden_states(model, **packed_forward_kwargs(packed, varlen=varlen))  # [k, width, hidden]
         # Packed token j is scored iff it is real and does not start a sequence (its predecessor is then the
         # previous token of its sequence). Reordered by the token's index in the padded [b, T] layout, the scored
         # tokens appear in the order in which `scored` is True, as in the padded path.
@@ -184,8 +204,14 @@ def token_logprobs(
         order = padded_index[:, 1:][packed_scored].argsort()  # [N]
         predicting = hidden[:, :-1][packed_scored][order]  # [N, hidden]
         targets = packed.input_ids[:, 1:][packed_scored][order]  # [N]
+    elif bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        # Right padding: a real token's causal past holds only real tokens, so plain causal attention (no mask, no
+        # [b, T, T] mask built) gives its exact values; the pads' outputs are never read.
+        position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)  # [b, T]
+        hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                        use_cache=False)  # [b, T, hidden]
     else:
-        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, T]
+        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, T], left padding too
         hidden = _decoder_hidden_states(
             model,
             input_ids=input_ids,
@@ -193,6 +219,7 @@ def token_logprobs(
             attention_mask=attention_mask,
             use_cache=False,
         )  # [b, T, hidden]
+    if not remove_padding:
         predicting = hidden[:, :-1][scored]  # [N, hidden]
         targets = input_ids[:, 1:][scored]  # [N]
     assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"

@@ -254,3 +254,19 @@ def test_update_steps_from_the_accumulated_gradient(setup):
     metrics = actor.update(setup["batch"])
     assert metrics["actor/grad_norm"] > 0 and all(p.grad is None for p in actor.model.parameters())
     assert all(not torch.equal(before[n], p) for n, p in actor.model.named_parameters())
+
+
+def test_packing_decided_per_micro_batch_and_logged(setup):
+    """model.use_remove_padding packs a micro-batch only when its real tokens are < 90% of its padded block, and the
+    update logs it: one row per micro-batch has no spread (never packed, nothing padded); all 8 rows in one micro-batch
+    hold 227 real tokens of 8 x 60 = 480 (0.47: packed, on the varlen path every computed token is real)."""
+    batch = setup["batch"]
+    one_each = case.make_config(setup["model_dir"], remove_padding=True, micro_batch_size=1)
+    _, metrics = actor_grads(setup["actor"], one_each, batch)
+    assert metrics["perf/packed"] == 0.0 and metrics["perf/real_token_fraction"] == 1.0
+    together = dict(max_tokens=case.TOTAL_TOKENS)
+    _, metrics = actor_grads(setup["actor"], case.make_config(setup["model_dir"], remove_padding=True, **together), batch)
+    assert metrics["perf/packed"] == 1.0 and metrics["perf/real_token_fraction"] == 1.0
+    _, metrics = actor_grads(setup["actor"], case.make_config(setup["model_dir"], remove_padding=False, **together), batch)
+    assert metrics["perf/packed"] == 0.0
+    assert metrics["perf/real_token_fraction"] == pytest.approx(sum(batch.seq_lens) / (len(batch) * batch.input_ids.shape[1]))

@@ -144,6 +144,10 @@ def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, r
     input_ids, attention_mask, lp = spy.first
     rows = rows_of(batch, input_ids, attention_mask)
     old = batch.old_logprobs[torch.as_tensor(rows), :lp.shape[1]]  # [b, w]
-    assert torch.equal(lp, old), (f"first micro-batch (rows {rows}) recomputes different logprobs than the old-logprob pass: "
-                                  f"max |diff| {float((lp - old).abs().max()):.3g}")
+    # The ratio reads the loss tokens: there the update's logprobs are the old pass's, bit for bit. The update scores
+    # nothing else (prompt, holes: 0), the old pass scores every position.
+    loss = batch.loss_mask[torch.as_tensor(rows), :lp.shape[1]].bool()  # [b, w]
+    assert torch.equal(lp[loss], old[loss]), (f"first micro-batch (rows {rows}) recomputes different logprobs than the "
+                                              f"old-logprob pass: max |diff| {float((lp - old)[loss].abs().max()):.3g}")
+    assert bool((lp[~loss] == 0).all()), "the update scores only the loss tokens"
     assert all(map(torch.isfinite, map(torch.tensor, metrics.values()))), metrics

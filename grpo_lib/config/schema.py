@@ -80,8 +80,10 @@ class ModelConfig:
     """Storage dtype of the frozen reference model. auto: float32 on CPU, bfloat16 on GPU. The trained actor
     always keeps float32 master weights and AdamW state; its compute dtype is actor.fsdp_config.param_dtype."""
     use_remove_padding: bool = may_change_on_resume(False)
-    """Pack each micro-batch into rows of whole sequences (>= 512 tokens each) with restarting position_ids: no pad
-    tokens computed except each row's short pad segment. Checked at start-up to isolate sequences."""
+    """Pack a micro-batch into one row of whole sequences (restarting position_ids, boundaries passed to a varlen
+    attention: flash_attention_2 where installed on CUDA, else grpo_varlen, grpo_lib/attention.py) when its real tokens
+    are < 90% of its padded [rows, longest] block; a micro-batch without that spread stays padded (perf/packed,
+    perf/real_token_fraction). Checked at start-up to isolate sequences."""
     enable_gradient_checkpointing: bool = may_change_on_resume(False)
     """Activation checkpointing in the actor's decoder layers (memory for compute)."""
     trust_remote_code: bool = False
