@@ -209,6 +209,15 @@ def tool_episode_texts(tokenizer, schemas: list[dict], row: dict, *, use_tool: b
             (render_answer(row["a"], row["op"], row["b"], row["result"]) + eos, True)]
 
 
+def build_tool_tokenizer(corpus: list[str], problems: list[dict], schemas: list[dict]) -> PreTrainedTokenizerFast:
+    """The tool model's tokenizer: `build_tokenizer` on `corpus` plus 500 tool episodes of `problems` (their prompts
+    with the tool schemas, calls, tool turns and answers), so the tool header and calls tokenize as in training."""
+    renderer = build_tokenizer(corpus)  # only renders the chat template for the corpus
+    episodes = ["".join(text for text, _ in tool_episode_texts(renderer, schemas, p, use_tool=k % 2 == 0, answer=p["result"]))
+                for k, p in enumerate(problems[:500])]
+    return build_tokenizer(corpus + episodes, vocab_size=512)
+
+
 def warm_up_tool(model, tokenizer, schemas: list[dict], *, steps: int, correct_prob: float, tool_fraction: float,
                  max_operand: int, seed: int, lr: float = 3e-3, batch_size: int = 64) -> float:
     """`warm_up` on multi-turn tool episodes: `tool_fraction` of them call the calculator (always the right expression,
@@ -256,12 +265,9 @@ def make_tiny_model(
     corpus = [p["question"] + " " + GSM8K_INSTRUCTION + "\n" + p["answer"] for p in problems]
     if tool_config is None:
         tokenizer = build_tokenizer(corpus)
-    else:  # the tool prompts and calls in the corpus too, so the long fixed tool header takes few tokens
+    else:
         schemas = load_tool_schemas(tool_config)
-        tokenizer = build_tokenizer(corpus)  # a first tokenizer only renders the chat template for the corpus
-        corpus += ["".join(text for text, _ in tool_episode_texts(tokenizer, schemas, p, use_tool=k % 2 == 0, answer=p["result"]))
-                   for k, p in enumerate(problems[:500])]
-        tokenizer = build_tokenizer(corpus, vocab_size=512)
+        tokenizer = build_tool_tokenizer(corpus, problems, schemas)
     model = build_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     if warmup_steps > 0 and tool_config is not None:
         warm_up_tool(model, tokenizer, schemas, steps=warmup_steps, correct_prob=warmup_correct_prob,

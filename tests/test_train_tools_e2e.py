@@ -4,7 +4,8 @@ it in every turn (tests/scripts/train_with_tool_calls.py replaces only the herme
 of such a run: finite losses, episode and tool metrics, the engine serving the actor's weights after every push
 (invariant 3, over episodes), validation with episodes, and a checkpoint at the end. Then: 2 processes and a
 tensor-parallel engine over 2 train like 1 with episodes (invariant 8: per-(sample, turn) seeds), LoRA trains with
-episodes, and a tool failing on every call of a step stops the run (exit 3) after saving.
+episodes, a run SIGKILLed mid-run with tools resumes to the same metrics and weights, and a tool failing on every call
+of a step stops the run (exit 3) after saving.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900,
-                        launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+                        launcher: list[str] | None = None, faults: list[str] = ()) -> subprocess.CompletedProcess:
+    """train_grpo.py under tests/scripts/train_with_tool_calls.py; `faults`: train_with_faults.py's (e.g. a SIGKILL)."""
     cmd = [*(launcher or [sys.executable]), str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool,
-           json.dumps(arguments), "--", *args]
+           json.dumps(arguments), *faults, "--", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -56,13 +58,19 @@ def multi_turn_overrides(model_dir, data, out, tools_path, *extra: str) -> list[
                           "rollout.multi_turn.max_assistant_turns=2", *extra)
 
 
+def tool_run_args(model_dir, data, root, out, *extra: str) -> list[str]:
+    """The arguments of `tool_run` (3 steps, validation before and at step 3), with `extra` replacing its keys."""
+    (root / "tools.yaml").write_text(TOOLS)
+    return ["recipes/tiny_cpu.yaml", *multi_turn_overrides(model_dir, data, out, root / "tools.yaml",
+                                                           "trainer.check_weight_sync=true", "trainer.test_freq=3", "actor.lr=1e-3",
+                                                           *extra)]
+
+
 @pytest.fixture(scope="module")
 def tool_run(eos_model_dir, arith_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("tools_e2e")
-    (root / "tools.yaml").write_text(TOOLS)
     out = root / "run"
-    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(eos_model_dir, arith_data, out, root / "tools.yaml",
-                                                           "trainer.check_weight_sync=true", "trainer.test_freq=3", "actor.lr=1e-3")]
+    args = tool_run_args(eos_model_dir, arith_data, root, out)
     proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"})
     if proc.returncode != 0:
         pytest.fail(f"the run exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
@@ -95,6 +103,37 @@ def test_validation_runs_episodes_and_the_run_saves(tool_run):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("val/synthetic/arithmetic/acc" in r for r in lines), lines[-1]
     assert (out / "global_step_3").is_dir()
+
+
+def test_sigkill_mid_run_with_tools_then_resume_is_exact(tool_run, eos_model_dir, arith_data, tmp_path):
+    """The tool run again, checkpointing every step, SIGKILLed right after step 3's update (steps 1-2 logged and saved);
+    rerunning the same command resumes from step 2 and logs tool_run's metrics (episodes', tools' and validation's
+    included) and writes its final weights: the per-(sample, turn) seeds and the tools' per-episode state start afresh
+    at each step, so a checkpoint is all the state with episodes too (invariant 5)."""
+    import torch
+
+    from tests.test_checkpoint import assert_same_steps, hf_weights
+
+    straight, _ = tool_run
+    out = tmp_path / "run"
+    args = tool_run_args(eos_model_dir, arith_data, tmp_path, out, "trainer.save_freq=1")
+    killed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, faults=["--signal", "KILL update 3"])
+    assert killed.returncode == -9, f"the test hook did not kill the run: exit {killed.returncode}\n{killed.stderr[-3000:]}"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and sorted(p.name for p in out.glob("global_step_*")) == \
+        ["global_step_1", "global_step_2"]
+    resumed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"})
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    a_rows, b_rows = read_metrics(straight), read_metrics(out)
+    assert [r["step"] for r in b_rows] == [1, 2, 3] and all(r["tools/calculator/calls"] > 0 for r in b_rows)
+    assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in a_rows), "the policy never moved: the test would prove nothing"
+    assert_same_steps(a_rows, b_rows, [1, 2, 3])
+    val = [[json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "val/episode/turns_mean" in x]
+           for run in (straight, out)]
+    assert [r["step"] for r in val[1]] == [0, 3] and [r["step"] for r in val[0]] == [0, 3], "validation before and at step 3"
+    assert_same_steps(val[0], val[1], [0, 3])
+    a_final, b_final = hf_weights(straight / "global_step_3"), hf_weights(out / "global_step_3")
+    assert a_final.keys() == b_final.keys() and all(torch.equal(a_final[k], b_final[k]) for k in a_final), \
+        "final exports differ after kill + resume with tools"
 
 
 def compared_run(model_dir, data, root, name: str, procs: int, extra: list[str]) -> list[dict]:
