@@ -11,7 +11,7 @@ With `--tool` the rows are in verl's multi-turn tool format instead (data_prep/g
 calculator of recipes/tool_config/calculator_tool_config.yaml: a system prompt naming it, the ground truth in
 extra_info.tools_kwargs.calculator.create_kwargs), the tiny tool demo's data (`make demo-tool`):
 
-      python data_prep/synthetic.py --tool --max-operand 99 --out artifacts/data/arith_tool
+      python data_prep/synthetic.py --tool --out artifacts/data/arith_tool --train-size 2000 --test-size 100
 """
 
 from __future__ import annotations

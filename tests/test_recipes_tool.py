@@ -38,7 +38,7 @@ def test_tool_recipe_runs_episodes_with_a_tool_config_that_loads(name, monkeypat
 
 def test_tiny_tool_recipe_budgets_hold_a_whole_tool_episode():
     """The tiny recipe's data.max_prompt_length and data.max_response_length hold its warm-up's longest episode
-    (data_prep/tiny_model.py: two-digit operands; prompt, then call + tool turn + answer), tokenized by the tool
+    (data_prep/tiny_model.py; even with two-digit operands: prompt, then call + tool turn + answer), tokenized by the tool
     model's own tokenizer (built as make_tiny_model builds it, no model needed)."""
     from data_prep.synthetic import GSM8K_INSTRUCTION, make_problems
     from data_prep.tiny_model import build_tool_tokenizer, load_tool_schemas, tool_episode_texts
