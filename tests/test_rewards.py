@@ -371,6 +371,7 @@ def test_pool_raising_reward_is_counted_and_run_continues(pool_scorer):
     assert any("ZeroDivisionError" in sample for sample in out.error_samples), out.error_samples
 
 
+@pytest.mark.wallclock
 def test_pool_sleeping_reward_times_out_quickly(pool_scorer):
     start = time.monotonic()
     out = _score(pool_scorer, ["7", "sleep", "#### 7", "7"])
@@ -382,6 +383,7 @@ def test_pool_sleeping_reward_times_out_quickly(pool_scorer):
     assert _score(pool_scorer, ["7"]).scores == [1.0], "the pool keeps working after a timeout"
 
 
+@pytest.mark.wallclock
 def test_pool_hang_that_ignores_signals_is_killed(pool_scorer):
     start = time.monotonic()
     out = _score(pool_scorer, ["7", "hang"] + ["7"] * 20)
@@ -448,6 +450,7 @@ def test_failed_responses_counted_once_per_response(custom_file):
     assert out.num_errors == 2 and out.num_failed_responses == 2, f"2 of 4 responses failed: {out}"
 
 
+@pytest.mark.wallclock
 def test_half_hung_responses_cost_one_timeout_per_batch(custom_file):
     """8 of 16 responses hang (sleep 30 s) with timeout_s=2 and 2 workers: the batch takes about one timeout_s,
     not 8 x 2 s / 2 workers = 8 s as when timeouts queued per worker; the other 8 are scored."""
@@ -465,6 +468,7 @@ def test_half_hung_responses_cost_one_timeout_per_batch(custom_file):
     assert elapsed_s < timeout_s + HARD_GRACE_S + 1.0, f"8 hangs must cost about one timeout_s={timeout_s} s in total, took {elapsed_s:.1f} s"
 
 
+@pytest.mark.wallclock
 def test_many_hangs_stop_at_the_batch_deadline(custom_file):
     """More hung calls than workers + helpers: the batch still ends by about one timeout_s after the first hang."""
     from grpo_lib.rewards.pool import HARD_GRACE_S, MAX_HELPERS
@@ -553,6 +557,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+@pytest.mark.wallclock
 def test_an_import_that_blocks_times_out_naming_the_file(tmp_path):
     import sys
 
@@ -570,6 +575,7 @@ def test_an_import_that_blocks_times_out_naming_the_file(tmp_path):
         RewardScorer(functions=[{"name": "custom"}], custom_path=str(blocking), num_workers=0, import_timeout_s=0.5)
 
 
+@pytest.mark.wallclock
 @pytest.mark.parametrize("ignore_alarm", [False, True], ids=["worker import times out", "worker killed by the parent"])
 def test_an_import_that_blocks_only_in_the_workers_fails_at_construction(tmp_path, monkeypatch, ignore_alarm):
     """The trainer's import succeeds; each worker imports the file again when the pool starts (at construction, so the

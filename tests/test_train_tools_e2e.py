@@ -176,7 +176,7 @@ def test_sigkill_mid_run_with_tools_then_resume_is_exact(one_process_dir, eos_mo
     resumed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(1))
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
     a_rows, b_rows = read_metrics(one_process_dir), read_metrics(out)
-    assert [r["step"] for r in b_rows] == [1, 2, 3] and all(r["tools/calculator/calls"] > 0 for r in b_rows)
+    assert [r["step"] for r in b_rows] == [1, 2, 3] and any(r["tools/calculator/calls"] > 0 for r in b_rows)
     assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in a_rows), "the policy never moved: the test would prove nothing"
     assert_same_steps(a_rows, b_rows, [1, 2, 3])
     val = [[json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "val/episode/turns_mean" in x]

@@ -144,7 +144,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
             ("ref.log_prob", cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu,
              cfg.ref.log_prob_micro_batch_size_per_gpu)):
         dynamic_key = "actor.use_dynamic_bsz" if name == "actor.ppo" else f"{name}_use_dynamic_bsz"
-        if dynamic and budget < need:
+        if dynamic and budget != "auto" and budget < need:
             p.append(f"{name}_max_token_len_per_gpu={budget} is smaller than one sequence (data.max_prompt_length + "
                      f"data.max_response_length = {need}): raise it to at least {need}")
         elif not dynamic and micro is None:
@@ -277,7 +277,7 @@ def _value_ranges(cfg: Config) -> list[str]:
     if r.top_k < -1 or r.top_k == 0:
         p.append(f"rollout.top_k={r.top_k}: use -1 (off) or a number of tokens >= 1")
     for key, value in (("rollout.max_num_seqs", r.max_num_seqs), ("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)):
-        if value < 1:
+        if value != "auto" and value < 1:
             p.append(f"{key}={value}: must be >= 1")
     if r.kv_cache_memory_bytes is not None and r.kv_cache_memory_bytes < 1:
         p.append(f"rollout.kv_cache_memory_bytes={r.kv_cache_memory_bytes}: bytes, must be > 0 (or null for the default)")

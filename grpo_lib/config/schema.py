@@ -152,8 +152,9 @@ class ActorConfig:
     per-GPU key is not), ppo_micro_batch_size_per_gpu = this / processes (resolved at load)."""
     use_dynamic_bsz: bool = may_change_on_resume(False)
     """Build micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = may_change_on_resume(16384)
-    """Tokens (prompt + response) per forward/backward per process when use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int | Literal["auto"] = may_change_on_resume(16384)
+    """Tokens (prompt + response) per forward/backward per process when use_dynamic_bsz. `auto`: the largest that fits
+    the device, from the memory plan at setup (`--print-plan` shows the choice; on CPU 16384)."""
     clip_ratio: float = 0.2
     """PPO clip range epsilon; default of clip_ratio_low / clip_ratio_high."""
     clip_ratio_low: float | None = None
@@ -275,9 +276,9 @@ class RolloutConfig:
     """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
     log_prob_use_dynamic_bsz: bool | None = may_change_on_resume(None)
     """Old-logprob pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
-    log_prob_max_token_len_per_gpu: int | None = may_change_on_resume(None)
+    log_prob_max_token_len_per_gpu: int | Literal["auto"] | None = may_change_on_resume(None)
     """Token budget (prompt + response) of the old-logprob pass per process. None: actor.ppo_max_token_len_per_gpu
-    (resolved at load)."""
+    (resolved at load). `auto`: the largest no-grad budget that fits the device (memory plan, at setup)."""
     lora_mode: Literal["merged", "adapter"] = "merged"
     """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
     like full weights (exact, any engine)."""
@@ -293,9 +294,9 @@ class RefConfig:
     """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
     log_prob_use_dynamic_bsz: bool | None = None
     """Reference pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
-    log_prob_max_token_len_per_gpu: int | None = None
+    log_prob_max_token_len_per_gpu: int | Literal["auto"] | None = None
     """Token budget (prompt + response) of the reference pass per process. None: actor.ppo_max_token_len_per_gpu
-    (resolved at load)."""
+    (resolved at load). `auto`: the largest no-grad budget that fits the device (memory plan, at setup)."""
 
 
 @dataclass

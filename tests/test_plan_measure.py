@@ -1,0 +1,171 @@
+"""Issue 19: the training phase measured on fake tensors (grpo_lib/plan_measure.py), the token budget that fits, `auto`,
+the host-memory line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_lib.config import ConfigError, load_config
+from grpo_lib.plan import (
+    GIB,
+    all_gathers_per_mini_batch,
+    auto_budget_notes,
+    fitting_budget,
+    host_memory,
+    memory_plan,
+    model_sizes,
+    print_plan,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_4B = REPO / "tests" / "data" / "qwen3_4b_config.json"
+RECIPE = REPO / "recipes" / "qwen3_4b_gsm8k.yaml"
+SMALL = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 1000,
+         "tie_word_embeddings": True, "max_position_embeddings": 512}
+SMALL_OVERRIDES = ["data.max_prompt_length=64", "data.max_response_length=64", "actor.ppo_max_token_len_per_gpu=200"]
+
+
+@pytest.mark.slow  # ~20 s: torch.distributed / transformers imports and two FSDP2 builds
+def test_fake_measurement_equals_a_real_tensor_run_of_the_same_code():
+    """The same update on real tensors (a small model, the fake process group for the collectives) gives the tracker's
+    byte counts of the fake run exactly: the fake-mode helpers change no allocation."""
+    from grpo_lib.plan_measure import measure_update
+
+    cfg = load_config(RECIPE, SMALL_OVERRIDES, world_size=4)
+    fake = measure_update(cfg, SMALL, world_size=4, fake=True)
+    real = measure_update(cfg, SMALL, world_size=4, fake=False)
+    assert fake.micro_batch_tokens == real.micro_batch_tokens == [128, 72]
+    assert fake.backward == real.backward and fake.optimizer_step == real.optimizer_step
+    assert fake.backward["Sharded Param"] > 0 and fake.backward["OptState"] > 0  # the steady state: moments exist
+
+
+def test_measure_refuses_another_torch_version():
+    from grpo_lib.plan_measure import MeasureError, check_torch
+
+    check_torch("2.13.0+cpu")
+    check_torch("2.13.1+cu130")
+    with pytest.raises(MeasureError, match="written for torch 2.13.*this is torch 2.11.0"):
+        check_torch("2.11.0+cu130")
+
+
+def test_print_plan_measure_on_another_torch_exits_2_without_numbers(capsys, monkeypatch):
+    """The lent GPU machine has torch 2.11: --measure says it was written for 2.13 and prints no measured number."""
+    from grpo_lib import plan_measure
+
+    monkeypatch.setattr(plan_measure.torch, "__version__", "2.11.0+cu130")
+    code = print_plan([str(RECIPE), "--print-plan", "--measure", "--model-config", str(QWEN3_4B)], measure=plan_measure.measure_lines)
+    captured = capsys.readouterr()
+    assert code == 2 and "peak per GPU" in captured.out  # the analytic plan is printed first
+    assert "written for torch 2.13" in captured.err and "this is torch 2.11.0+cu130" in captured.err
+    assert "measured peak" not in captured.out + captured.err
+    assert plan_measure.main([str(RECIPE)]) == 2
+
+
+@pytest.mark.slow  # ~15 s: a small model measured through the command line
+def test_print_plan_measure_prints_the_measured_phase_beside_the_plan(tmp_path, capsys):
+    from grpo_lib import plan_measure
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    code = plan_measure.main([str(RECIPE), *SMALL_OVERRIDES, "--model-config", str(tmp_path / "config.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "training phase" in out and "measured training phase (rank 0 of 4" in out
+    assert "micro-batch 128 + 72 tokens" in out and "measured peak" in out and "analytic training phase" in out
+
+
+def test_budget_lengths_fill_the_budget():
+    from grpo_lib.plan_measure import budget_lengths
+
+    assert budget_lengths(3000, 2048) == [2048, 952]
+    assert budget_lengths(8192, 2048) == [2048] * 4
+    assert budget_lengths(2048, 2048) == [2048]
+
+
+@pytest.mark.slow
+def test_qwen3_4b_measured_peak_within_10_percent_of_the_analytic_training_phase():
+    """Rank 0 of 4, a 2048 + 952-token micro-batch: our update on fake tensors at full size (~1 min on a shared 2-core
+    CPU) against the plan's training phase without the CUDA context (which the CPU measurement cannot see)."""
+    from grpo_lib.plan_measure import measure_update
+
+    cfg = load_config(RECIPE, world_size=4)
+    config = json.loads(QWEN3_4B.read_text())
+    measured = measure_update(cfg, config, world_size=4)
+    parts = memory_plan(cfg, model_sizes(config), world_size=4, gpu_bytes=80 * GIB)
+    analytic = parts["training phase"] - parts["CUDA context + NCCL"]
+    assert abs(measured.peak / analytic - 1) <= 0.10, (measured, analytic / GIB)
+    # the terms the tracker names, against the plan's: shards exact, AdamW's step temporary exact
+    assert measured.backward["Sharded Param"] == parts["actor master weights"]
+    assert measured.optimizer_step["OptState"] - parts["AdamW state"] == pytest.approx(parts["AdamW step temporary"], rel=1e-3)
+
+
+def test_fitting_budget_from_the_activation_slope():
+    """The largest budget whose layers' backward fits 90% of the GPU: (0.9 x G - budget-free terms) / slope, rounded
+    down to 1024 tokens; at least one sequence; at most the process's share of a mini-batch."""
+    cfg = load_config(RECIPE, world_size=4)
+    sizes = model_sizes(json.loads(QWEN3_4B.read_text()))
+    parts = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * GIB, tokens=1024)
+    slope = 36 * 2560 * 2 + 2 * (3 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728)  # bytes per token (checkpointed)
+    expected = int((0.9 * 80 * GIB - (parts["layers' backward"] - parts["activations"])) // slope) // 1024 * 1024
+    best = fitting_budget(cfg, sizes, world_size=4, gpu_bytes=80 * GIB)
+    assert best == expected and best > 3000
+    fitted = memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * GIB, tokens=best)
+    assert fitted["training phase"] <= 0.9 * 80 * GIB < memory_plan(cfg, sizes, world_size=4, gpu_bytes=80 * GIB,
+                                                                     tokens=best + 1024)["layers' backward"]
+    assert fitting_budget(cfg, sizes, world_size=4, gpu_bytes=16 * GIB) == 2048  # nothing fits: one sequence
+    # 320 trajectories per process per mini-batch; 3000 tokens hold one 2048-token sequence: 320 micro-batches x 2
+    assert all_gathers_per_mini_batch(cfg, 3000, 4) == 640
+    assert all_gathers_per_mini_batch(cfg, 2048 * 40, 4) == 16
+
+
+def test_auto_resolves_in_the_plan_and_is_validated(capsys):
+    code = print_plan([str(RECIPE), "actor.ppo_max_token_len_per_gpu=auto", "--print-plan", "--model-config", str(QWEN3_4B)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    cfg = load_config(RECIPE, world_size=4)
+    best = fitting_budget(cfg, model_sizes(json.loads(QWEN3_4B.read_text())), world_size=4, gpu_bytes=80 * GIB)
+    assert f"actor.ppo_max_token_len_per_gpu=auto -> {best}" in out
+    assert f"update micro-batch bound: {best} tokens per process" in out
+    assert "(80.0x fewer)" not in out or "640 at" in out
+    with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_gpu"):
+        load_config(RECIPE, ["actor.ppo_max_token_len_per_gpu=automatic"], world_size=4)
+    with pytest.raises(ConfigError, match="ref.log_prob_max_token_len_per_gpu"):
+        load_config(RECIPE, ["ref.log_prob_max_token_len_per_gpu=fit"], world_size=4)
+
+
+def test_auto_at_setup_on_cpu_and_on_a_gpu(tmp_path):
+    """At setup: on CPU `auto` is max(one sequence, 16384) and says so; with a GPU's memory the plan's largest fit."""
+    (tmp_path / "config.json").write_text(QWEN3_4B.read_text())
+    overrides = [f"model.path={tmp_path}", "actor.ppo_max_token_len_per_gpu=auto", "rollout.log_prob_max_token_len_per_gpu=auto"]
+    cfg = load_config(RECIPE, overrides, world_size=4)
+    assert cfg.ref.log_prob_max_token_len_per_gpu == "auto"  # follows the actor's (derived default)
+    notes = auto_budget_notes(cfg, world_size=4, gpu_bytes=None)
+    assert cfg.actor.ppo_max_token_len_per_gpu == cfg.rollout.log_prob_max_token_len_per_gpu == 16384
+    assert len(notes) == 3 and "no GPU to fit" in notes[0]
+    cfg = load_config(RECIPE, overrides, world_size=4)
+    notes = auto_budget_notes(cfg, world_size=4, gpu_bytes=80 * GIB)
+    assert cfg.actor.ppo_max_token_len_per_gpu == fitting_budget(load_config(RECIPE, world_size=4),
+                                                                 model_sizes(json.loads(QWEN3_4B.read_text())),
+                                                                 world_size=4, gpu_bytes=80 * GIB)
+    assert cfg.rollout.log_prob_max_token_len_per_gpu > cfg.actor.ppo_max_token_len_per_gpu  # no-grad: no activations kept
+    assert "fits 90% of this GPU's 80 GiB" in notes[0]
+    assert auto_budget_notes(load_config(RECIPE, world_size=4), world_size=4, gpu_bytes=None) == []  # seed: verl's 3000
+
+
+def test_host_memory_line_by_hand():
+    """Qwen3-4B on 4 processes: each loads fp32 4P and the bf16 reference 2P at start; resident after: the reference's
+    pinned shards (2P over the machine) and vLLM's level-1 sleep backup (bf16, 2P / TP per process)."""
+    cfg = load_config(RECIPE, world_size=4)
+    sizes = model_sizes(json.loads(QWEN3_4B.read_text()))
+    P = sizes.params
+    host = host_memory(cfg, sizes, world_size=4)
+    assert host["start"] == 4 * (4 * P + 2 * P)
+    assert host["resident"] == 2 * P + 2 * P * 4 / 2
+
+
+def test_print_plan_measure_without_the_measuring_function_exits_2(capsys):
+    assert print_plan([str(RECIPE), "--print-plan", "--measure"]) == 2
+    assert "python -m grpo_lib.plan_measure" in capsys.readouterr().err
