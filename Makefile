@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: demo demo-lora test test-fast venv clean
+.PHONY: demo demo-lora demo-tool test test-fast venv clean
 
 $(STAMP): requirements-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -35,6 +35,17 @@ demo: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
 
 demo-lora: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu_lora.yaml
+
+# the multi-turn tool demo: its own model folder and data (make demo's stay as they are)
+artifacts/tiny_qwen3_tool/config.json: $(STAMP) data_prep/tiny_model.py data_prep/synthetic.py recipes/tool_config/calculator_tool_config.yaml
+	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3_tool --tool-config recipes/tool_config/calculator_tool_config.yaml \
+		--tool-warmup-fraction 0.5 --warmup-steps 150
+
+artifacts/data/arith_tool/train.parquet: $(STAMP) data_prep/synthetic.py data_prep/gsm8k_tool.py
+	$(VPY) data_prep/synthetic.py --tool --out artifacts/data/arith_tool --train-size 2000 --test-size 100
+
+demo-tool: artifacts/tiny_qwen3_tool/config.json artifacts/data/arith_tool/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu_tool.yaml
 
 # The suite in two phases: everything but the wall-clock-bound tests on $(TEST_WORKERS) pytest-xdist workers, one test
 # file per worker at a time (--dist loadfile keeps a file's module-scoped runs shared by its tests), then the

@@ -6,6 +6,12 @@ Each record is `{"question": "What is 3 + 4?", "answer": "3 + 4 = 7\\n#### 7"}`,
 instruction is `data_prep.gsm8k.INSTRUCTION` (re-exported here as `GSM8K_INSTRUCTION` for tiny_model.py).
 
 Run:  python data_prep/synthetic.py --out artifacts/data/arith --train-size 2000 --test-size 200
+
+With `--tool` the rows are in verl's multi-turn tool format instead (data_prep/gsm8k_tool.py's `make_rows`, for the
+calculator of recipes/tool_config/calculator_tool_config.yaml: a system prompt naming it, the ground truth in
+extra_info.tools_kwargs.calculator.create_kwargs), the tiny tool demo's data (`make demo-tool`):
+
+      python data_prep/synthetic.py --tool --out artifacts/data/arith_tool --train-size 2000 --test-size 100
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from data_prep.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION  # one wording for 
 from data_prep.gsm8k import make_rows, write_parquet
 
 DATA_SOURCE = "synthetic/arithmetic"
+TOOL_NAME = "calculator"  # the tool_schema name of recipes/tool_config/calculator_tool_config.yaml
+TOOL_SYSTEM_PROMPT = "Call `{tool}` with the sum, then answer after ####."  # short: the tiny model's context is small
 
 
 def render_answer(a: int, op: str, b: int, result: int) -> str:
@@ -41,15 +49,23 @@ def make_problems(*, num: int, seed: int, max_operand: int = 9) -> list[dict]:
     return rows
 
 
-def write_dataset(out: str | Path, *, train_size: int, test_size: int, seed: int = 0, max_operand: int = 9) -> dict[str, Path]:
-    """Write `train.parquet` / `test.parquet` in verl's schema; returns {split: path}."""
+def write_dataset(out: str | Path, *, train_size: int, test_size: int, seed: int = 0, max_operand: int = 9,
+                  tool: bool = False) -> dict[str, Path]:
+    """Write `train.parquet` / `test.parquet` in verl's schema (`tool`: its multi-turn tool format); returns {split: path}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1000)):
         records = [{"question": p["question"], "answer": p["answer"]} for p in make_problems(num=size, seed=split_seed, max_operand=max_operand)]
         paths[split] = out / f"{split}.parquet"
-        write_parquet(make_rows(records, split=split, data_source=DATA_SOURCE), paths[split])
+        if tool:
+            from data_prep import gsm8k_tool
+
+            rows = gsm8k_tool.make_rows(records, split, data_source=DATA_SOURCE, tool_name=TOOL_NAME,
+                                        system_prompt=TOOL_SYSTEM_PROMPT)
+        else:
+            rows = make_rows(records, split=split, data_source=DATA_SOURCE)
+        write_parquet(rows, paths[split])
     return paths
 
 
@@ -60,8 +76,10 @@ def main() -> None:
     parser.add_argument("--test-size", type=int, default=200)
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool", action="store_true", help="verl's multi-turn tool format for the calculator tool")
     args = parser.parse_args()
-    paths = write_dataset(args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, max_operand=args.max_operand)
+    paths = write_dataset(args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, max_operand=args.max_operand,
+                          tool=args.tool)
     for split, path in paths.items():
         print(f"wrote {split}: {path}")
 

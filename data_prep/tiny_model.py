@@ -13,6 +13,16 @@ The warmed-up model samples the right answer about that often, as a real base mo
 so GRPO has signal from the first step and a visible curve within minutes on 2 cores.
 
 Run:  python data_prep/tiny_model.py --out artifacts/tiny_qwen3 --warmup-steps 300
+
+With `--tool-config` (a tool config YAML, e.g. recipes/tool_config/calculator_tool_config.yaml) it builds the tiny
+TOOL model instead (`make demo-tool`; a separate folder, the default build above is unchanged): the tokenizer is
+trained on the tool prompts too, and the warm-up uses the multi-turn tool prompts of data_prep/synthetic.py --tool
+(system prompt, tools= schemas): a `--tool-warmup-fraction` of its episodes calls the calculator with the right
+expression, reads the tool's response (loss-masked, as in training) and copies the sum into `#### N`; the others
+answer directly with noisy sums. GRPO then has two ways to the reward, and the tool one is reliable:
+
+      python data_prep/tiny_model.py --out artifacts/tiny_qwen3_tool --tool-config recipes/tool_config/calculator_tool_config.yaml \
+          --tool-warmup-fraction 0.5 --warmup-steps 150
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ if __name__ == "__main__":  # run by path: the repo root replaces data_prep/ (wh
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse
+import json
 import random
 from pathlib import Path
 
@@ -31,7 +42,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from data_prep.synthetic import GSM8K_INSTRUCTION, make_problems, render_answer
+from data_prep.synthetic import GSM8K_INSTRUCTION, TOOL_NAME, TOOL_SYSTEM_PROMPT, make_problems, render_answer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A Qwen2.5-style template, short enough for the tiny model's context (transformers renders with trim_blocks: a newline
@@ -139,16 +150,98 @@ def warm_up(model, tokenizer, *, steps: int, correct_prob: float, seed: int, lr:
             response_ids = tokenizer(render_answer(row["a"], row["op"], row["b"], answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(prompt_ids + response_ids)
             labels.append([-100] * len(prompt_ids) + response_ids)
-        width = max(len(x) for x in ids)
-        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])  # [batch, width]
-        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels])  # [batch, width]
-        attention_mask = (torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]).long()
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = _supervised_step(model, optimizer, ids, labels, pad_id=tokenizer.pad_token_id)
         if step % 100 == 0 or step == steps - 1:
             print(f"warmup step {step}/{steps} loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return float(loss.item())
+
+
+def _supervised_step(model, optimizer, ids: list[list[int]], labels: list[list[int]], *, pad_id: int) -> torch.Tensor:
+    """One AdamW step of next-token loss on `labels` (-100: not trained) over right-padded `ids`; returns the loss."""
+    width = max(len(x) for x in ids)
+    input_ids = torch.tensor([x + [pad_id] * (width - len(x)) for x in ids])  # [batch, width]
+    label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels])  # [batch, width]
+    attention_mask = (torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]).long()  # [batch, width]
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def load_tool_schemas(tool_config: str | Path) -> list[dict]:
+    """The tool config's schemas exactly as the trainer passes them to the chat template's `tools=`."""
+    from grpo_lib.tools.calls import ToolBox
+    from grpo_lib.tools.config import load_tools
+
+    box = ToolBox(load_tools(str(tool_config)), timeout_s=1.0, max_response_chars=256, truncate_side="middle")
+    try:
+        return box.schemas
+    finally:
+        box.close()
+
+
+def tool_call_text(a: int, b: int) -> str:
+    """The calculator call of one problem, hermes format. Example: (3, 4) ->
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}</tool_call>'."""
+    return "<tool_call>" + json.dumps({"name": TOOL_NAME, "arguments": {"expression": f"{a} + {b}"}}) + "</tool_call>"
+
+
+def tool_episode_texts(tokenizer, schemas: list[dict], row: dict, *, use_tool: bool, answer: int) -> list[tuple[str, bool]]:
+    """One warm-up episode as (text, trained) pieces, laid out as the episode loop lays out tokens: the prompt (the
+    data's system + user messages, tools=), then either [the call, <|im_end|>], the template's tool turn (not trained:
+    loss_mask 0 in training), [the answer copying the tool's sum, <|im_end|>]; or [a direct answer with `answer`].
+    """
+    messages = [{"role": "system", "content": TOOL_SYSTEM_PROMPT.format(tool=TOOL_NAME)},
+                {"role": "user", "content": row["question"] + " " + GSM8K_INSTRUCTION}]
+    eos = tokenizer.eos_token
+    prompt = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
+    if not use_tool:
+        return [(prompt, False), (render_answer(row["a"], row["op"], row["b"], answer) + eos, True)]
+    call = tool_call_text(row["a"], row["b"])
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": call},
+                                                     {"role": "tool", "content": str(row["result"])}],
+                                         tools=schemas, add_generation_prompt=True, tokenize=False)
+    tool_turn = full[len(prompt) + len(call):]  # "<|im_end|>\n<|im_start|>user\n<tool_response>..." to the next turn
+    assert tool_turn.startswith(eos), f"the template ends an assistant turn with {tool_turn[:20]!r}, not {eos!r}"
+    return [(prompt, False), (call + eos, True), (tool_turn[len(eos):], False),
+            (render_answer(row["a"], row["op"], row["b"], row["result"]) + eos, True)]
+
+
+def build_tool_tokenizer(corpus: list[str], problems: list[dict], schemas: list[dict]) -> PreTrainedTokenizerFast:
+    """The tool model's tokenizer: `build_tokenizer` on `corpus` plus 500 tool episodes of `problems` (their prompts
+    with the tool schemas, calls, tool turns and answers), so the tool header and calls tokenize as in training."""
+    renderer = build_tokenizer(corpus)  # only renders the chat template for the corpus
+    episodes = ["".join(text for text, _ in tool_episode_texts(renderer, schemas, p, use_tool=k % 2 == 0, answer=p["result"]))
+                for k, p in enumerate(problems[:500])]
+    return build_tokenizer(corpus + episodes, vocab_size=512)
+
+
+def warm_up_tool(model, tokenizer, schemas: list[dict], *, steps: int, correct_prob: float, tool_fraction: float,
+                 max_operand: int, seed: int, lr: float = 3e-3, batch_size: int = 64) -> float:
+    """`warm_up` on multi-turn tool episodes: `tool_fraction` of them call the calculator (always the right expression,
+    the answer copied from its response), the rest answer directly, right with `correct_prob`. Returns the last loss."""
+    rng = random.Random(seed)
+    problems = make_problems(num=4096, seed=seed, max_operand=max_operand)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        ids, labels = [], []
+        for row in (rng.choice(problems) for _ in range(batch_size)):
+            use_tool = rng.random() < tool_fraction
+            answer = row["result"] if rng.random() < correct_prob else row["result"] + rng.choice([-3, -2, -1, 1, 2, 3])
+            seq, lab = [], []
+            for text, trained in tool_episode_texts(tokenizer, schemas, row, use_tool=use_tool, answer=answer):
+                piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+                seq += piece
+                lab += piece if trained else [-100] * len(piece)
+            ids.append(seq)
+            labels.append(lab)
+        loss = _supervised_step(model, optimizer, ids, labels, pad_id=tokenizer.pad_token_id)
+        if step % 100 == 0 or step == steps - 1:
+            print(f"tool warmup step {step}/{steps} loss {loss.item():.4f}", flush=True)
     model.eval()
     return float(loss.item())
 
@@ -161,14 +254,25 @@ def make_tiny_model(
     warmup_steps: int = 0,
     warmup_correct_prob: float = 0.3,
     seed: int = 0,
+    tool_config: str | Path | None = None,
+    tool_warmup_fraction: float = 0.3,
+    max_operand: int = 9,
 ) -> Path:
-    """Build tokenizer + model and save both to `out`; returns the folder."""
+    """Build tokenizer + model and save both to `out`; returns the folder. With `tool_config`, the tool model (module
+    docstring): tokenizer corpus with the tool episodes too, warm-up on them (`tool_warmup_fraction`, `max_operand`)."""
     out = Path(out)
     problems = make_problems(num=2000, seed=seed + 1, max_operand=99)
     corpus = [p["question"] + " " + GSM8K_INSTRUCTION + "\n" + p["answer"] for p in problems]
-    tokenizer = build_tokenizer(corpus)
+    if tool_config is None:
+        tokenizer = build_tokenizer(corpus)
+    else:
+        schemas = load_tool_schemas(tool_config)
+        tokenizer = build_tool_tokenizer(corpus, problems, schemas)
     model = build_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
-    if warmup_steps > 0:
+    if warmup_steps > 0 and tool_config is not None:
+        warm_up_tool(model, tokenizer, schemas, steps=warmup_steps, correct_prob=warmup_correct_prob,
+                     tool_fraction=tool_warmup_fraction, max_operand=max_operand, seed=seed)
+    elif warmup_steps > 0:
         warm_up(model, tokenizer, steps=warmup_steps, correct_prob=warmup_correct_prob, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -185,6 +289,11 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="supervised steps on noisy answers (0: random model)")
     parser.add_argument("--warmup-correct-prob", type=float, default=0.3, help="fraction of warm-up answers that are right")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-config", default=None, help="build the tool model: warm up on multi-turn episodes with "
+                        "this tool config's calculator (module docstring)")
+    parser.add_argument("--tool-warmup-fraction", type=float, default=0.3, help="with --tool-config: fraction of warm-up "
+                        "episodes that call the calculator")
+    parser.add_argument("--max-operand", type=int, default=9, help="with --tool-config: largest operand of the warm-up sums")
     args = parser.parse_args()
     path = make_tiny_model(
         args.out,
@@ -193,6 +302,9 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
         warmup_correct_prob=args.warmup_correct_prob,
         seed=args.seed,
+        tool_config=args.tool_config,
+        tool_warmup_fraction=args.tool_warmup_fraction,
+        max_operand=args.max_operand,
     )
     print(f"wrote tiny model to {path}")
 

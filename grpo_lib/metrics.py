@@ -31,6 +31,8 @@ Metric names are namespaced and documented once here:
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
 | `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
 | `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |
+| `val/<data_source>/overlong_penalty_mean` | with reward.overlong_buffer.enable: DAPO's overlong penalty per validation response (in reward_mean, not in acc, as verl's validation) |
+| `val/episode/*`, `val/tools/*` | multi-turn: the episode/* and tools/* metrics above over the validation episodes |
 | `memory/sleep_freed_mb`, `memory/wake_regained_mb`, ... | device MiB freed / taken by engine transitions (CUDA only; process 0) |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.

@@ -374,7 +374,8 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     """rollout.val_kwargs generation (greedy unless do_sample) over this process's share of the validation set
     -> (metrics, logged rows). The engine must be ready; seeds are the "val" purpose's, at `step`.
 
-    Metrics per data source (grpo_lib.validation): reward_mean, acc, and mean@n / pass@n when val_kwargs.n > 1.
+    Metrics per data source (grpo_lib.validation): reward_mean (with reward.overlong_buffer's penalty, as verl's
+    validation), acc, and mean@n / pass@n when val_kwargs.n > 1; multi-turn: val/episode/*, val/tools/*.
     Rows: the first trainer.val_generations_to_log (prompt, response, score) rows (prompts decoded with `tokenizer`).
     """
     vk = cfg.rollout.val_kwargs
@@ -383,7 +384,11 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
     from grpo_lib.validation import generation_rows, val_metrics
 
-    metrics = val_metrics(scorer, batch, sources=sorted(set(dataset.data_sources)), n=vk.n)
+    metrics = val_metrics(scorer, batch, sources=sorted(set(dataset.data_sources)), n=vk.n,
+                          overlong_buffer=cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length)
+    if episodes is not None:  # the training step's episode/* and tools/* over the validation episodes, as val/...
+        names = episodes.tool_names
+        metrics.update({f"val/{k}": v for k, v in reduce_episode_metrics(episode_sums(generations, names), names).items()})
     limit = cfg.trainer.val_generations_to_log
     prompt_texts = [tokenizer.decode(batch.input_ids[i][(batch.attention_mask[i] > 0) & (batch.response_mask[i] == 0)].tolist())
                     if tokenizer is not None else "" for i in range(min(limit, len(batch)))]

@@ -9,7 +9,13 @@
 | `val/<source>/acc` | fraction of responses whose accuracy reward is > 0 (the total score when no accuracy function is listed) |
 | `val/<source>/mean@<n>` | per prompt, the fraction of its n responses that are correct; averaged over prompts (only n > 1) |
 | `val/<source>/pass@<n>` | fraction of prompts with at least one correct response among n (only n > 1) |
+| `val/<source>/overlong_penalty_mean` | with reward.overlong_buffer.enable: DAPO's overlong penalty per response (included in reward_mean) |
 | `val/reward_mean`, `val/reward_errors` | over all sources: reward per response; reward calls that failed or timed out |
+| `val/episode/*`, `val/tools/*` | multi-turn: the training step's episode/* and tools/* metrics over the validation episodes (step.validate) |
+
+The overlong shaping applies to validation as verl applies it: verl builds its validation reward manager with the same
+reward kwargs as the training one, so DAPO's manager adds the penalty to every validation score (its `reward` metric),
+while the accuracy (`acc`) is the score before the penalty. Here too: reward_mean includes the penalty, acc does not.
 
 Example, one source, n = 2: prompt A's responses correct [1, 0], prompt B's [0, 0] -> acc 0.25, mean@2 0.25,
 pass@2 0.5 (A has one correct). pass@n >= mean@n always: a prompt's best response is at least its average.
@@ -20,17 +26,31 @@ from __future__ import annotations
 from grpo_lib.distributed import all_reduce_sum, is_on
 
 
-def val_metrics(scorer, batch, *, sources: list[str], n: int) -> dict[str, float]:
-    """Score `batch` (fills batch.scores) and reduce per-source metrics over processes (see the module table).
+def val_metrics(scorer, batch, *, sources: list[str], n: int, overlong_buffer=None,
+                max_response_length: int | None = None) -> dict[str, float]:
+    """Score `batch` (fills batch.scores, with `overlong_buffer` enabled plus DAPO's overlong penalty) and reduce
+    per-source metrics over processes (see the module table). The penalty's max_resp_len is overlong_buffer.max_resp_len
+    or `max_response_length` (data.max_response_length), as for training rewards (step.score).
 
     `sources` must be the same list on every process (the validation set's sources), so the reductions match.
+    Example: max_response_length 20, len 4, a correct response of 17 tokens -> reward 0.75, acc 1, penalty -0.25.
     """
     import torch
+
+    from grpo_lib.algorithms import overlong_penalty
 
     out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
                        extra_infos=batch.extra_infos)
     batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
-    correctness = out.per_function.get("accuracy", out.scores)
+    penalties = None
+    if overlong_buffer is not None and overlong_buffer.enable:
+        max_resp_len = overlong_buffer.max_resp_len if overlong_buffer.max_resp_len is not None else max_response_length
+        penalties = overlong_penalty(batch.response_lengths, max_resp_len=max_resp_len, buffer_len=overlong_buffer.len,
+                                     penalty_factor=overlong_buffer.penalty_factor)  # [B]
+        batch.overlong_penalties = penalties
+        batch.scores = batch.scores + penalties  # [B]
+    scores = batch.scores.tolist()  # [B] what reward_mean averages
+    correctness = out.per_function.get("accuracy", out.scores)  # before the penalty (verl's acc)
     correct = [float(value > 0) for value in correctness]  # [B]
     groups: dict[str, list[int]] = {}  # prompt -> its rows (a prompt's n responses share its group id)
     for row, group in enumerate(batch.group_ids):
@@ -42,14 +62,16 @@ def val_metrics(scorer, batch, *, sources: list[str], n: int) -> dict[str, float
         num_rows, num_prompts = all_reduce_sum(len(rows)), all_reduce_sum(len(prompts))
         if not num_rows:
             continue
-        metrics[f"val/{src}/reward_mean"] = all_reduce_sum(sum(out.scores[i] for i in rows)) / num_rows
+        metrics[f"val/{src}/reward_mean"] = all_reduce_sum(sum(scores[i] for i in rows)) / num_rows
         metrics[f"val/{src}/acc"] = all_reduce_sum(sum(correct[i] for i in rows)) / num_rows
+        if penalties is not None:
+            metrics[f"val/{src}/overlong_penalty_mean"] = all_reduce_sum(float(sum(penalties[i] for i in rows))) / num_rows
         if n > 1:
             mean_sum = sum(sum(correct[i] for i in groups[g]) / len(groups[g]) for g in prompts)
             pass_sum = sum(max(correct[i] for i in groups[g]) for g in prompts)
             metrics[f"val/{src}/mean@{n}"] = all_reduce_sum(mean_sum) / num_prompts
             metrics[f"val/{src}/pass@{n}"] = all_reduce_sum(pass_sum) / num_prompts
-    metrics["val/reward_mean"] = all_reduce_sum(sum(out.scores)) / max(all_reduce_sum(len(out.scores)), 1.0)
+    metrics["val/reward_mean"] = all_reduce_sum(sum(scores)) / max(all_reduce_sum(len(scores)), 1.0)
     metrics["val/reward_errors"] = all_reduce_sum(out.num_errors + out.num_timeouts)
     return metrics
 

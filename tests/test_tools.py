@@ -179,6 +179,23 @@ def test_calculator_is_exact_and_answers_bad_expressions_as_text():
         assert text.startswith(expected) and step_reward == 0.0 and metrics == {}, (expression, text)
 
 
+def test_calculator_tool_reward_says_whether_a_call_computed_the_ground_truth():
+    """Given the row's ground truth (create_kwargs), calc_reward is 1.0 once a call evaluated to it; the text the model
+    reads is the same either way; no ground truth (or none created) scores 0."""
+    calc = CalculatorTool({}, ToolSchema({"type": "function", "function": {"name": "calculator"}}))
+    calc.create("hit", ground_truth="12")
+    calc.create("miss", ground_truth="1,200")  # GSM8K-style thousands separator
+    calc.create("none")
+    assert calc.execute("hit", {"expression": "5 + 6"})[0] == "11" and calc.calc_reward("hit") == 0.0
+    assert calc.execute("hit", {"expression": "5 + 7"}) == ("12", 0.0, {}) and calc.calc_reward("hit") == 1.0
+    assert calc.execute("hit", {"expression": "1 / 0"})[0] == "error: division by zero" and calc.calc_reward("hit") == 1.0
+    assert calc.execute("miss", {"expression": "1200 - 1"})[0] == "1199" and calc.calc_reward("miss") == 0.0
+    assert calc.execute("none", {"expression": "12"})[0] == "12" and calc.calc_reward("none") == 0.0
+    assert calc.execute("never_created", {"expression": "12"})[0] == "12" and calc.calc_reward("never_created") == 0.0
+    calc.release("hit")
+    assert "hit" not in calc.episodes
+
+
 def test_gsm8k_tool_scores_the_submitted_answer_like_verl():
     tool = Gsm8kTool({}, ToolSchema({"type": "function", "function": {"name": "calc_gsm8k_reward"}}))
     tool.create("a", ground_truth="72")

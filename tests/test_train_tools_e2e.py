@@ -4,7 +4,8 @@ it in every turn (tests/scripts/train_with_tool_calls.py replaces only the herme
 of such a run: finite losses, episode and tool metrics, the engine serving the actor's weights after every push
 (invariant 3, over episodes), validation with episodes, and a checkpoint at the end. Then: 2 processes and a
 tensor-parallel engine over 2 train like 1 with episodes (invariant 8: per-(sample, turn) seeds), LoRA trains with
-episodes, and a tool failing on every call of a step stops the run (exit 3) after saving.
+episodes, a run SIGKILLed mid-run with tools resumes to the same metrics and weights, and a tool failing on every call
+of a step stops the run (exit 3) after saving.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,10 +44,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900,
-                        launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+                        launcher: list[str] | None = None, faults: list[str] = (), log=None) -> subprocess.CompletedProcess:
+    """train_grpo.py under tests/scripts/train_with_tool_calls.py; `faults`: train_with_faults.py's (e.g. a SIGKILL).
+    With `log` (a path) the output goes to that file, not to pipes (a killed run's reward worker would hold a pipe open
+    while it lives, as tests/test_checkpoint.py's run_killed says); stdout and stderr then both hold it."""
     cmd = [*(launcher or [sys.executable]), str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool,
-           json.dumps(arguments), "--", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+           json.dumps(arguments), *faults, "--", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if log is None:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, env=env)
+    text = Path(log).read_text()
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, text)
 
 
 def multi_turn_overrides(model_dir, data, out, tools_path, *extra: str) -> list[str]:
@@ -97,22 +108,36 @@ def test_validation_runs_episodes_and_the_run_saves(tool_run):
     assert (out / "global_step_3").is_dir()
 
 
-def compared_run(model_dir, data, root, name: str, procs: int, extra: list[str]) -> list[dict]:
-    """One 3-step run of the 1-vs-2-process comparison (varied reward, KL loss, two updates per step)."""
+def compared_args(model_dir, data, root, out, *extra: str) -> list[str]:
+    """The arguments of the 1-vs-2-process comparison's runs (varied reward, KL loss, two updates per step, validation
+    before step 1), `extra` replacing their keys."""
     (root / "tools.yaml").write_text(TOOLS)
     (root / "reward.py").write_text(REWARD)
-    out = root / name
-    args = ["recipes/tiny_cpu.yaml", *multi_turn_overrides(model_dir, data, out, root / "tools.yaml", f"reward.custom.path={root / 'reward.py'}",
+    return ["recipes/tiny_cpu.yaml", *multi_turn_overrides(model_dir, data, out, root / "tools.yaml", f"reward.custom.path={root / 'reward.py'}",
                                                            "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
                                                            "trainer.check_weight_sync=true", *extra)]
-    proc = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
+
+
+def compared_run(model_dir, data, root, name: str, procs: int, extra: list[str]) -> list[dict]:
+    """One 3-step run of the 1-vs-2-process comparison; its per-step metrics (the run folder is root / name)."""
+    out = root / name
+    proc = run_with_tool_calls(compared_args(model_dir, data, root, out, *extra), tool="calculator",
+                               arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
     assert proc.returncode == 0, f"{name}: exited {proc.returncode}\n{proc.stderr[-6000:]}"
     return read_metrics(out)
 
 
 @pytest.fixture(scope="module")
-def one_process_run(eos_model_dir, arith_data, tmp_path_factory):
-    return compared_run(eos_model_dir, arith_data, tmp_path_factory.mktemp("tools_p1"), "p1", 1, [])
+def one_process_dir(eos_model_dir, arith_data, tmp_path_factory):
+    """The 1-process run of the comparison (its folder): read by the 2-process, TP-2 and kill-and-resume tests."""
+    root = tmp_path_factory.mktemp("tools_p1")
+    compared_run(eos_model_dir, arith_data, root, "p1", 1, [])
+    return root / "p1"
+
+
+@pytest.fixture(scope="module")
+def one_process_run(one_process_dir):
+    return read_metrics(one_process_dir)
 
 
 @pytest.mark.multiprocess
@@ -129,6 +154,38 @@ def test_two_processes_train_like_one_with_tools(one_process_run, eos_model_dir,
                     "episode/turns_mean", "episode/tool_calls_mean", "episode/stopped_length", "tools/calculator/calls"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"{layout} step {a['step']} {key}: 1 process {a[key]} vs {b[key]}"
         assert b["debug/weight_sync_max_abs_diff"] < 1e-4
+
+
+def test_sigkill_mid_run_with_tools_then_resume_is_exact(one_process_dir, eos_model_dir, arith_data, tmp_path):
+    """The 1-process comparison run again, checkpointing every step, SIGKILLed right after step 3's update (steps 1-2
+    logged and saved); rerunning the same command resumes from step 2 and logs that run's metrics (episodes' and
+    tools' included) and writes its final weights: the per-(sample, turn) seeds and the tools' per-episode state start
+    afresh at each step, so a checkpoint is all the state with episodes too (invariant 5)."""
+    import torch
+
+    from tests.test_checkpoint import assert_same_steps, hf_weights
+
+    out = tmp_path / "run"
+    args = compared_args(eos_model_dir, arith_data, tmp_path, out, "trainer.save_freq=1")
+    killed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, faults=["--signal", "KILL update 3"],
+                                 launcher=accelerate_launch(1), log=tmp_path / "killed.log")  # launched as the compared run
+    assert killed.returncode != 0 and "test hook: SIGKILL at update of step 3" in killed.stderr, \
+        f"the test hook did not kill the run: exit {killed.returncode}\n{killed.stderr[-3000:]}"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and sorted(p.name for p in out.glob("global_step_*")) == \
+        ["global_step_1", "global_step_2"]
+    resumed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(1))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    a_rows, b_rows = read_metrics(one_process_dir), read_metrics(out)
+    assert [r["step"] for r in b_rows] == [1, 2, 3] and any(r["tools/calculator/calls"] > 0 for r in b_rows)
+    assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in a_rows), "the policy never moved: the test would prove nothing"
+    assert_same_steps(a_rows, b_rows, [1, 2, 3])
+    val = [[json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "val/episode/turns_mean" in x]
+           for run in (one_process_dir, out)]
+    assert [r["step"] for r in val[0]] == [r["step"] for r in val[1]] == [0], "validation before step 1, once"
+    assert_same_steps(val[0], val[1], [0])
+    a_final, b_final = hf_weights(one_process_dir / "global_step_3"), hf_weights(out / "global_step_3")
+    assert a_final.keys() == b_final.keys() and all(torch.equal(a_final[k], b_final[k]) for k in a_final), \
+        "final exports differ after kill + resume with tools"
 
 
 def test_lora_trains_with_tools(eos_model_dir, arith_data, tmp_path):

@@ -1,6 +1,8 @@
 """Built-in tools, named in a tool config like any other class (grpo_lib/tools/config.py):
 
-    grpo_lib.tools.builtin.CalculatorTool  exact arithmetic on one expression: + - * / // % ** and parentheses
+    grpo_lib.tools.builtin.CalculatorTool  exact arithmetic on one expression: + - * / // % ** and parentheses; given
+                                           the row's ground truth (create_kwargs), its tool reward says whether a call
+                                           computed it (the tiny tool demo's "correct tool call")
     grpo_lib.tools.builtin.Gsm8kTool       verl's gsm8k answer check (`calc_gsm8k_reward`): the episode's tool reward
                                            is 1.0 when the submitted answer equals the row's ground truth
 
@@ -65,18 +67,49 @@ def format_number(value: Fraction) -> str:
 
 
 class CalculatorTool(BaseTool):
-    """`{"expression": "..."}` -> its exact value as text; stateless, step reward 0."""
+    """`{"expression": "..."}` -> its exact value as text, step reward 0.
+
+    Its tool reward (calc_reward) is 1.0 when a call of the episode evaluated to the ground truth that `create` got
+    (the row's extra_info.tools_kwargs.calculator.create_kwargs.ground_truth, as data_prep/synthetic.py --tool writes),
+    else 0.0 (also without a ground truth): the fraction of episodes with a correct calculator call is then
+    `tools/calculator/reward_mean`. The answer text never depends on the ground truth.
+    Example: create("e", ground_truth="12"); execute("e", {"expression": "5 + 7"}) -> ("12", 0.0, {}); calc_reward("e") -> 1.0.
+    """
+
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.episodes: dict[str, dict] = {}  # instance id -> {"ground_truth": Fraction | None, "hit": bool}
+
+    def create(self, instance_id=None, ground_truth=None, **kwargs):
+        instance_id = super().create(instance_id)
+        try:
+            target = evaluate(str(ground_truth).replace(",", "")) if ground_truth is not None else None
+        except (ValueError, ZeroDivisionError):
+            target = None  # a ground truth that is no number: no call can hit it
+        self.episodes[instance_id] = {"ground_truth": target, "hit": False}
+        return instance_id
 
     def execute(self, instance_id, parameters, **kwargs):
         expression = parameters.get("expression", "")
         if not isinstance(expression, str):
             expression = str(expression)
         try:
-            return format_number(evaluate(expression)), 0.0, {}
+            value = evaluate(expression)
         except ZeroDivisionError:
             return "error: division by zero", 0.0, {}
         except ValueError as error:
             return f"error: {error}", 0.0, {}
+        state = self.episodes.get(instance_id)
+        if state is not None and state["ground_truth"] is not None and value == state["ground_truth"]:
+            state["hit"] = True
+        return format_number(value), 0.0, {}
+
+    def calc_reward(self, instance_id, **kwargs) -> float:
+        state = self.episodes.get(instance_id)
+        return 1.0 if state is not None and state["hit"] else 0.0
+
+    def release(self, instance_id, **kwargs):
+        self.episodes.pop(instance_id, None)
 
 
 class Gsm8kTool(BaseTool):

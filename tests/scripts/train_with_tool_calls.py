@@ -1,12 +1,13 @@
 """train_grpo.py with a model that calls a tool in every turn, for the multi-turn end-to-end test
 (tests/test_train_tools_e2e.py):
 
-    python tests/scripts/train_with_tool_calls.py TOOL_NAME JSON_ARGUMENTS -- RECIPE.yaml [key=value ...]
+    python tests/scripts/train_with_tool_calls.py TOOL_NAME JSON_ARGUMENTS [FAULTS] -- RECIPE.yaml [key=value ...]
 
 The random tiny model never writes `<tool_call>` text, so the hermes parser is replaced (a monkeypatch installed
 before `train_grpo.main(argv)`, as tests/scripts/train_with_faults.py installs its faults) by one that reads every
 assistant turn as one call of TOOL_NAME with JSON_ARGUMENTS; rollout.multi_turn.max_assistant_turns ends the episodes.
 Everything else is the product's own path: tool config loading, the episode loop, engines, rewards, the update.
+FAULTS are tests/scripts/train_with_faults.py's (`--signal "KILL update 3"`, `--nan-steps ...`), installed the same way.
 Reward workers import this file as `__mp_main__` (grpo_lib/rewards/pool.py): its top level stays imports only.
 """
 
@@ -21,15 +22,15 @@ sys.path.insert(0, str(REPO))
 
 
 def main(argv: list[str]) -> int:
-    split = argv.index("--")
     name, arguments = argv[0], json.loads(argv[1])
+    import train_grpo  # first, as `python train_grpo.py` does: it sets the environment defaults before vllm loads
+
     import grpo_lib.episodes as episodes
     from grpo_lib.tools.hermes import ToolCall
+    from tests.scripts.train_with_faults import install
 
     episodes.parse_tool_calls = lambda text: [ToolCall(name, dict(arguments))]
-    import train_grpo
-
-    return train_grpo.main(argv[split + 1:])
+    return train_grpo.main(install(argv[2:]))  # the faults before `--` (none: nothing installed), then train_grpo's arguments
 
 
 if __name__ == "__main__":
