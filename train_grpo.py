@@ -79,8 +79,8 @@ class GRPOTrainer:
 
     def setup(self) -> None:
         """Tokenizer, tools (multi-turn), data, reward scorer (before the engine: a bad reward file or tool config fails in
-        seconds), engine, actor, reference, metric logger; then the checkpoint of `resume` (the engine started from
-        model.path is given the resumed weights). Raises DataError / SetupError for exit code 2."""
+        seconds), engine, actor, reference, metric logger; then the checkpoint of `resume`, loaded while the engine is released
+        (its device memory free for the AdamW state), and the engine woken with the resumed weights. Raises DataError / SetupError for exit code 2."""
         import torch
         from transformers import AutoTokenizer
 
@@ -149,13 +149,17 @@ class GRPOTrainer:
                            "data/truncated": train.num_truncated,
                            "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
-        if self.resume.path is not None:
-            checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-        actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
-        if self.resume.path is not None:  # the engine started from model.path: serve the resumed weights
-            print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
-            engine.release()
-            engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+        if self.resume.path is None:
+            actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
+            return
+        # Resume with the engine asleep: loading creates the AdamW state (and DCP's read buffers) on the device, which
+        # next to the engine's share is the run's peak; then the engine wakes serving the resumed weights (it started
+        # from model.path), the order of a step's push.
+        engine.release()
+        checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
+        actor.offload()  # optimizer_offload: the loaded AdamW state goes to the host before the engine's weights wake
+        engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+        print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
 
