@@ -83,7 +83,13 @@ def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data
             "score", "generate:val"]
     assert calls == ["start", "generate:val"] + step * 3, calls
     assert [e[1] for e in fake.events if e[0] == "sleep"] == [1, 1, 1], "rollout.sleep_level 1 expected"
-    assert len(read_metrics(out)) == 3
+    rows = read_metrics(out)
+    assert len(rows) == 3
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    for row in rows:  # per-phase peaks (CPU: this process's VmHWM, reset at each phase's start; tests/test_perf_memory.py)
+        phases = [row[f"memory/{name}_peak_mb"] for name in ("gen", "update", "push")]
+        assert all(50 < mb < total_mb for mb in phases), row  # a process with torch and a model holds > 50 MiB
+        assert row["memory/peak_mb"] == max(phases), row
 
 
 @pytest.mark.slow
