@@ -110,7 +110,10 @@ $PY data_prep/tiny_model.py --out "$WORK/model" --warmup-steps 0 > "$WORK/prep.l
   && $PY data_prep/synthetic.py --out "$WORK/data" --train-size 256 --test-size 16 >> "$WORK/prep.log" 2>&1 \
   || { row "prep" FAIL "tiny model / data: $(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; finish; }
 ENGINE=()
-$PY -c "import vllm" 2>/dev/null || ENGINE=(rollout.name=hf)
+if ! $PY -c "import vllm" 2>/dev/null; then
+  ENGINE=(rollout.name=hf)
+  row "env: engine" INFO "vllm not importable: every run uses rollout.name=hf (no tensor-parallel run)"
+fi
 IDS=$(seq -s, 0 $((N - 1)))  # physical GPUs the runs use (nvidia-smi ignores CUDA_VISIBLE_DEVICES)
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && IDS=$(echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f1-"$N")
 KIND=MULTI_GPU; [ "$N" -eq 1 ] && KIND=NO
