@@ -79,8 +79,8 @@ class GRPOTrainer:
 
     def setup(self) -> None:
         """Tokenizer, tools (multi-turn), data, reward scorer (before the engine: a bad reward file or tool config fails in
-        seconds), engine, actor, reference, metric logger; then the checkpoint of `resume` (the engine started from
-        model.path is given the resumed weights). Raises DataError / SetupError for exit code 2."""
+        seconds), engine, actor, reference, metric logger; then the checkpoint of `resume`, loaded while the engine is released
+        (its device memory free for the AdamW state), and the engine woken with the resumed weights. Raises DataError / SetupError for exit code 2."""
         import torch
         from transformers import AutoTokenizer
 
@@ -154,13 +154,17 @@ class GRPOTrainer:
                            "data/truncated": train.num_truncated,
                            "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
-        if self.resume.path is not None:
-            checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-        actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
-        if self.resume.path is not None:  # the engine started from model.path: serve the resumed weights
-            print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
-            engine.release()
-            engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+        if self.resume.path is None:
+            actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
+            return
+        # Resume with the engine asleep: loading creates the AdamW state (and DCP's read buffers) on the device, which
+        # next to the engine's share is the run's peak; then the engine wakes serving the resumed weights (it started
+        # from model.path), the order of a step's push.
+        engine.release()
+        checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
+        actor.offload()  # optimizer_offload: the loaded AdamW state goes to the host before the engine's weights wake
+        engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+        print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
 
@@ -214,11 +218,14 @@ class GRPOTrainer:
         when the rewards cannot be trusted or DAPO finds no usable group; the step's generation metrics are logged."""
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
+        from grpo_lib.perf import PhaseMemory
 
         cfg, p = self.cfg, self.parts
         engine, actor, reference = p.engine, p.actor, p.reference
         timings: dict[str, float] = {}
+        memory = PhaseMemory(p.device)  # memory/{gen,update,push}_peak_mb: each phase's own high-water mark
         with timed(timings, "step"):
+            memory.begin("gen")
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is ready
             gen_metrics = {}
             try:
@@ -235,6 +242,7 @@ class GRPOTrainer:
                 raise
             except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
                 raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
+            memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             # 4. reference logprobs (only with a KL term)
@@ -253,13 +261,16 @@ class GRPOTrainer:
             # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
             # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
+            memory.begin("push")
             with timed(timings, "push"):
                 engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+            memory.end()
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
-        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/")}
+        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/"),
+                **memory.metrics()}
 
     def validate(self, step: int) -> None:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""

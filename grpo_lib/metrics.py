@@ -26,7 +26,8 @@ Metric names are namespaced and documented once here:
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
-| `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
+| `memory/gen_peak_mb`, `memory/update_peak_mb`, `memory/push_peak_mb` | largest process's peak memory in each phase of the step, measured from the phase's start (gen: generate + reward + release; update: everything while the engine sleeps; push: the weight push and wake): CUDA max allocated since `reset_peak_memory_stats`, less the engine's memory that sleep unmapped, on GPU; peak resident set (VmHWM, reset through /proc/self/clear_refs) on CPU (`grpo_lib/perf.py`) |
+| `memory/peak_mb` | the largest of the step's three phase peaks |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
 | `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
@@ -34,6 +35,7 @@ Metric names are namespaced and documented once here:
 | `val/<data_source>/overlong_penalty_mean` | with reward.overlong_buffer.enable: DAPO's overlong penalty per validation response (in reward_mean, not in acc, as verl's validation) |
 | `val/episode/*`, `val/tools/*` | multi-turn: the episode/* and tools/* metrics above over the validation episodes |
 | `memory/sleep_freed_mb`, `memory/wake_regained_mb`, ... | device MiB freed / taken by engine transitions (CUDA only; process 0) |
+| `memory/device_free_mb` | free device MiB (`torch.cuda.mem_get_info`: the whole device, the engine's allocator too) after the step's last engine transition, the KV cache mapped (CUDA only; process 0) |
 
 Only process 0 writes; the values given to `log` are already reduced across processes.
 

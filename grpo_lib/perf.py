@@ -17,6 +17,9 @@ Numbers behind the defaults are in bench/results_cpu.md (`python bench/bench_ste
 - `compute_autocast`: bf16 autocast for the actor's forward on CPU when actor.fsdp_config.param_dtype asks for it
   (resolved by `grpo_lib.dtypes.torch_dtype`); the parameters (master weights) and AdamW state stay float32 (DESIGN
   invariant 7).
+- `PhaseMemory`: the peak memory of each phase of a step (`memory/{gen,update,push}_peak_mb`), its high-water mark
+  reset at each phase's start: CUDA's peak allocated on a GPU (less the engine's memory that sleep unmapped), the
+  process's peak resident set on a CPU (VmHWM, reset through /proc/self/clear_refs).
 """
 
 from __future__ import annotations
@@ -198,3 +201,109 @@ def compute_autocast(device, dtype, master_dtype):
     import torch
 
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------ memory per phase
+MB = 2**20
+
+
+def reset_peak_memory(device) -> bool:
+    """Start a new high-water mark at the current usage; False where this cannot be done (then no per-phase peak).
+
+    GPU: torch.cuda.reset_peak_memory_stats. CPU: writing "5" to /proc/self/clear_refs resets the process's VmHWM to its
+    current resident set (Linux >= 4.0; a read-only /proc or another OS: False). Exact, unlike sampling the resident set
+    from a thread, which misses a peak shorter than its period.
+    """
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_mb(device) -> float | None:
+    """MiB since the last `reset_peak_memory`: CUDA max allocated on a GPU, less the bytes of the engine that sleep has
+    unmapped (`engine_unmapped_bytes`); this process's VmHWM on CPU (None without /proc)."""
+    if device.type == "cuda":
+        import torch
+
+        return (torch.cuda.max_memory_allocated(device) - engine_unmapped_bytes()) / MB
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB -> MiB
+    except OSError:
+        pass
+    return None
+
+
+def engine_unmapped_bytes() -> int:
+    """Bytes of vLLM's sleep-mode pool that are asleep now (0 without vLLM or before its allocator exists).
+
+    vLLM's sleep keeps its tensors alive and only unmaps their physical memory (vllm/device_allocator/cumem.py), so
+    torch's allocator still counts them as allocated: a peak taken while the engine sleeps would include the whole
+    engine. Read from the allocator's table of its allocations (handle[1] is the size), without importing vLLM.
+    """
+    import sys
+
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    if allocator is None:
+        return 0
+    return int(sum(data.handle[1] for data in allocator.pointer_to_data.values() if data.is_asleep))
+
+
+class PhaseMemory:
+    """Peak memory of each phase of one step, on this process; `metrics()` reduces them over processes (a collective).
+
+        memory = PhaseMemory(device)
+        memory.begin("gen")      # resets the high-water mark; a begin ends the phase before it
+        ...                      # generate, reward, engine release
+        memory.begin("update")   # reference / old logprobs, advantages, the update (the engine asleep)
+        ...
+        memory.begin("push")
+        ...
+        memory.end()
+        memory.metrics()  # -> {"memory/gen_peak_mb": ..., "memory/update_peak_mb": ..., "memory/push_peak_mb": ...,
+                          #     "memory/peak_mb": the largest of them}; {} where the peak cannot be reset
+
+    A peak is measured from its phase's start (what stays allocated across phases counts in each). On a GPU the
+    engine's unmapped memory is left out as it stands at the phase's end: exact for gen (engine awake throughout) and
+    update (asleep throughout); for push, which wakes the engine part by part, an upper bound.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.peaks: dict[str, float] = {}
+        self.current: str | None = None
+        self.resettable = True
+
+    def begin(self, name: str) -> None:
+        self.end()
+        self.resettable = reset_peak_memory(self.device) and self.resettable
+        self.current = name
+
+    def end(self) -> None:
+        if self.current is not None:
+            peak = peak_memory_mb(self.device)
+            if peak is not None:
+                self.peaks[self.current] = max(peak, self.peaks.get(self.current, 0.0))
+        self.current = None
+
+    def metrics(self) -> dict[str, float]:
+        """memory/<phase>_peak_mb of every phase, the largest process's, and memory/peak_mb (their maximum)."""
+        from grpo_lib.distributed import all_reduce_max  # torch: imported here, perf's start-up functions stay light
+
+        self.end()
+        if not self.resettable or not self.peaks:
+            return {}
+        out = {f"memory/{name}_peak_mb": all_reduce_max(mb) for name, mb in sorted(self.peaks.items())}
+        out["memory/peak_mb"] = max(out.values())
+        return out

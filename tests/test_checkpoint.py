@@ -261,6 +261,7 @@ HAND_LIST_BEFORE_METADATA = (
     "trainer.val_only", "trainer.val_generations_to_log", "reward.max_error_fraction",
     "trainer.tune_allocator", "actor.use_torch_compile",
     "ignored.",
+    "rollout.enable_chunked_prefill", "rollout.max_num_batched_tokens", "rollout.engine_kwargs.",  # vLLM's scheduling / LLM() args
 )
 
 

@@ -62,6 +62,8 @@ def check_gpu_order(calls: list[str]) -> None:
             assert state == "awake", f"generation while not fully awake: {where}"
         elif c == "empty_cache":
             assert state == "asleep", where
+        elif c == "checkpoint_load":  # a resume creates the AdamW state on the device: the engine's memory must be free
+            assert state == "asleep", f"checkpoint.load with the engine's memory mapped: {where}"
 
 
 @pytest.mark.slow
@@ -81,7 +83,13 @@ def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data
             "score", "generate:val"]
     assert calls == ["start", "generate:val"] + step * 3, calls
     assert [e[1] for e in fake.events if e[0] == "sleep"] == [1, 1, 1], "rollout.sleep_level 1 expected"
-    assert len(read_metrics(out)) == 3
+    rows = read_metrics(out)
+    assert len(rows) == 3
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    for row in rows:  # per-phase peaks (CPU: this process's VmHWM, reset at each phase's start; tests/test_perf_memory.py)
+        phases = [row[f"memory/{name}_peak_mb"] for name in ("gen", "update", "push")]
+        assert all(50 < mb < total_mb for mb in phases), row  # a process with torch and a model holds > 50 MiB
+        assert row["memory/peak_mb"] == max(phases), row
 
 
 @pytest.mark.slow
@@ -94,7 +102,22 @@ def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, ari
     every recorded forward is the actor's."""
     fake = install(monkeypatch)
     import train_grpo
+    from grpo_lib import checkpoint, engines
 
+    real_load = checkpoint.load
+
+    def load(*args, **kwargs):  # recorded in the engine's call list, with the engine's own state machine's state
+        fake.events.append(("checkpoint_load", engines_seen[0].lifecycle.state if engines_seen else None))
+        return real_load(*args, **kwargs)
+
+    engines_seen, fake_build = [], engines.build_engine
+
+    def build_engine(*args, **kwargs):  # keeps the run's VLLMEngine (over the fake) to read its lifecycle state
+        engines_seen.insert(0, fake_build(*args, **kwargs))
+        return engines_seen[0]
+
+    monkeypatch.setattr(checkpoint, "load", load)
+    monkeypatch.setattr(engines, "build_engine", build_engine)
     out = tmp_path / "run"
     base = tiny_overrides(tiny_model_dir, arith_data, out, "rollout.free_cache_engine=true",
                           "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true",
@@ -117,6 +140,12 @@ def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, ari
             elif c == "actor_forward":
                 assert actor == "device", f"call {i}: an actor forward with its shards on the host: {calls}"
     assert "reload_weights" in resumed[:resumed.index("generate:train")], "a resume serves the checkpoint's weights"
+    assert "checkpoint_load" not in first and resumed.count("checkpoint_load") == 1, resumed
+    assert [e[1] for e in fake.events if e[0] == "checkpoint_load"] == ["released"], "the engine's state at checkpoint.load"
+    engine_calls = [c for c in resumed if not c.startswith("actor_")]
+    at = engine_calls.index("checkpoint_load")  # released just before; woken with the resumed weights before generating
+    assert engine_calls[at - 1:at + 6] == ["sleep", "checkpoint_load", "empty_cache", "wake_up:weights", "reload_weights",
+                                           "reset_prefix_cache", "wake_up:kv_cache"], engine_calls
     assert len(read_metrics(out)) == 3
 
 

@@ -1,52 +1,82 @@
-"""scripts/gpu_check.sh is prepared for the day a GPU is lent: run it here, on CPU, as it would run on the lent GPU
-image (no vLLM there: vllm made unimportable, so it picks rollout.name=hf), with a stand-in nvidia-smi and a broken
-default accelerate config in HOME that must not be read. Everything but CUDA itself is exercised: data and model
-build, the accelerate launch of 2 processes, the metric parsing and the tolerance check. With vLLM installed the script
-also runs the tensor-parallel-2 layout (the same `run_check` with one more key); that layout's training is tested by
-tests/test_tensor_parallel_train.py, so this test runs only what the script alone covers (one run, ~10 s)."""
+"""scripts/gpu_check.sh is prepared for the day a GPU is lent: its stages `env` and `tiny` run here, on CPU, as they
+would on the lent GPU image (no vLLM there: vllm made unimportable, so it picks rollout.name=hf; wheels of a
+scripts/gpu_wheels.sh folder installed with pip --target into a clean folder), with a broken default accelerate config
+in HOME that must not be read. One training launch of one process: what only the script covers (its environment
+checks, the wheel install, its accelerate config and launch, the verdict table and exit code). The other stages'
+training is covered elsewhere (LoRA: tests/test_lora_e2e.py; resume: tests/test_checkpoint.py; TP 2:
+tests/test_tensor_parallel_train.py); their numbers (scripts/gpu_report.py) by tests/test_gpu_report.py in-process.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
-
-FAKE_SMI = """#!/usr/bin/env bash
-# stand-in for gpu_check.sh's `nvidia-smi --query-gpu=index,memory.used ... -lms 500`: one sample per 0.5 s until killed;
-# any other query (accelerate's launcher asks for the GPU names) fails, as nvidia-smi does without a driver
-case "$*" in *index,memory.used*) echo "$*" >> "$WORK/../smi_args.txt"; while true; do echo "0, 1234"; sleep 0.5; done ;; *) exit 9 ;; esac
-"""
+pytestmark = [pytest.mark.slow]  # one trainer launch (tiers: conftest.py)
 
 
-def test_gpu_check_script_runs_end_to_end(tmp_path):
-    """As on a GPU image without vLLM: one run of 2 processes, tensor parallel 1, the hf engine."""
-    bin_dir, blocker = tmp_path / "bin", tmp_path / "no_vllm"
-    bin_dir.mkdir()
+def make_wheel(folder) -> None:
+    """A minimal pure-Python wheel (pip installs it offline), standing in for the wheels of scripts/gpu_wheels.sh."""
+    dist = "gpucheck_probe-0.1.dist-info"
+    files = {"gpucheck_probe/__init__.py": "VALUE = 42\n",
+             f"{dist}/METADATA": "Metadata-Version: 2.1\nName: gpucheck-probe\nVersion: 0.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(folder / "gpucheck_probe-0.1-py3-none-any.whl", "w") as whl:
+        for name, text in files.items():
+            whl.writestr(name, text)
+
+
+def test_gpu_check_env_and_tiny_stages_on_cpu(tmp_path):
+    blocker, wheels, work = tmp_path / "no_vllm", tmp_path / "whl", tmp_path / "work"
     blocker.mkdir()
-    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    wheels.mkdir()
+    make_wheel(wheels)
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\nsys.modules['datasets'] = None\n")
     home = tmp_path / "home"  # a user's default accelerate config that would break the launch: must not be read
     (home / ".cache" / "huggingface" / "accelerate").mkdir(parents=True)
     (home / ".cache" / "huggingface" / "accelerate" / "default_config.yaml").write_text("distributed_type: DEEPSPEED\ngpu_ids: '0'\n")
-    env = {**os.environ, "N": "2", "WORK": str(tmp_path / "work"), "PY": sys.executable, "HOME": str(home),
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "STAGES": "env tiny", "ALLOW_CPU": "1", "WORK": str(work), "WHEELS": str(wheels), "PY": sys.executable,
+           "HOME": str(home), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(blocker)}
     env.pop("HF_HOME", None)
-    env["PYTHONPATH"] = str(blocker)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "vllm not importable, using rollout.name=hf" in out
-    assert "GPU 0: 1234 MiB" in out and "--id=0,1" in (tmp_path / "smi_args.txt").read_text()
-    assert "[rank 0] actor: FSDP2 over 2 process(es)" in out and "[rank 1] actor: FSDP2 over 2 process(es)" in out
-    assert "gpu_check: tp1: OK (3 steps expected, got 3;" in out, out[-3000:]
-    assert "== run tp2" not in out, "the TP-2 layout needs vLLM (the hf engine has no TP)"
+    assert (work / "site" / "gpucheck_probe" / "__init__.py").is_file(), "the wheel was not installed into the clean folder"
+    table = proc.stdout[proc.stdout.index("| check | verdict | detail |"):]
+    for check in ("env: wheels | OK", "env: gpu | INFO", "env: torch APIs | OK", "env: math reward | OK",
+                  "env: engine | INFO | vllm not importable: every run uses rollout.name=hf", "tiny | OK | steps [1, 2, 3]"):
+        assert f"| {check}" in table, table
+    assert "FAIL" not in table and "tiny_tp2" not in table, table  # the TP-2 layout needs vLLM (the hf engine has no TP)
+    assert "[rank 0] actor:" in out, "the run's sharding line is shown"
     assert out.count("weight_sync_max_abs_diff=") == 3
     assert proc.stdout.rstrip().endswith("gpu_check: OK"), proc.stdout[-500:]
+
+
+def test_gpu_check_names_an_old_driver(tmp_path):
+    """Defect 5 of issue 19: a CUDA build of torch that sees no GPU on a machine whose NVIDIA driver lists one (a driver
+    older than torch's CUDA) is reported as that, with train_grpo.py's message, not as "no CUDA device visible"; the row
+    FAILS and so does the exit code. Faked: torch.version.cuda set, the driver's GPU list a folder with one entry."""
+    gpus, patch = tmp_path / "gpus", tmp_path / "patch"
+    (gpus / "0000:01:00.0").mkdir(parents=True)
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport torch\ntorch.version.cuda = '13.0'\n"
+        f"import grpo_lib.distributed as d\nd.NVIDIA_GPUS_DIR = {str(gpus)!r}\n")
+    env = {**os.environ, "STAGES": "env", "WORK": str(tmp_path / "work"), "WHEELS": str(tmp_path / "none"), "PY": sys.executable,
+           "PYTHONPATH": str(patch)}
+    env.pop("ALLOW_CPU", None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| env: gpu | FAIL | this machine's NVIDIA driver lists 1 GPU(s) but torch" in proc.stdout, proc.stdout[-2000:]
+    assert "the driver is probably older than that CUDA version needs" in proc.stdout
+    assert "gpu_check: FAILED: env: gpu" in proc.stdout

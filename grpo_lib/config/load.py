@@ -199,7 +199,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     problems, values, ignored = [], {}, {}
     for key, value in raw.items():
         mapping = next((k for k in known if known[k] is dict and key.startswith(k + ".")), None)
-        if mapping is not None:  # a dict-valued key written leaf by leaf: data.apply_chat_template_kwargs.enable_thinking=false
+        if mapping is not None and _match(key, IGNORED) is None:  # a dict-valued key written leaf by leaf: data.apply_chat_template_kwargs.enable_thinking=false
             values.setdefault(mapping, {})[key[len(mapping) + 1:]] = value
             continue
         if key not in known and _match(key, REFUSED) is not None:

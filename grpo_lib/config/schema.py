@@ -284,6 +284,20 @@ class RolloutConfig:
     lora_mode: Literal["merged", "adapter"] = "merged"
     """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
     like full weights (exact, any engine)."""
+    enable_chunked_prefill: bool = may_change_on_resume(True)
+    """vLLM chunked prefill (verl's key and default True): long prompts are prefilled in pieces of at most
+    max_num_batched_tokens, next to running decodes. Always off on CPU: a chunked prefill rewinds the request's seeded
+    generator, which CPU generators cannot do."""
+    max_num_batched_tokens: int = may_change_on_resume(8192)
+    """Tokens vLLM schedules per engine step (verl's key and default 8192). With enable_chunked_prefill false it must
+    be at least data.max_prompt_length + data.max_response_length; on CPU (no chunking) the engine takes the larger of
+    the two."""
+    engine_kwargs: dict = may_change_on_resume(default_factory=dict)
+    """Keyword arguments passed unchanged to vllm.LLM(...) (rollout.name=vllm), e.g. {swap_space: 4,
+    compilation_config: {cudagraph_capture_sizes: [1, 8, 32]}}; verl's actor_rollout_ref.rollout.engine_kwargs.vllm.*
+    lands here (its engine_kwargs.sglang.* is ignored). disable_custom_all_reduce defaults to true, as verl always sets it;
+    a key the trainer sets from one of its own keys (max_num_seqs: rollout.max_num_seqs, ...) or needs (logprobs_mode,
+    seed, ...) is refused naming both (config.checks.VLLM_OWN_KWARGS)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 

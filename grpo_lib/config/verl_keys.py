@@ -31,6 +31,10 @@ ALIASES: dict[str, str] = {
     "actor.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
     "actor.log_prob_max_token_len_per_gpu": "rollout.log_prob_max_token_len_per_gpu",
     "ref.param_offload": "ref.fsdp_config.param_offload",
+    # verl nests vLLM's LLM(...) kwargs under the engine's name; here rollout.engine_kwargs is vLLM's (the only engine
+    # that takes them)
+    "rollout.engine_kwargs.vllm.": "rollout.engine_kwargs.",
+    "rollout.engine_kwargs.vllm": "rollout.engine_kwargs",
     "actor.fsdp_config.mixed_precision.param_dtype": "actor.fsdp_config.param_dtype",
     "actor.fsdp_config.mixed_precision.reduce_dtype": "actor.fsdp_config.reduce_dtype",
 }
@@ -53,8 +57,8 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
                                                        (False,)),
     "rollout.multi_turn.interaction_config_path": ("simulated-user interactions are not implemented", (None,)),
     "rollout.agent.num_workers": ("agent-loop worker processes: episodes run in the training process here", None),
-    "rollout.enable_chunked_prefill": ("vLLM scheduling knob (off on CPU, vLLM's default on GPU)", None),
-    "rollout.max_num_batched_tokens": ("vLLM scheduling knob: tokens per engine step", None),
+    "rollout.engine_kwargs.sglang": ("SGLang's engine settings: the engine here is vLLM (or hf)", None),
+    "rollout.engine_kwargs.sglang.": ("SGLang's engine settings: the engine here is vLLM (or hf)", None),
     "rollout.disable_log_stats": ("vLLM logging", None),
     "actor.ulysses_sequence_parallel_size": ("sequence parallelism (memory): each process holds whole sequences here", None),
     "ref.ulysses_sequence_parallel_size": ("sequence parallelism (memory): each process holds whole sequences here", None),

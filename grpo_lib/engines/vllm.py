@@ -33,11 +33,25 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo_lib.config.checks import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS
 from grpo_lib.dtypes import resolve as resolve_dtype
 from grpo_lib.engines.base import EngineGlue, Lifecycle
 from grpo_lib.types import Generation
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+def llm_kwargs(own: dict, engine_kwargs: dict) -> dict:
+    """vllm.LLM(...)'s keyword arguments: VLLM_DEFAULT_KWARGS, replaced by rollout.engine_kwargs (passed unchanged), then
+    the trainer's own (`own`), none of which engine_kwargs may name (config validation refuses that with both keys'
+    names; refused here too for an engine built without it).
+
+    Example: llm_kwargs({"seed": 1}, {"swap_space": 4}) -> {"disable_custom_all_reduce": True, "swap_space": 4, "seed": 1}.
+    """
+    clash = sorted(set(own) & set(engine_kwargs))
+    if clash:
+        raise ValueError(f"rollout.engine_kwargs sets {clash}, which the trainer sets itself ({VLLM_OWN_KWARGS}): drop them")
+    return {**VLLM_DEFAULT_KWARGS, **engine_kwargs, **own}
 
 
 class VLLMEngine(EngineGlue):
@@ -66,17 +80,20 @@ class VLLMEngine(EngineGlue):
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
             # A chunked prefill discards the partial step's sampled token and rewinds the request's seeded
-            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): never chunk.
+            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): never chunk, so a
+            # whole prompt must fit one engine step.
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
+            kwargs["max_num_batched_tokens"] = max(max_model_len, cfg.max_num_batched_tokens)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.free_cache_engine
+            kwargs["enable_chunked_prefill"] = cfg.enable_chunked_prefill
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
             if cfg.kv_cache_memory_bytes:
                 kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = llm_factory(**kwargs)
+        self.llm = llm_factory(**llm_kwargs(kwargs, cfg.engine_kwargs))
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 

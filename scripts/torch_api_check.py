@@ -1,0 +1,98 @@
+"""Every torch API the project's code names, resolved against the installed torch: `python scripts/torch_api_check.py`.
+
+Reads grpo_lib/ and train_grpo.py with `ast` (nothing of ours is imported): each `from torch.x import a` and each
+attribute chain that starts at a torch module (`torch.cuda.reset_peak_memory_stats`, `dist.all_reduce`,
+`dcp.load`) is resolved with importlib/getattr. Prints one line per missing name with the files that use it and exits
+1 when any is missing, so a torch version the code was not written for (the lent GPU machine's torch 2.11, CI's 2.13)
+fails here in seconds instead of minutes into a run. `--list` prints every name checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def used_names(paths: list[Path]) -> dict[str, set[str]]:
+    """{"torch.cuda.mem_get_info": {"grpo_lib/engines/base.py"}, ...}: torch names each file uses."""
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        rel = str(path.relative_to(REPO))
+        aliases: dict[str, str] = {}  # local name -> dotted torch module or object
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "torch" or a.name.startswith("torch."):
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                        found.setdefault(a.name, set()).add(rel)
+            elif isinstance(node, ast.ImportFrom) and node.module and (node.module == "torch" or node.module.startswith("torch.")):
+                for a in node.names:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    found.setdefault(f"{node.module}.{a.name}", set()).add(rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                chain, inner = [], node
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id in aliases:
+                    found.setdefault(".".join([aliases[inner.id], *reversed(chain)]), set()).add(rel)
+    return found
+
+
+def resolve(dotted: str) -> bool:
+    """True when `dotted` is a module or an attribute reachable from the longest importable module prefix."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                try:  # a submodule not imported by its package yet
+                    obj = importlib.import_module(f"{obj.__name__}.{attr}") if hasattr(obj, "__path__") else None
+                except ImportError:
+                    obj = None
+                if obj is None:
+                    return False
+            else:
+                obj = getattr(obj, attr)
+        return True
+    return False
+
+
+# Attribute chains that end on a tensor's / module's own methods, not torch's API (a chain through a call's result is
+# cut at the call by `ast`, so these are the few names that are values in torch's namespace).
+NOT_API = ("torch.version.cuda.", "torch.version.git_version.")
+
+
+# Methods called on objects torch returns (an AST cannot follow them): DTensor's, as grpo_lib/fsdp.py and actor.py use.
+METHODS = {"torch.distributed.tensor.DTensor.full_tensor": {"grpo_lib/fsdp.py"},
+           "torch.distributed.tensor.DTensor.to_local": {"grpo_lib/fsdp.py"},
+           "torch.distributed.tensor.DTensor.device_mesh": {"grpo_lib/fsdp.py"},
+           "torch.distributed.fsdp.FSDPModule": {"grpo_lib/fsdp.py (the class fully_shard mixes in)"}}
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    paths = sorted((REPO / "grpo_lib").rglob("*.py")) + [REPO / "train_grpo.py"]
+    names = {n: files for n, files in {**used_names(paths), **METHODS}.items() if not n.startswith(NOT_API)}
+    missing = {n: files for n, files in sorted(names.items()) if not resolve(n)}
+    if "--list" in argv:
+        print("\n".join(sorted(names)))
+    for name, files in missing.items():
+        print(f"torch_api_check: MISSING {name} (used in {', '.join(sorted(files))})")
+    print(f"torch_api_check: torch {torch.__version__}: {len(names) - len(missing)} of {len(names)} torch names used by "
+          f"grpo_lib/ and train_grpo.py resolve" + ("" if not missing else f"; {len(missing)} missing"))
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

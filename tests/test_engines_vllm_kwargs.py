@@ -1,0 +1,104 @@
+"""What reaches vllm.LLM(...): rollout.engine_kwargs (and verl's engine_kwargs.vllm.* spelling) unchanged, the
+scheduling keys rollout.max_num_batched_tokens / enable_chunked_prefill, verl's disable_custom_all_reduce default,
+and the keys the trainer sets itself refused naming both. A recording factory stands in for vllm.LLM (no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_lib.config import ConfigError, load_config
+from grpo_lib.engines.vllm import VLLMEngine
+from tests.conftest import REPO
+
+RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
+
+
+class RecordingLLM:
+    """vllm.LLM's constructor, recorded: `calls` holds the keyword arguments of every construction."""
+
+    calls: list[dict] = []
+
+    def __init__(self, **kwargs):
+        type(self).calls.append(kwargs)
+
+    def get_tokenizer(self):
+        return SimpleNamespace(pad_token_id=0, eos_token_id=1)
+
+
+def llm_kwargs(*overrides: str, on_cpu: bool = False, world_size: int = 1) -> dict:
+    """The kwargs VLLMEngine.from_config passes to LLM(...) for tiny_cpu.yaml + `overrides`."""
+    cfg = load_config(RECIPE, list(overrides), world_size=world_size)
+    RecordingLLM.calls = []
+    VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+               seed=cfg.trainer.seed, on_cpu=on_cpu, world_size=world_size, llm_factory=RecordingLLM)
+    (kwargs,) = RecordingLLM.calls
+    return kwargs
+
+
+def test_verl_engine_kwargs_reach_llm_unchanged_on_gpu():
+    kwargs = llm_kwargs(
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes=[1,8,32]",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=10240", "actor_rollout_ref.rollout.enable_chunked_prefill=False")
+    assert kwargs["swap_space"] == 4 and kwargs["attention_backend"] == "FLASH_ATTN"
+    assert kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 32]}, "a dotted leaf is vLLM's nested mapping"
+    assert kwargs["max_num_batched_tokens"] == 10240 and kwargs["enable_chunked_prefill"] is False
+    assert kwargs["disable_custom_all_reduce"] is True, "verl's default"
+    assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["seed"] == 1  # the trainer's own stay
+
+
+def test_defaults_follow_verl_and_user_may_replace_disable_custom_all_reduce():
+    kwargs = llm_kwargs()
+    assert (kwargs["enable_chunked_prefill"], kwargs["max_num_batched_tokens"], kwargs["disable_custom_all_reduce"]) == (True, 8192, True)
+    assert llm_kwargs("rollout.engine_kwargs.disable_custom_all_reduce=false")["disable_custom_all_reduce"] is False
+
+
+def test_recipe_mapping_spelling(tmp_path):
+    """verl's YAML shape (engine_kwargs: {vllm: {...}, sglang: {}}) in a recipe: vLLM's part arrives, SGLang's is ignored."""
+    recipe = tmp_path / "r.yaml"
+    text = RECIPE.read_text()
+    assert "\nrollout:\n" in text
+    recipe.write_text(text.replace("\nrollout:\n", "\nrollout:\n  engine_kwargs:\n    vllm:\n      swap_space: 2\n"
+                                   "      max_seq_len_to_capture: 64\n    sglang: {}\n", 1))
+    cfg = load_config(recipe, [])
+    assert cfg.rollout.engine_kwargs == {"swap_space": 2, "max_seq_len_to_capture": 64}
+    assert any(k.startswith("rollout.engine_kwargs.sglang") for k in cfg.ignored), cfg.ignored
+
+
+def test_cpu_never_chunks_and_fits_a_whole_sequence():
+    kwargs = llm_kwargs("rollout.max_num_batched_tokens=16", "data.max_prompt_length=64", "data.max_response_length=32", on_cpu=True)
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 96
+
+
+@pytest.mark.parametrize("override, own", [
+    ("rollout.engine_kwargs.max_num_seqs=3", "rollout.max_num_seqs"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.seed=3", "trainer.seed"),
+    ("rollout.engine_kwargs.max_num_batched_tokens=64", "rollout.max_num_batched_tokens"),
+    ("rollout.engine_kwargs.logprobs_mode=raw_logprobs", "processed_logprobs"),
+])
+def test_a_key_the_trainer_sets_is_refused_naming_both(override, own):
+    """Decision: refused (exit 2) rather than user-wins. A value set in two places is refused everywhere else in the config,
+    and the trainer's own keywords carry its correctness (processed logprobs are what the trainer compares)."""
+    key = override.split("=")[0].replace("actor_rollout_ref.", "").replace(".vllm.", ".")
+    with pytest.raises(ConfigError) as error:
+        load_config(RECIPE, [override])
+    assert key in str(error.value) and own in str(error.value), str(error.value)
+
+
+def test_engine_refuses_a_clash_without_validation():
+    cfg = load_config(RECIPE, [])
+    cfg.rollout.engine_kwargs = {"max_model_len": 8}  # as if built by hand, past validation
+    with pytest.raises(ValueError, match="max_model_len"):
+        VLLMEngine(model_path="m", cfg=cfg.rollout, max_model_len=64, seed=0, on_cpu=False, world_size=1, llm_factory=RecordingLLM)
+
+
+def test_budget_below_one_sequence_without_chunking_and_hf_engine_kwargs_refused():
+    with pytest.raises(ConfigError) as error:
+        load_config(RECIPE, ["rollout.enable_chunked_prefill=false", "rollout.max_num_batched_tokens=8"])
+    assert "rollout.max_num_batched_tokens=8 is smaller than one sequence" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        load_config(RECIPE, ["rollout.name=hf", "rollout.engine_kwargs.swap_space=4"])
+    assert "rollout.name='hf'" in str(error.value)

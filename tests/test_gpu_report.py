@@ -1,0 +1,95 @@
+"""The numbers of scripts/gpu_check.sh (scripts/gpu_report.py), in-process on made-up runs: the verdict of a tiny run,
+the plan parsed from today's --print-plan output, the true-size run's memory verdict, tokens/s and MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_report  # noqa: E402
+
+
+def write_metrics(path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"step": 0, "data/train_prompts": 8}, *rows]))
+
+
+def verdict_rows(path) -> list[list[str]]:
+    return [line.split("\t") for line in path.read_text().splitlines()]
+
+
+def test_run_verdict_checks_steps_and_weight_sync(tmp_path):
+    verdict = tmp_path / "v.tsv"
+    rows = [{"step": s, "timing_s/step": 1.0, "debug/weight_sync_max_abs_diff": 0.01, "memory/update_peak_mb": 900.0} for s in (1, 2, 3)]
+    write_metrics(tmp_path / "ok.jsonl", rows)
+    assert gpu_report.run_report(tmp_path / "ok.jsonl", name="tiny", steps=[1, 2, 3], tol=5e-2, verdict=verdict) == 0
+    rows[1]["debug/weight_sync_max_abs_diff"] = 0.2  # above the tolerance
+    write_metrics(tmp_path / "bad.jsonl", rows)
+    assert gpu_report.run_report(tmp_path / "bad.jsonl", name="sync", steps=[1, 2, 3], tol=5e-2, verdict=verdict) == 1
+    write_metrics(tmp_path / "short.jsonl", rows[:2])
+    assert gpu_report.run_report(tmp_path / "short.jsonl", name="short", steps=[1, 2, 3], tol=1.0, verdict=verdict) == 1
+    assert [r[:2] for r in verdict_rows(verdict)] == [["tiny", "OK"], ["sync", "FAIL"], ["short", "FAIL"]]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert gpu_report.table(verdict) == 1
+    assert "gpu_check: FAILED: sync, short" in out.getvalue()
+
+
+def test_plan_lines_match_print_plan():
+    """The phases are read from the real --print-plan output of the big stage's command (a format change fails here)."""
+    from grpo_lib.plan import print_plan
+
+    argv = [str(REPO / "recipes" / "qwen3_4b_gsm8k.yaml"), "trainer.n_gpus_per_node=1", "rollout.tensor_model_parallel_size=1",
+            "rollout.name=hf", "--print-plan", "--num-processes", "1", "--gpu-memory-gb", "139",
+            "--model-config", str(REPO / "tests" / "data" / "qwen3_4b_config.json")]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        print_plan(argv)
+    plan = gpu_report.parse_plan(out.getvalue())
+    assert set(plan) == {"generation", "training", "peak"}, out.getvalue()[-1500:]
+    assert 40 < plan["training"] < plan["generation"] <= plan["peak"] < 139  # 4B on one GPU: 16 bytes/param at least
+
+
+def big_run(tmp_path, *, update_peak_mb: float, device: str = "NVIDIA H200") -> None:
+    (tmp_path / "big.json").write_text(json.dumps({"params": 4e9, "build_s": 10, "setup_s": 60, "steps": 1, "prompt_tokens_mean": 50.0,
+                                                   "trajectories_per_step": 16, "ppo_epochs": 1, "device": device}))
+    write_metrics(tmp_path / "run" / "metrics.jsonl", [{
+        "step": 1, "timing_s/step": 42.0, "timing_s/gen": 30.0, "timing_s/update": 1.0, "timing_s/push": 2.0,
+        "response/length_mean": 1000.0, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0,
+        "memory/gen_peak_mb": 20 * 1024, "memory/update_peak_mb": update_peak_mb, "memory/push_peak_mb": 30 * 1024}])
+
+
+PLAN = "    generation phase        128.35 GiB (...)\n    training phase           62.51 GiB (...)\n    peak per GPU  128.35 GiB of 139 GiB"
+
+
+def test_big_verdict_memory_against_plan_and_mfu(tmp_path):
+    verdict = tmp_path / "v.tsv"
+    big_run(tmp_path, update_peak_mb=60 * 1024)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert gpu_report.big_report(tmp_path, plan_text=PLAN, measure_text=None, verdict=verdict) == 0
+    rows = {r[0]: r for r in verdict_rows(verdict)}
+    assert rows["big: training-phase memory"][1] == "OK" and "measured/plan 0.96" in rows["big: training-phase memory"][2]
+    # 16 x (50 + 1000) = 16800 tokens in 42 s = 400 tokens/s; 16000 generated in 30 s = 533/s;
+    # MFU = 6 x 4e9 x 16800 FLOP / 1.0 s / 989e12 FLOP/s = 40.8%
+    step = rows["big: step 1"][2]
+    assert "400 tokens/s per step" in step and "533 generated tokens/s" in step and "update MFU 40.8%" in step, step
+    verdict.unlink()
+    big_run(tmp_path, update_peak_mb=70 * 1024)  # 70 GiB > 62.51 x 1.1 = 68.8: the plan under-states the phase
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert gpu_report.big_report(tmp_path, plan_text=PLAN, measure_text=None, verdict=verdict) == 1
+    assert {r[0]: r[1] for r in verdict_rows(verdict)}["big: training-phase memory"] == "FAIL"
+
+
+@pytest.mark.parametrize("plan_text, expect", [("no memory plan here", "FAIL"), (PLAN, "INFO")])
+def test_big_verdict_on_cpu_is_not_judged_but_an_unreadable_plan_fails(tmp_path, plan_text, expect):
+    verdict = tmp_path / "v.tsv"
+    big_run(tmp_path, update_peak_mb=600.0, device="cpu")
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = gpu_report.big_report(tmp_path, plan_text=plan_text, measure_text=None, verdict=verdict)
+    rows = {r[0]: r[1] for r in verdict_rows(verdict)}
+    assert rows.get("big: training-phase memory", rows.get("big: plan")) == expect and code == (expect == "FAIL")
