@@ -1,0 +1,145 @@
+"""Generation benchmark: the hf engine against vLLM on long-tail lengths, and rewards scored while the engine generates.
+
+Not a test: `python bench/bench_generate.py` prints tables and writes bench/results_generate_cpu.md (machine, date,
+load). `--what engines` or `--what reward` runs one part; `--rounds` measured rounds after one warm-up round.
+
+Model: bench_step.py's random Qwen3 (hidden 256, 4 layers, vocab 2000, ~3.4M parameters, fp32), built once in
+`--work-dir`. Long-tail shape (issue 21): 16 prompts x 8 samples, temperature 1, and each of the 128 responses gets
+its own length limit drawn from a log-normal (median 50, sigma 1: mean ~83, p90 ~180, capped at 512) that the model,
+random, almost never reaches eos before; the limits are forced with one request per response (n=1, the seed a
+prompt's sample k would get), so both engines run exactly the same work.
+
+1. engines: `VLLMEngine.generate` and `HFEngine.generate` on the same requests in ONE process, alternated per round
+   (vLLM sets the process to one torch thread when it starts: both engines run on it). Reported: seconds per call,
+   response tokens, hf / vLLM.
+2. reward: whole training steps (generation -> rewards -> advantages -> update -> push, as bench_step.py) of one
+   trainer process (train_grpo.setup, vLLM engine, reward.num_workers=1) with three reward set-ups alternated per
+   round: a free reward; a CPU-bound reward (a busy loop) costing 30% of the generation time in all, scored while
+   the engine generates (the default); the same reward scored after generation (`stream_rewards=False`, today's
+   order). The target: the streamed step within 10% of the free one. Each reward scorer has its own worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from bench_step import PROMPTS, GROUP, build_fixtures, machine, median  # noqa: E402
+
+MAX_RESPONSE = 512
+BUSY_REWARD = """import time
+
+COST_S = {cost_s!r}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    end = time.process_time() + COST_S  # CPU-bound, as math-verify is: it competes with the engine for the cores
+    while time.process_time() < end:
+        pass
+    return float(len(solution_str) % 3 == 0)
+"""
+
+
+def long_tail_limits(count: int, *, seed: int = 0) -> list[int]:
+    """`count` response-length limits: log-normal, median 50 tokens, sigma 1 (mean ~83, p90 ~180), in [4, 512]."""
+    import random
+
+    rng = random.Random(seed)
+    return [max(4, min(MAX_RESPONSE, round(rng.lognormvariate(3.912, 1.0)))) for _ in range(count)]
+
+
+def requests(work: Path) -> tuple[list[list[int]], list[int], list[int]]:
+    """(prompt ids, max tokens, seeds), one entry per response: 16 chat prompts x 8 samples."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    rows = pd.read_parquet(work / "train.parquet").head(PROMPTS)
+    prompts = [tokenizer.apply_chat_template(list(r), add_generation_prompt=True, tokenize=True) for r in rows["prompt"]]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    ids = [p for p in prompts for _ in range(GROUP)]
+    seeds = [1000 * i + k for i in range(PROMPTS) for k in range(GROUP)]
+    return ids, long_tail_limits(len(ids)), seeds
+
+
+def bench_engines(work: Path, rounds: int) -> list[dict]:
+    from grpo_lib.config import RolloutConfig
+    from grpo_lib.engines.hf import HFEngine
+    from grpo_lib.engines.vllm import VLLMEngine
+
+    ids, limits, seeds = requests(work)
+    max_len = max(len(p) for p in ids) + MAX_RESPONSE
+    cfg = RolloutConfig(kv_cache_memory_bytes=len(ids) * (max_len + 128) * 4096, max_num_seqs=256)
+    engines = {"vllm": VLLMEngine(model_path=str(work / "model"), cfg=cfg, max_model_len=max_len, seed=0, on_cpu=True,
+                                  world_size=1),
+               "hf": HFEngine(model_path=str(work / "model"), cfg=cfg, on_cpu=True)}
+    rows = []
+    for rnd in range(rounds + 1):
+        row = {}
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            out = engine.generate(ids, n=1, temperature=1.0, max_tokens=limits, seeds=seeds, logprobs=False)
+            row[name] = time.perf_counter() - start
+            row[f"{name}_tokens"] = sum(len(g[0].token_ids) for g in out)
+        print(f"round {rnd}: vllm {row['vllm']:.2f}s ({row['vllm_tokens']} tokens), hf {row['hf']:.2f}s "
+              f"({row['hf_tokens']} tokens), hf/vllm {row['hf'] / row['vllm']:.2f}x, load {os.getloadavg()[0]:.2f}", flush=True)
+        if rnd > 0:
+            rows.append(row)
+    return rows
+
+
+def engine_table(rows: list[dict], limits: list[int]) -> list[str]:
+    ordered = sorted(limits)
+    lines = [f"Limits: {len(limits)} responses, mean {sum(limits) / len(limits):.0f}, p90 {ordered[int(0.9 * len(ordered))]}, "
+             f"max {ordered[-1]} tokens.", "",
+             "| engine | s per call, median (best) | response tokens |", "|---|---|---|"]
+    for name in ("vllm", "hf"):
+        t = [r[name] for r in rows]
+        lines.append(f"| {name} | {median(t):.2f} ({min(t):.2f}) | {rows[-1][f'{name}_tokens']} |")
+    ratio = [r["hf"] / r["vllm"] for r in rows]
+    lines += ["", f"hf / vLLM: median {median(ratio):.2f}x (best {min(ratio):.2f}x, worst {max(ratio):.2f}x)"]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--what", default="engines,reward", help="comma-separated: engines, reward")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--work-dir", default=None, help="model/data folder (reused across runs; default: a temp folder)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results_generate_cpu.md"))
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_generate_"))
+    work.mkdir(parents=True, exist_ok=True)
+    build_fixtures(work)
+    info = machine()
+    print(info, flush=True)
+    lines = ["# Generation benchmark (CPU)", "", f"Produced by `python bench/bench_generate.py --what {args.what} "
+             f"--rounds {args.rounds}` (see its docstring for the shape and method).", "", "## Machine", "", "```", info]
+    sections = []
+    if "engines" in args.what:
+        rows = bench_engines(work, args.rounds)
+        sections += ["## hf engine vs vLLM, long-tail lengths", "", *engine_table(rows, requests(work)[1]), "",
+                     "Raw rows (seconds):", "", "```", *[json.dumps(r) for r in rows], "```", ""]
+    if "reward" in args.what:
+        from bench_reward_overlap import bench_reward, reward_table
+
+        rows = bench_reward(work, args.rounds)
+        sections += ["## Rewards scored while the engine generates", "", *reward_table(rows), "",
+                     "Raw rows (seconds):", "", "```", *[json.dumps(r) for r in rows], "```", ""]
+    lines += [f"load average at end: {os.getloadavg()}", "```", "", *sections]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
