@@ -65,8 +65,8 @@ def requests(work: Path) -> tuple[list[list[int]], list[int], list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     rows = pd.read_parquet(work / "train.parquet").head(PROMPTS)
-    prompts = [tokenizer.apply_chat_template(list(r), add_generation_prompt=True, tokenize=True) for r in rows["prompt"]]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    texts = [tokenizer.apply_chat_template(list(r), add_generation_prompt=True, tokenize=False) for r in rows["prompt"]]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     ids = [p for p in prompts for _ in range(GROUP)]
     seeds = [1000 * i + k for i in range(PROMPTS) for k in range(GROUP)]
     return ids, long_tail_limits(len(ids)), seeds

@@ -20,15 +20,17 @@ from __future__ import annotations
 from grpo_lib.distributed import all_reduce_sum, is_on
 
 
-def val_metrics(scorer, batch, *, sources: list[str], n: int) -> dict[str, float]:
+def val_metrics(scorer, batch, *, sources: list[str], n: int, rewards=None) -> dict[str, float]:
     """Score `batch` (fills batch.scores) and reduce per-source metrics over processes (see the module table).
 
     `sources` must be the same list on every process (the validation set's sources), so the reductions match.
+    `rewards`: the batch's RewardOutput when it was scored already (while the engine generated, `step.validate`).
     """
     import torch
 
-    out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
-                       extra_infos=batch.extra_infos)
+    out = rewards if rewards is not None else scorer.score(
+        responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
+        extra_infos=batch.extra_infos)
     batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
     correctness = out.per_function.get("accuracy", out.scores)
     correct = [float(value > 0) for value in correctness]  # [B]
