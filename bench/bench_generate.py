@@ -111,6 +111,122 @@ def engine_table(rows: list[dict], limits: list[int]) -> list[str]:
     return lines
 
 
+def eos_model(work: Path, *, mean_tokens: float = 83.0) -> Path:
+    """bench_step's model with its eos made likely enough that sampled responses end after ~`mean_tokens` tokens (a
+    geometric-like tail: p90 ~2.3x the mean): the eos row of the (tied) embedding becomes alpha x the mean direction
+    of the model's last hidden states, alpha found by bisection so that the mean p(eos) over sampled positions is
+    1 / mean_tokens. Built once in `work`/eos_model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = work / "eos_model"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32).eval()
+    ids, _, _ = requests(work)
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.tensor([p[:8] for p in ids[::GROUP]])  # [16, 8] prompt starts
+    with torch.no_grad():
+        for _ in range(64):  # sample a continuation to collect hidden states of generated text
+            logits = model(input_ids=batch).logits[:, -1].float()  # [16, V]
+            batch = torch.cat([batch, torch.multinomial(logits.softmax(-1), 1, generator=gen)], dim=1)
+        hidden = model.model(input_ids=batch).last_hidden_state[:, 8:].reshape(-1, model.config.hidden_size)  # [N, H]
+        head = model.lm_head.weight  # [V, H]
+        eos = tokenizer.eos_token_id
+        others = (hidden @ head.T).index_fill(1, torch.tensor([eos]), float("-inf")).logsumexp(-1)  # [N]
+        direction = hidden.mean(0) / hidden.mean(0).norm()  # [H]
+        lo, hi = 0.0, 1000.0
+        for _ in range(60):
+            alpha = (lo + hi) / 2
+            p_eos = torch.sigmoid(alpha * (hidden @ direction) - others).mean()
+            lo, hi = (alpha, hi) if p_eos < 1 / mean_tokens else (lo, alpha)
+        model.model.embed_tokens.weight[eos] = alpha * direction
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
+
+
+def bench_reward(work: Path, rounds: int) -> list[dict]:
+    """Whole steps with a free reward, a 30% reward streamed, and the same reward scored after generation."""
+    import functools
+
+    import train_grpo
+    from bench_step import overrides
+    from grpo_lib import step as S
+    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.config import load_config
+    from grpo_lib.perf import capture_torch_threads, tune_allocator
+    from grpo_lib.rewards import RewardScorer
+
+    model = eos_model(work)
+    keys = {"model.path", "data.max_response_length", "reward.num_workers"}
+    cfg = load_config(None, [o for o in overrides(work, "reward") if o.split("=")[0] not in keys]
+                      + [f"model.path={model}", f"data.max_response_length={MAX_RESPONSE}", "reward.num_workers=1"])
+    tune_allocator()
+    capture_torch_threads()
+    trainer = train_grpo.GRPOTrainer(cfg, world_size=1, rank=0, resume=ResumePlan())
+    trainer.setup()
+    free = trainer.parts.scorer
+    real_collect = S.collect_rollouts
+    number = 0
+
+    def one_step(scorer, *, stream: bool) -> dict:
+        nonlocal number
+        number += 1
+        trainer.parts.scorer = scorer
+        S.collect_rollouts = real_collect if stream else functools.partial(real_collect, stream_rewards=False)
+        try:
+            start = time.perf_counter()
+            metrics = trainer.step(number)
+            metrics["wall_s"] = time.perf_counter() - start
+        finally:
+            S.collect_rollouts = real_collect
+        return {k: metrics[k] for k in metrics if k.startswith("timing_s/") or k in ("wall_s", "response/length_mean",
+                                                                                    "response/length_max")}
+
+    warm = [one_step(free, stream=True) for _ in range(2)]  # compiles, caches; the second calibrates the reward's cost
+    gen_s = warm[-1]["timing_s/gen"]
+    responses = PROMPTS * GROUP
+    cost_s = 0.3 * gen_s / responses  # one worker: the reward's calls add up to 30% of the generation time
+    (work / "busy_reward.py").write_text(BUSY_REWARD.format(cost_s=cost_s))
+    busy = RewardScorer(functions=[{"name": "custom", "weight": 1.0}], custom_path=str(work / "busy_reward.py"),
+                        num_workers=1, timeout_s=60.0)
+    print(f"generation {gen_s:.2f} s -> reward {cost_s * 1000:.1f} ms per response ({responses} responses, 1 worker)",
+          flush=True)
+    rows = []
+    try:
+        for rnd in range(rounds + 1):
+            row = {"reward_cost_s": cost_s, "calibration_gen_s": gen_s}
+            for name, scorer, stream in (("free", free, True), ("streamed", busy, True), ("after", busy, False)):
+                row[name] = one_step(scorer, stream=stream)
+            print(f"round {rnd}: step free {row['free']['timing_s/step']:.2f}s, streamed {row['streamed']['timing_s/step']:.2f}s "
+                  f"(reward exposed {row['streamed']['timing_s/reward_exposed']:.2f}s), after {row['after']['timing_s/step']:.2f}s "
+                  f"(exposed {row['after']['timing_s/reward_exposed']:.2f}s), load {os.getloadavg()[0]:.2f}", flush=True)
+            if rnd > 0:
+                rows.append(row)
+    finally:
+        busy.close()
+        trainer.close()
+    return rows
+
+
+def reward_table(rows: list[dict]) -> list[str]:
+    lines = [f"Reward: a busy loop of {rows[0]['reward_cost_s'] * 1000:.1f} ms CPU per response (30% of a "
+             f"{rows[0]['calibration_gen_s']:.2f} s generation over {PROMPTS * GROUP} responses, one worker); "
+             f"responses end at the model's eos (mean {rows[-1]['free']['response/length_mean']:.0f}, max "
+             f"{rows[-1]['free']['response/length_max']:.0f} tokens, cap {MAX_RESPONSE}).", "",
+             "| reward | step s, median (best) | gen s | reward exposed s | step / free step |", "|---|---|---|---|---|"]
+    free = [r["free"]["timing_s/step"] for r in rows]
+    for name, label in (("free", "free"), ("streamed", "30%, scored while generating"), ("after", "30%, scored after generation")):
+        step_s = [r[name]["timing_s/step"] for r in rows]
+        ratio = [r[name]["timing_s/step"] / r["free"]["timing_s/step"] for r in rows]
+        lines.append(f"| {label} | {median(step_s):.2f} ({min(step_s):.2f}) | {median([r[name]['timing_s/gen'] for r in rows]):.2f} "
+                     f"| {median([r[name]['timing_s/reward_exposed'] for r in rows]):.2f} | {median(ratio):.2f}x |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", default="engines,reward", help="comma-separated: engines, reward")
@@ -131,8 +247,6 @@ def main() -> None:
         sections += ["## hf engine vs vLLM, long-tail lengths", "", *engine_table(rows, requests(work)[1]), "",
                      "Raw rows (seconds):", "", "```", *[json.dumps(r) for r in rows], "```", ""]
     if "reward" in args.what:
-        from bench_reward_overlap import bench_reward, reward_table
-
         rows = bench_reward(work, args.rounds)
         sections += ["## Rewards scored while the engine generates", "", *reward_table(rows), "",
                      "Raw rows (seconds):", "", "```", *[json.dumps(r) for r in rows], "```", ""]

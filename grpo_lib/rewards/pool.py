@@ -20,6 +20,12 @@ the parent knows which call runs and since when (to 10 ms). Time limits:
    calls (over timeout_s / 2 each) is also cut at that deadline; raise reward.timeout_s for such rewards.
 A worker that dies (segfault, os._exit) costs only the call it was running (an error); a fresh one replaces it.
 
+Calls may also arrive over time (`open_batch` -> `PoolBatch`: the responses of a generation, each as it finishes):
+`add` and `poll` hand out and collect without waiting, `drain` waits for the rest. Limits 1 and 2 hold from a call's
+hand-out; the batch deadline (3) is armed only in `drain`, from max(the slow call's start, the drain's start), so a
+hang while responses still arrive never cuts the ones that arrive later, and the batch still ends about one timeout_s
+after its last call came. `run(calls)` is `open_batch`, `add(calls)`, `drain`.
+
 Start-up is bounded too (`import_timeout_s`: the reward files a worker imports may hang at import). `start()` starts
 the workers and waits until each has built its functions: a worker whose factory raises (the custom file's import
 timed out, in the worker, or raised there only) reports the error and exits; one not ready `import_timeout_s` +
