@@ -161,9 +161,10 @@ def bench_reward(work: Path, rounds: int) -> list[dict]:
     from grpo_lib.rewards import RewardScorer
 
     model = eos_model(work)
-    keys = {"model.path", "data.max_response_length", "reward.num_workers"}
-    cfg = load_config(None, [o for o in overrides(work, "reward") if o.split("=")[0] not in keys]
-                      + [f"model.path={model}", f"data.max_response_length={MAX_RESPONSE}", "reward.num_workers=1"])
+    keys = {"model.path", "data.max_response_length", "reward.num_workers", "trainer.default_local_dir"}
+    cfg = load_config(None, [o for o in overrides(work, "fast") if o.split("=")[0] not in keys]
+                      + [f"model.path={model}", f"data.max_response_length={MAX_RESPONSE}", "reward.num_workers=1",
+                         f"trainer.default_local_dir={work / 'out_reward'}"])
     tune_allocator()
     capture_torch_threads()
     trainer = train_grpo.GRPOTrainer(cfg, world_size=1, rank=0, resume=ResumePlan())
