@@ -179,6 +179,8 @@ class HFEngine(EngineGlue):
         b, width = len(rows), max(len(ids) for ids, _, _ in rows)
         limits = torch.tensor([limit for _, _, limit in rows])  # [b]
         steps = int(limits.max())
+        if steps <= 0:  # nothing to generate (as before: empty responses)
+            return [self._generation([], []) for _ in rows]
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)  # [b, P] left padded
         mask = torch.zeros((b, width), dtype=torch.long)  # [b, P]
         for r, (ids, _, _) in enumerate(rows):
@@ -192,7 +194,7 @@ class HFEngine(EngineGlue):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
         tokens = torch.full((b, steps), self.pad_id, dtype=torch.long)  # [b, steps] on the host: what each row sampled
         token_lps = torch.zeros((b, steps))  # [b, steps]
-        lengths = [0] * b
+        done: list[Generation | None] = [None] * b  # each row's Generation, from the step it finished
         eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)  # [E]
         active = torch.arange(b)  # [a] rows still decoding (indices into rows)
         active_limits = limits.to(self.device)  # [a]
@@ -213,8 +215,8 @@ class HFEngine(EngineGlue):
             if bool(stop.any()):
                 finished = []
                 for r in active[stop.cpu()].tolist():
-                    lengths[r] = t + 1
-                    finished.append((r, self._generation(tokens[r, :t + 1].tolist(), token_lps[r, :t + 1].tolist())))
+                    done[r] = self._generation(tokens[r, :t + 1].tolist(), token_lps[r, :t + 1].tolist())
+                    finished.append((r, done[r]))
                 keep = (~stop).nonzero()[:, 0]  # [a'] positions (in the batch) of the rows that go on
                 if on_finished is not None:
                     on_finished(finished)
@@ -228,7 +230,7 @@ class HFEngine(EngineGlue):
             step_ids = next_ids[:, None]  # [a, 1]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)  # [a, P + t + 1]
             positions = positions[:, -1:] + 1  # [a, 1]
-        return [self._generation(tokens[r, :lengths[r]].tolist(), token_lps[r, :lengths[r]].tolist()) for r in range(b)]
+        return done  # every row finished: its own limit is at most `steps`
 
     def _generation(self, token_ids: list[int], logprobs: list[float]) -> Generation:
         return Generation(token_ids=token_ids, logprobs=logprobs, text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
