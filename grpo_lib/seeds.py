@@ -8,8 +8,9 @@ member computes it without communication, `tp_group_share`) and each member keep
 Seeds (`sample_seed`): one per sample, derived from (trainer.seed, purpose, step, round, prompt position in the
 round's global batch, sample index), so no two samples of a run share a seed and neither the process count nor
 the TP size changes what is generated. vLLM seeds the n children of a request seed, seed + 1, ...: the seed of
-sample k of a prompt is exactly the prompt's seed + k, so one request with n children is used (no per-sample
-requests); the hf engine follows the same rule.
+sample k of a prompt is exactly the prompt's seed + k, so one request with n children is used; the hf engine follows
+the same rule, and so does the vLLM engine where it submits one request per sample (n=1, seed + k: vLLM's own child
+requests) to hear of each response as it finishes (`generate(on_finished=...)`).
 
 Multi-turn episodes (`turn_seed`): turn t of a sample is one request of its own (n=1), seeded from the sample's seed
 and t only, so it neither depends on the topology nor on which other samples are still running; turn 0 uses the

@@ -6,6 +6,7 @@ of `grpo_lib.types`; none branches on a loss or estimator name (the math lives i
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -76,7 +77,28 @@ def balance_batch(actor, batch: RolloutBatch) -> RolloutBatch:
     return RolloutBatch.concat([balance_across_ranks(batch.select(rows)) for rows in actor.mini_batch_rows(batch)])
 
 
-def score(scorer, batch: RolloutBatch, *, overlong_buffer=None, max_response_length: int | None = None) -> dict[str, float]:
+def open_reward_stream(scorer):
+    """The scorer's stream for one generation (`RewardScorer.stream`: responses scored while the rest generate), or
+    None where the scorer cannot stream (reward.num_workers=0: the trainer's own thread would score them; a test's
+    scorer with only `score`): then the batch is scored after generation, as before."""
+    stream = getattr(scorer, "stream", None)
+    return stream() if stream is not None else None
+
+
+def reward_output(scorer, batch: RolloutBatch, *, rewards=None, timings: dict | None = None):
+    """The batch's RewardOutput: the stream's finish (what was not scored during generation) or one scorer.score call;
+    the seconds it took are the reward time generation did not hide (`timing_s/reward_exposed`)."""
+    start = time.perf_counter()
+    lists = dict(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
+                 extra_infos=batch.extra_infos)
+    out = rewards.finish(**lists) if rewards is not None else scorer.score(**lists)
+    if timings is not None:
+        timings["timing_s/reward_exposed"] = timings.get("timing_s/reward_exposed", 0.0) + time.perf_counter() - start
+    return out
+
+
+def score(scorer, batch: RolloutBatch, *, overlong_buffer=None, max_response_length: int | None = None, rewards=None,
+          timings: dict | None = None) -> dict[str, float]:
     """Fill batch.scores with the weighted reward (plus, with `overlong_buffer` enabled, DAPO's overlong penalty, kept in
     batch.overlong_penalties) and batch.accuracies (filter_groups' acc: the accuracy reward > 0, or as verl's DAPO
     manager a custom reward's `acc` field, else its score); return per-function metrics (local sums, reduced by caller).
@@ -84,9 +106,10 @@ def score(scorer, batch: RolloutBatch, *, overlong_buffer=None, max_response_len
     The penalty's length is the whole response (`response_lengths`: a multi-turn episode's tool tokens count, as
     verl's DAPO manager counts its response's attention mask); its max_resp_len is overlong_buffer.max_resp_len or
     `max_response_length`. Example: max_response_length 20, len 4, factor 1, a response of 17 tokens scoring 1 -> 0.75.
+    `rewards`: the generation's `RewardStream` (`generate_share`), which scored responses as they finished; its finish
+    gives what scorer.score gives. `timings["timing_s/reward_exposed"]` gets the seconds spent waiting for rewards here.
     """
-    out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
-                       extra_infos=batch.extra_infos)
+    out = reward_output(scorer, batch, rewards=rewards, timings=timings)
     batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
     sums = {f"reward/{name}/mean": float(sum(v)) for name, v in out.per_function.items()}
     if "accuracy" in out.per_function:
@@ -185,8 +208,8 @@ def val_sampling(cfg) -> dict:
 
 
 def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: int, rank: int, purpose: str, step: int,
-                   round: int, sampling: dict, episodes=None,
-                   timings: dict | None = None) -> tuple[PromptBatch, list[list[Generation]]]:
+                   round: int, sampling: dict, episodes=None, timings: dict | None = None,
+                   rewards=None) -> tuple[PromptBatch, list[list[Generation]]]:
     """This process's strided share of `global_idx` (positions rank, rank + W, ...) and its generations: responses, or
     with `episodes` (an `episodes.EpisodeRunner`, rollout.multi_turn.enable) multi-turn episodes, one per sample.
 
@@ -194,21 +217,42 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     seeds, same sampling) and each keeps its part; seeds depend on the prompt's position in `global_idx`, never on
     the process count or TP size. Example: W=2, TP=2, global_idx [7, 3, 9, 4] -> both ranks submit all four;
     rank 0 keeps dataset rows [7, 9], rank 1 keeps [3, 4] (as with TP=1).
+    With `rewards` (a `RewardStream`) each kept response is added to it as the engine finishes it, at its row in
+    `build_rollout_batch` (prompt p's sample k is row p * n + k); multi-turn episodes are scored after their loop.
     """
     submit, keep = tp_group_share(len(global_idx), world_size=world_size, rank=rank, tp_size=cfg.rollout.tensor_model_parallel_size)
     if not submit:  # a validation set smaller than the process count: this TP group has no prompt (all its members agree)
         return dataset.batch([]), []
     group = dataset.batch([global_idx[i] for i in submit])
+    mine = dataset.batch([global_idx[submit[j]] for j in keep])
     seeds = [sample_seed(cfg.trainer.seed, purpose=purpose, step=step, round=round, prompt_index=i, n=sampling["n"]) for i in submit]
     if episodes is None:
-        generations = engine.generate(group.prompt_ids, seeds=seeds, **sampling)
+        on_finished = None if rewards is None else stream_to(rewards, mine, local_of=dict(zip(keep, range(len(keep)))),
+                                                                n=sampling["n"])
+        streaming = {} if on_finished is None else {"on_finished": on_finished}  # engines that predate it still work
+        generations = engine.generate(group.prompt_ids, seeds=seeds, **streaming, **sampling)
     else:  # the TP group's members run the same episodes (deterministic tools keep their requests identical)
         generations = episodes.generate(engine, group, seeds=seeds, timings=timings, **sampling)
-    return dataset.batch([global_idx[submit[j]] for j in keep]), [generations[j] for j in keep]
+    return mine, [generations[j] for j in keep]
+
+
+def stream_to(rewards, prompts: PromptBatch, *, local_of: dict[int, int], n: int):
+    """The engine's `on_finished` that adds each response this process keeps to `rewards` at its batch row, and lets
+    the reward workers' results in between engine steps. `local_of`: submitted prompt index -> this process's prompt
+    index (prompts of other TP-group members are skipped). Example: local_of {1: 0, 3: 1}, n 2: submitted prompt 3's
+    sample 1 is row 3."""
+    def on_finished(finished: list[tuple[int, int, Generation]]) -> None:
+        for j, k, generation in finished:
+            p = local_of.get(j)
+            if p is not None:
+                rewards.add(p * n + k, response=generation.text, data_source=prompts.data_sources[p],
+                            ground_truth=prompts.ground_truths[p], extra_info=prompts.extra_infos[p])
+        rewards.poll()
+    return on_finished
 
 
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
-                     episodes=None):
+                     episodes=None, stream_rewards: bool = True):
     """Prompts -> generation (engine ready; the caller releases it afterwards) -> rewards; with filter_groups, repeat
     until enough informative groups.
 
@@ -236,31 +280,34 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         # Strided share: local prompt j is global prompt rank + j * world_size, so the local mini-batch m of every
         # process together hold exactly the global mini-batch m (process count never changes the update).
         start = time.perf_counter()
-        prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
-                                              step=step, round=rounds, sampling=train_sampling(cfg), episodes=episodes,
-                                              timings=timings)
-        timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
-        if episodes is not None:
-            for k, v in episode_sums(generations, episodes.tool_names).items():
-                tool_sums[k] = max(tool_sums.get(k, 0.0), v) if k.endswith("_max") else tool_sums.get(k, 0.0) + v
-        preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
-        if tp_leader:
-            sums["rollout/preemptions"] += preempted
-        batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
-        if cfg.actor.mask_truncated_responses:
-            mask_truncated(batch)
-        if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
-            batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
-        start = time.perf_counter()
-        for k, v in score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
-                          max_response_length=cfg.data.max_response_length).items():
-            sums[k] = sums.get(k, 0.0) + v
-        sums["count"] = sums.get("count", 0.0) + len(batch)
-        sums["reward/sum"] = sums.get("reward/sum", 0.0) + float(batch.scores.sum())
-        sums["response/length_sum"] = sums.get("response/length_sum", 0.0) + float(batch.response_lengths.sum())
-        sums["response/length_max"] = max(sums.get("response/length_max", 0.0), float(batch.response_lengths.max()))
-        sums["response/clipped"] = sums.get("response/clipped", 0.0) + float(batch.truncated.sum())
-        timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+        # responses scored as they finish (a stream left by an exception is cancelled: its workers are replaced)
+        rewards = open_reward_stream(scorer) if episodes is None and stream_rewards else None
+        with rewards if rewards is not None else contextlib.nullcontext():
+            prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
+                                                  step=step, round=rounds, sampling=train_sampling(cfg), episodes=episodes,
+                                                  timings=timings, rewards=rewards)
+            timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+            if episodes is not None:
+                for k, v in episode_sums(generations, episodes.tool_names).items():
+                    tool_sums[k] = max(tool_sums.get(k, 0.0), v) if k.endswith("_max") else tool_sums.get(k, 0.0) + v
+            preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
+            if tp_leader:
+                sums["rollout/preemptions"] += preempted
+            batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
+            if cfg.actor.mask_truncated_responses:
+                mask_truncated(batch)
+            if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
+                batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
+            start = time.perf_counter()
+            for k, v in score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length,
+                              rewards=rewards, timings=timings).items():
+                sums[k] = sums.get(k, 0.0) + v
+            sums["count"] = sums.get("count", 0.0) + len(batch)
+            sums["reward/sum"] = sums.get("reward/sum", 0.0) + float(batch.scores.sum())
+            sums["response/length_sum"] = sums.get("response/length_sum", 0.0) + float(batch.response_lengths.sum())
+            sums["response/length_max"] = max(sums.get("response/length_max", 0.0), float(batch.response_lengths.max()))
+            sums["response/clipped"] = sums.get("response/clipped", 0.0) + float(batch.truncated.sum())
+            timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
         if not fg.enable:
             kept.append(batch)
             break
@@ -379,12 +426,16 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     Rows: the first trainer.val_generations_to_log (prompt, response, score) rows (prompts decoded with `tokenizer`).
     """
     vk = cfg.rollout.val_kwargs
-    prompts, generations = generate_share(cfg, engine, dataset, list(range(len(dataset))), world_size=world_size, rank=rank,
-                                          purpose="val", step=step, round=0, sampling=val_sampling(cfg), episodes=episodes)
-    batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
     from grpo_lib.validation import generation_rows, val_metrics
 
-    metrics = val_metrics(scorer, batch, sources=sorted(set(dataset.data_sources)), n=vk.n,
+    rewards = open_reward_stream(scorer) if episodes is None else None  # scored as they finish, as in training
+    with rewards if rewards is not None else contextlib.nullcontext():
+        prompts, generations = generate_share(cfg, engine, dataset, list(range(len(dataset))), world_size=world_size, rank=rank,
+                                              purpose="val", step=step, round=0, sampling=val_sampling(cfg), episodes=episodes,
+                                              rewards=rewards)
+        batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
+        out = reward_output(scorer, batch, rewards=rewards)
+    metrics = val_metrics(scorer, batch, sources=sorted(set(dataset.data_sources)), n=vk.n, rewards=out,
                           overlong_buffer=cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length)
     if episodes is not None:  # the training step's episode/* and tools/* over the validation episodes, as val/...
         names = episodes.tool_names

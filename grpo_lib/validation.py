@@ -27,20 +27,22 @@ from grpo_lib.distributed import all_reduce_sum, is_on
 
 
 def val_metrics(scorer, batch, *, sources: list[str], n: int, overlong_buffer=None,
-                max_response_length: int | None = None) -> dict[str, float]:
+                max_response_length: int | None = None, rewards=None) -> dict[str, float]:
     """Score `batch` (fills batch.scores, with `overlong_buffer` enabled plus DAPO's overlong penalty) and reduce
     per-source metrics over processes (see the module table). The penalty's max_resp_len is overlong_buffer.max_resp_len
     or `max_response_length` (data.max_response_length), as for training rewards (step.score).
 
     `sources` must be the same list on every process (the validation set's sources), so the reductions match.
+    `rewards`: the batch's RewardOutput when it was scored already (while the engine generated, `step.validate`).
     Example: max_response_length 20, len 4, a correct response of 17 tokens -> reward 0.75, acc 1, penalty -0.25.
     """
     import torch
 
     from grpo_lib.algorithms import overlong_penalty
 
-    out = scorer.score(responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
-                       extra_infos=batch.extra_infos)
+    out = rewards if rewards is not None else scorer.score(
+        responses=batch.response_texts, data_sources=batch.data_sources, ground_truths=batch.ground_truths,
+        extra_infos=batch.extra_infos)
     batch.scores = torch.tensor(out.scores, dtype=torch.float32)  # [B]
     penalties = None
     if overlong_buffer is not None and overlong_buffer.enable:

