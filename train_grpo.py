@@ -165,6 +165,7 @@ class GRPOTrainer:
         step with a checkpoint; trainer.max_bad_steps consecutive non-finite updates end it with exit code 3."""
         from grpo_lib import checkpoint
         from grpo_lib import step as S
+        from grpo_lib.metrics import MetricWriteError
         from grpo_lib.stopping import install_stop_handlers, stop_requested
 
         cfg, p = self.cfg, self.parts
@@ -177,21 +178,27 @@ class GRPOTrainer:
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
+            completed = step - 1  # the last step whose update is done (what a stop here saves)
             try:
-                metrics = self.step(step)
-            except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
-                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
-            # 8. log / validate / checkpoint / stop
-            p.logger.log(step, metrics)
-            p.logger.advance()
-            bad_steps = bad_steps + 1 if metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
-            if bad_steps >= cfg.trainer.max_bad_steps:
-                print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
-                      f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
-                      "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
-                return 3
-            if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
-                self.validate(step)
+                try:
+                    metrics = self.step(step)
+                except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
+                    return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
+                completed = step
+                # 8. log / validate / checkpoint / stop
+                p.logger.log(step, metrics)
+                p.logger.advance()
+                bad_steps = bad_steps + 1 if metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
+                if bad_steps >= cfg.trainer.max_bad_steps:
+                    print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                          f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint "
+                          "is intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
+                    return 3
+                if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
+                    self.validate(step)
+            except MetricWriteError as error:  # a full disk under the metrics, on every process alike: save if it fits, exit 3
+                return self.stop_run(error, last_step=completed,
+                                     sampler_state=p.sampler.state_dict() if completed == step else sampler_before)
             stopping = stop_requested()  # agreed by all processes
             if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == p.total_steps or stopping:
                 try:
@@ -280,14 +287,15 @@ class GRPOTrainer:
     def stop_run(self, error, *, last_step: int, sampler_state: dict) -> int:
         """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
 
-        Saves step `last_step` unless trainer.save_freq already did; nothing is saved before the first completed step.
-        The checkpoint holds `sampler_state`, the prompt sampler's position from before the aborted step, so a resume
-        (after fixing the reward) starts with the prompts that step drew.
+        Saves step `last_step` unless it is saved already (trainer.save_freq, or the resumed step); nothing is saved
+        before the first completed step. The checkpoint holds `sampler_state`, the prompt sampler's position after
+        `last_step` (from before an aborted step: a resume, after fixing the reward, starts with the prompts that step
+        drew). A save that does not fit (a full disk) leaves the previous checkpoint as it was.
         """
-        from grpo_lib.checkpoint import SaveError
+        from grpo_lib.checkpoint import MARKER, SaveError
 
         print(f"error: {error}", file=sys.stderr)
-        saved_already = self.cfg.trainer.save_freq > 0 and last_step % self.cfg.trainer.save_freq == 0
+        saved_already = (Path(self.cfg.trainer.default_local_dir) / f"global_step_{last_step}" / MARKER).is_file()
         if last_step >= 1 and not saved_already:
             try:
                 print(f"saved the last completed step to {self.save(last_step, sampler_state)}", file=sys.stderr)
@@ -362,6 +370,8 @@ def main(argv: list[str]) -> int:
         checkpoint.prepare_run_folder(cfg, resume)
     barrier()
     trainer = GRPOTrainer(cfg, world_size=world_size, rank=rank, resume=resume)
+    from grpo_lib.metrics import MetricWriteError
+
     try:
         try:
             trainer.setup()
@@ -369,6 +379,9 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return trainer.train()
+    except MetricWriteError as exc:  # a full disk before the first step (setup, validation before training)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         trainer.close()
 

@@ -32,7 +32,12 @@ Metric names are namespaced and documented once here:
 | `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |
 | `memory/sleep_freed_mb`, `memory/wake_regained_mb`, ... | device MiB freed / taken by engine transitions (CUDA only; process 0) |
 
-Only process 0 writes; the values given to `log` are already reduced across processes.
+Only process 0 writes; the values given to `log` are already reduced across processes. Every process calls the
+logger (`MetricLogger(...)`, `log`, `log_generations`) at the same points, and each of these ends with one agreement
+(an all-reduce): a write that fails on process 0 (a full disk: ENOSPC from metrics.jsonl, TensorBoard's event file
+or val_generations.jsonl) raises `MetricWriteError` on every process alike, naming the folder and its free space, so
+no process is left waiting in a collective that process 0 never reaches. The trainer then saves the last completed
+step if the disk allows and exits 3 (`GRPOTrainer.stop_run` in train_grpo.py).
 
 A resumed run (`resume_step` > 0) continues the same files: metrics.jsonl keeps the lines up to the resumed
 step and drops the rest (they came from steps that are computed again), and TensorBoard is opened with
@@ -43,6 +48,7 @@ that held an unfinished run without checkpoint (resume_mode=auto) replaces both.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "reward/error_fraction", "response/length_mean", "actor/pg_loss",
@@ -66,7 +72,15 @@ def wandb_run_id(log_dir: Path, resume_step: int) -> str:
     return run_id
 
 
+class MetricWriteError(RuntimeError):
+    """A metric sink could not write (a full disk, a folder gone read-only), raised on every process alike (exit 3)."""
+
+    exit_code = 3
+
+
 class MetricLogger:
+    """The run's metric sinks (process 0 writes; every process calls every method: each ends with one agreement)."""
+
     def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
                  project_name: str = "grpo", experiment_name: str = "run", resume_step: int = 0):
         self.enabled = enabled
@@ -76,8 +90,13 @@ class MetricLogger:
         self.wandb = None  # the wandb run when "wandb" is a sink (optional package, checked at config time)
         self.jsonl = None
         self.bar = None
-        if not enabled:
-            return
+        self.failure: tuple[str, OSError] | None = None  # (what was being written, the error) of the first failed write
+        if enabled:
+            with self.writing("the metric files (metrics.jsonl, tensorboard/)"):
+                self._open(total_steps, project_name, experiment_name, resume_step)
+        self.agree()
+
+    def _open(self, total_steps, project_name, experiment_name, resume_step) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -100,13 +119,39 @@ class MetricLogger:
 
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="steps", unit="step", dynamic_ncols=True)
 
+    @contextmanager
+    def writing(self, what: str):
+        """Run a sink write; an OSError is kept (the first one) for `agree`, which raises it on every process."""
+        try:
+            yield
+        except OSError as exc:
+            self.failure = self.failure or (what, exc)
+
+    def agree(self) -> None:
+        """One all-reduce: did a write fail on any process? Then MetricWriteError on every process, naming the folder and
+        its free space. The identity without a process group."""
+        from grpo_lib.distributed import all_reduce_max
+        from grpo_lib.preflight import free_space_text
+
+        if all_reduce_max(1.0 if self.failure is not None else 0.0) > 0:
+            what, exc = self.failure if self.failure is not None else ("the metrics (on process 0)", None)
+            cause = f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on process 0"
+            raise MetricWriteError(f"could not write {what} in {self.log_dir} ({cause}; {free_space_text(self.log_dir)} there). "
+                                   "Free disk space, or point trainer.default_local_dir at a larger disk, and rerun the same "
+                                   "command to resume")
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
+        """Write one step's metrics to every sink (process 0), then agree (every process calls this)."""
+        if self.enabled:
+            with self.writing(f"the metrics of step {step}"):
+                self._write(step, metrics)
+        self.agree()
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+            self.writer.flush()  # raises the event writer thread's error (tensorboard keeps it for the next call)
         if self.wandb is not None:
             self.wandb.log(dict(metrics), step=step)
         if self.jsonl is not None:
@@ -123,9 +168,14 @@ class MetricLogger:
 
     def log_generations(self, step: int, rows: list[dict]) -> None:
         """Append validation samples to val_generations.jsonl (one line per row, with its step) and add them to
-        TensorBoard as one text summary (`val/generations`, a markdown table) at `step`."""
-        if not self.enabled or not rows:
-            return
+        TensorBoard as one text summary (`val/generations`, a markdown table) at `step`; then agree (every process
+        calls this)."""
+        if self.enabled and rows:
+            with self.writing(f"the validation samples of step {step} (val_generations.jsonl)"):
+                self._write_generations(step, rows)
+        self.agree()
+
+    def _write_generations(self, step: int, rows: list[dict]) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / "val_generations.jsonl", "a") as handle:
             handle.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
@@ -144,12 +194,17 @@ class MetricLogger:
             self.bar.update(1)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Flush and close every sink (every way out of the run: a write that fails here is a warning, the run is over)."""
+        import sys
+
+        for sink in (self.writer, self.jsonl):
+            if sink is not None:
+                try:
+                    sink.close()
+                except OSError as exc:
+                    print(f"warning: closing the metric files in {self.log_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
         if self.wandb is not None:
             self.wandb.finish()
-        if self.jsonl is not None:
-            self.jsonl.close()
         if self.bar is not None:
             self.bar.close()
 

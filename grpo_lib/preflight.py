@@ -178,6 +178,14 @@ def _writable(folder: Path) -> str | None:
     return None
 
 
+def free_space_text(folder: Path) -> str:
+    """The free space of `folder`'s disk as a phrase for an error message: "1.25 GiB free" (or "free space unknown")."""
+    try:
+        return f"{shutil.disk_usage(folder).free / GiB:.2f} GiB free"
+    except OSError:
+        return "free space unknown"
+
+
 def check_run_folder(cfg) -> list[str]:
     """Problems with trainer.default_local_dir: not creatable / writable, or less free disk than one checkpoint."""
     folder = Path(cfg.trainer.default_local_dir).expanduser()

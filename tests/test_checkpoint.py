@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -470,6 +471,41 @@ def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpo
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     resumed = run_train(base(out, "trainer.save_freq=2", "trainer.total_training_steps=3"))  # one process: DCP reshards
     assert "resumed from" in resumed.stderr and (out / "global_step_3" / MARKER).is_file(), resumed.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def full_disk_under_the_metrics(base, tmp_path_factory):
+    """One 2-process run whose metrics.jsonl write of step 3 fails with ENOSPC on process 0 (the only process that writes
+    metrics; test hook), saving every 2 steps: (run folder, combined log of both processes and the launcher)."""
+    tmp = tmp_path_factory.mktemp("full_disk_metrics")
+    out = tmp / "run"
+    run_killed(base(out, "trainer.save_freq=2"), ["--signal", "ENOSPC metrics 3 0"], tmp / "run.log", launcher=accelerate_launch(2))
+    return out, (tmp / "run.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_full_disk_under_the_metrics_on_process_0_stops_both_processes_with_exit_3(full_disk_under_the_metrics):
+    """Issue 20 item 3: the first write a full disk refuses is often metrics.jsonl or TensorBoard, not a checkpoint. Process
+    0's write of step 3 fails; both processes learn it from the logger's agreement (neither waits in a collective the other
+    skipped: the run ends, and each process prints the error, naming the folder and its free space) and exit 3."""
+    out, log = full_disk_under_the_metrics
+    assert "test hook: ENOSPC at metrics of step 3" in log, log[-3000:]
+    assert "exitcode  : 3" in log, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error: could not write the metrics of step 3 in ")]
+    assert len(errors) == 2, f"each process reports the failed write: {errors}\n{log[-3000:]}"
+    assert all(f" in {out} (" in line and re.search(r"\d+\.\d\d GiB free there", line) for line in errors), errors
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_full_disk_under_the_metrics_saves_the_step_when_space_allows(full_disk_under_the_metrics):
+    """Step 3's update was done when its metrics failed to write: the stop saves step 3 (the disk had room for it here),
+    so nothing trained is lost; the metrics of steps 1-2 are kept and step 3's line is the one that was refused."""
+    out, log = full_disk_under_the_metrics
+    assert (out / "global_step_3" / MARKER).is_file() and (out / POINTER).read_text().strip() == "3", log[-3000:]
+    assert f"saved the last completed step to {out / 'global_step_3'}" in log
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 # ------------------------------------------------------------------------------------ another process count
