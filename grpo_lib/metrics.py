@@ -130,15 +130,15 @@ class MetricLogger:
     def agree(self) -> None:
         """One all-reduce: did a write fail on any process? Then MetricWriteError on every process, naming the folder and
         its free space. The identity without a process group."""
-        from grpo_lib.distributed import all_reduce_max
+        from grpo_lib.distributed import all_gather_object, all_reduce_max
         from grpo_lib.preflight import free_space_text
 
-        if all_reduce_max(1.0 if self.failure is not None else 0.0) > 0:
-            what, exc = self.failure if self.failure is not None else ("the metrics (on process 0)", None)
-            cause = f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on process 0"
-            raise MetricWriteError(f"could not write {what} in {self.log_dir} ({cause}; {free_space_text(self.log_dir)} there). "
-                                   "Free disk space, or point trainer.default_local_dir at a larger disk, and rerun the same "
-                                   "command to resume")
+        if all_reduce_max(1.0 if self.failure is not None else 0.0) > 0:  # then every process takes this branch
+            mine = None if self.failure is None else (self.failure[0], f"{type(self.failure[1]).__name__}: {self.failure[1]}")
+            what, cause = next(f for f in all_gather_object(mine) if f is not None)  # the same on every process
+            raise MetricWriteError(f"could not write {what} in {self.log_dir} ({cause}; {free_space_text(self.log_dir)} "
+                                   "there). Free disk space, or point trainer.default_local_dir at a larger disk, and rerun "
+                                   "the same command to resume")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Write one step's metrics to every sink (process 0), then agree (every process calls this)."""
