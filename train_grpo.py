@@ -17,8 +17,9 @@ model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-con
 fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
-could not be trusted (rewards failing, a tool failing on every call of a step, see `GRPOTrainer.stop_run`; or
-trainer.max_bad_steps consecutive non-finite updates).
+could not be trusted (rewards failing, a tool failing on every call of a step, the engine not serving the actor's
+weights after a push (trainer.weight_probe), see `GRPOTrainer.stop_run`; or trainer.max_bad_steps consecutive
+non-finite updates), or could not be written (a full disk under the metrics or a checkpoint).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class RunParts:
     logger: Any  # grpo_lib.metrics.MetricLogger
     device: Any  # torch.device
     episodes: Any = None  # grpo_lib.episodes.EpisodeRunner with rollout.multi_turn.enable, else None
+    probe: Any = None  # grpo_lib.weight_probe.WeightProbe (trainer.weight_probe), else None
 
 
 class GRPOTrainer:
@@ -94,6 +96,7 @@ class GRPOTrainer:
         from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
+        from grpo_lib.weight_probe import WeightProbe
 
         cfg, rank = self.cfg, self.rank
         torch.manual_seed(cfg.trainer.seed)
@@ -138,12 +141,15 @@ class GRPOTrainer:
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
+            probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
+                if cfg.trainer.weight_probe else None  # after every push: does the engine serve the actor's weights?
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
                                   total_steps=total_steps, project_name=cfg.trainer.project_name,
                                   experiment_name=cfg.trainer.experiment_name, resume_step=self.resume.step)
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
-                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes)
+                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
+                              probe=probe)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -167,6 +173,7 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.metrics import MetricWriteError
         from grpo_lib.stopping import install_stop_handlers, stop_requested
+        from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
@@ -194,6 +201,8 @@ class GRPOTrainer:
                           f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint "
                           "is intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
                     return 3
+                if (error := mismatch(metrics, step=step)) is not None:  # the engine serves other weights: save, exit 3
+                    return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
                 if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
                     self.validate(step)
             except MetricWriteError as error:  # a full disk under the metrics, on every process alike: save if it fits, exit 3
@@ -252,11 +261,17 @@ class GRPOTrainer:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
+            if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
+                with timed(timings, "weight_probe"):
+                    p.probe.expect(actor)
             # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
             # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
             with timed(timings, "push"):
                 engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+            if p.probe is not None:  # ... and the engine's, after the push (rollout/weight_probe_abs_diff)
+                with timed(timings, "weight_probe"):
+                    train_metrics.update(p.probe.measure(engine))
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()
