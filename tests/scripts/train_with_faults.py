@@ -1,6 +1,6 @@
-"""train_grpo.py with faults injected, for the kill / resume / full-disk / NaN tests (tests/test_checkpoint.py):
+"""train_grpo.py with faults injected, for the kill / resume / full-disk / NaN / stale-weights tests (tests/test_checkpoint.py, tests/test_trust.py):
 
-    python tests/scripts/train_with_faults.py [--signal "SIGNAL POINT STEP [RANK]"] [--nan-steps 2,4,5] -- RECIPE.yaml [key=value ...]
+    python tests/scripts/train_with_faults.py [--signal "SIGNAL POINT STEP [RANK]"] [--nan-steps 2,4,5] [--push-skips NAME] -- RECIPE.yaml [key=value ...]
 
 also as the script of `accelerate launch` (every process installs the same faults). The faults are monkeypatches on
 grpo_lib functions, installed before `train_grpo.main(argv)` runs exactly as `python train_grpo.py` runs it (then
@@ -16,6 +16,8 @@ grpo_lib functions, installed before `train_grpo.main(argv)` runs exactly as `py
   val_generations.jsonl's rows). Only process 0 writes them. Example: `--signal "ENOSPC metrics 3 0"`.
 - `--nan-steps 2,4,5`: the actor's loss is multiplied by NaN on those steps (counted by `Actor.steps_done + 1`), so
   their updates must be skipped.
+- `--push-skips NAME`: every weight push leaves out the parameter NAME (`Actor.named_weights` without it; the HF export
+  and the checkpoint keep it): the engine serves a stale copy of it, the bug the weight probe must catch.
 
 In-process tests install the same faults with pytest's monkeypatch, e.g.
 `nan_loss_on_steps({2}, setattr=monkeypatch.setattr)`, which undoes them after the test.
@@ -178,6 +180,25 @@ def nan_loss_on_steps(steps: set[int], *, setattr=setattr) -> None:
     setattr(Actor, "micro_batch_loss", corrupted)
 
 
+def push_skips(name: str, *, setattr=setattr) -> None:
+    """Every push (`Actor.named_weights`, which only the push reads) without the parameter `name`."""
+    from grpo_lib.actor import Actor
+
+    named_weights = Actor.named_weights
+
+    @functools.wraps(named_weights)
+    def without(self):
+        found = False
+        for weight_name, tensor in named_weights(self):
+            if weight_name == name:
+                found = True
+                continue
+            yield weight_name, tensor
+        assert found, f"--push-skips {name}: the push has no such parameter"
+
+    setattr(Actor, "named_weights", without)
+
+
 POINTS = {"update": fault_after_update, "save": fault_in_save,
           **{sink: functools.partial(fault_in_metrics, sink) for sink in ("metrics", "tensorboard", "generations")}}
 
@@ -189,6 +210,7 @@ def install(argv: list[str]) -> list[str]:
     parser = argparse.ArgumentParser(prog=Path(__file__).name)
     parser.add_argument("--signal", help='"SIGNAL POINT STEP [RANK]": SIGNAL in KILL, TERM, INT, ENOSPC; POINT in update, save, metrics, tensorboard, generations')
     parser.add_argument("--nan-steps", default="", help="comma-separated steps whose loss is NaN")
+    parser.add_argument("--push-skips", default=None, help="a parameter name every weight push leaves out")
     args = parser.parse_args(argv[:split])
     if args.signal:
         name, point, step, *only_rank = args.signal.split()
@@ -197,6 +219,8 @@ def install(argv: list[str]) -> list[str]:
             POINTS[point](int(step), fault_action(name))
     if steps := {int(s) for s in args.nan_steps.split(",") if s.strip()}:
         nan_loss_on_steps(steps)
+    if args.push_skips:
+        push_skips(args.push_skips)
     return argv[split + 1:]
 
 
