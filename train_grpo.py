@@ -376,6 +376,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     init_distributed()
+    from grpo_lib.preflight import run_folder_not_shared
+
+    if problem := run_folder_not_shared(Path(cfg.trainer.default_local_dir), rank=rank, world_size=world_size):  # 2+ machines
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:  # every file of the checkpoint, on every process (a share each); a damaged one falls back (auto) or exits 2
         resume = checkpoint.verify_resume(cfg, resume, rank=rank, world_size=world_size)
     except checkpoint.ResumeError as exc:

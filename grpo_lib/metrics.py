@@ -23,10 +23,11 @@ Metric names are namespaced and documented once here:
 | `tools/invalid_calls`, `tools/errors`, `tools/timeouts` | multi-turn, counts per step: calls with malformed JSON, an unknown tool or arguments the schema refuses; tool methods that raised (or returned no text / number); tool methods stopped at rollout.multi_turn.tool_timeout_s |
 | `tools/truncated_responses`, `tools/dropped_calls` | multi-turn, counts: responses cut to max_tool_response_length; calls past max_parallel_calls in one turn (not run) |
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
-| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen) |
+| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
+| `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance` | after the push, mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), and its tolerance from the compute dtype (above it the run stops, exit 3; grpo_lib/weight_probe.py) |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
 | `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
 | `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |
