@@ -166,12 +166,23 @@ class GRPOTrainer:
     # -- the run --------------------------------------------------------------------------------------
 
     def train(self) -> int:
+        """`run_steps`; a metrics write that fails (a full disk: MetricWriteError, raised on every process alike) saves
+        the last completed step if the disk allows and returns exit code 3."""
+        from grpo_lib.metrics import MetricWriteError
+
+        self.completed = (self.resume.step, self.parts.sampler.state_dict())  # (step, sampler position after it)
+        try:
+            return self.run_steps()
+        except MetricWriteError as error:
+            last_step, sampler_state = self.completed
+            return self.stop_run(error, last_step=last_step, sampler_state=sampler_state)
+
+    def run_steps(self) -> int:
         """Validation before training (if asked), then steps resume.step + 1 .. total_steps; returns the exit code.
         Each step is logged; validation and checkpoints follow their frequencies; a stop signal ends the run after the
         step with a checkpoint; trainer.max_bad_steps consecutive non-finite updates end it with exit code 3."""
         from grpo_lib import checkpoint
         from grpo_lib import step as S
-        from grpo_lib.metrics import MetricWriteError
         from grpo_lib.stopping import install_stop_handlers, stop_requested
         from grpo_lib.weight_probe import mismatch
 
@@ -185,29 +196,25 @@ class GRPOTrainer:
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
-            completed = step - 1  # the last step whose update is done (what a stop here saves)
+            self.completed = (step - 1, sampler_before)  # what a stop on a failed metrics write saves (train)
             try:
-                try:
-                    metrics = self.step(step)
-                except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
-                    return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
-                completed = step
-                # 8. log / validate / checkpoint / stop
-                p.logger.log(step, metrics)
-                p.logger.advance()
-                bad_steps = bad_steps + 1 if metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
-                if bad_steps >= cfg.trainer.max_bad_steps:
-                    print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
-                          f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint "
-                          "is intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
-                    return 3
-                if (error := mismatch(metrics, step=step)) is not None:  # the engine serves other weights: save, exit 3
-                    return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
-                if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
-                    self.validate(step)
-            except MetricWriteError as error:  # a full disk under the metrics, on every process alike: save if it fits, exit 3
-                return self.stop_run(error, last_step=completed,
-                                     sampler_state=p.sampler.state_dict() if completed == step else sampler_before)
+                metrics = self.step(step)
+            except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
+                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
+            self.completed = (step, p.sampler.state_dict())
+            # 8. log / validate / checkpoint / stop
+            p.logger.log(step, metrics)
+            p.logger.advance()
+            bad_steps = bad_steps + 1 if metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
+            if bad_steps >= cfg.trainer.max_bad_steps:
+                print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                      f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
+                      "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
+                return 3
+            if (error := mismatch(metrics, step=step)) is not None:  # the engine serves other weights: save, exit 3
+                return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
+            if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
+                self.validate(step)
             stopping = stop_requested()  # agreed by all processes
             if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == p.total_steps or stopping:
                 try:
@@ -399,7 +406,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return trainer.train()
-    except MetricWriteError as exc:  # a full disk before the first step (setup, validation before training)
+    except MetricWriteError as exc:  # a full disk while setting up (the metric files open there)
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     finally:
