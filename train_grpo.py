@@ -17,8 +17,9 @@ model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-con
 fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
-could not be trusted (rewards failing, a tool failing on every call of a step, see `GRPOTrainer.stop_run`; or
-trainer.max_bad_steps consecutive non-finite updates).
+could not be trusted (rewards failing, a tool failing on every call of a step, the engine not serving the actor's
+weights after a push (trainer.weight_probe), see `GRPOTrainer.stop_run`; or trainer.max_bad_steps consecutive
+non-finite updates), or could not be written (a full disk under the metrics or a checkpoint).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class RunParts:
     logger: Any  # grpo_lib.metrics.MetricLogger
     device: Any  # torch.device
     episodes: Any = None  # grpo_lib.episodes.EpisodeRunner with rollout.multi_turn.enable, else None
+    probe: Any = None  # grpo_lib.weight_probe.WeightProbe (trainer.weight_probe), else None
 
 
 class GRPOTrainer:
@@ -95,6 +97,7 @@ class GRPOTrainer:
         from grpo_lib.plan import auto_budget_notes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
+        from grpo_lib.weight_probe import WeightProbe
 
         cfg, rank = self.cfg, self.rank
         torch.manual_seed(cfg.trainer.seed)
@@ -143,12 +146,15 @@ class GRPOTrainer:
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
+            probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
+                if cfg.trainer.weight_probe else None  # after every push: does the engine serve the actor's weights?
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
                                   total_steps=total_steps, project_name=cfg.trainer.project_name,
                                   experiment_name=cfg.trainer.experiment_name, resume_step=self.resume.step)
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
-                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes)
+                              actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
+                              probe=probe)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -169,12 +175,25 @@ class GRPOTrainer:
     # -- the run --------------------------------------------------------------------------------------
 
     def train(self) -> int:
+        """`run_steps`; a metrics write that fails (a full disk: MetricWriteError, raised on every process alike) saves
+        the last completed step if the disk allows and returns exit code 3."""
+        from grpo_lib.metrics import MetricWriteError
+
+        self.completed = (self.resume.step, self.parts.sampler.state_dict())  # (step, sampler position after it)
+        try:
+            return self.run_steps()
+        except MetricWriteError as error:
+            last_step, sampler_state = self.completed
+            return self.stop_run(error, last_step=last_step, sampler_state=sampler_state)
+
+    def run_steps(self) -> int:
         """Validation before training (if asked), then steps resume.step + 1 .. total_steps; returns the exit code.
         Each step is logged; validation and checkpoints follow their frequencies; a stop signal ends the run after the
         step with a checkpoint; trainer.max_bad_steps consecutive non-finite updates end it with exit code 3."""
         from grpo_lib import checkpoint
         from grpo_lib import step as S
         from grpo_lib.stopping import install_stop_handlers, stop_requested
+        from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
@@ -186,10 +205,12 @@ class GRPOTrainer:
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
+            self.completed = (step - 1, sampler_before)  # what a stop on a failed metrics write saves (train)
             try:
                 metrics = self.step(step)
             except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
                 return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
+            self.completed = (step, p.sampler.state_dict())
             # 8. log / validate / checkpoint / stop
             p.logger.log(step, metrics)
             p.logger.advance()
@@ -199,6 +220,8 @@ class GRPOTrainer:
                       f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
                       "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
                 return 3
+            if (error := mismatch(metrics, step=step)) is not None:  # the engine serves other weights: save, exit 3
+                return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
             if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
                 self.validate(step)
             stopping = stop_requested()  # agreed by all processes
@@ -258,6 +281,9 @@ class GRPOTrainer:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
+            if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
+                with timed(timings, "weight_probe"):
+                    p.probe.expect(actor)
             # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
             # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
@@ -265,6 +291,9 @@ class GRPOTrainer:
             with timed(timings, "push"):
                 engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
             memory.end()
+            if p.probe is not None:  # ... and the engine's, after the push (rollout/weight_probe_abs_diff)
+                with timed(timings, "weight_probe"):
+                    train_metrics.update(p.probe.measure(engine))
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()
@@ -296,14 +325,15 @@ class GRPOTrainer:
     def stop_run(self, error, *, last_step: int, sampler_state: dict) -> int:
         """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
 
-        Saves step `last_step` unless trainer.save_freq already did; nothing is saved before the first completed step.
-        The checkpoint holds `sampler_state`, the prompt sampler's position from before the aborted step, so a resume
-        (after fixing the reward) starts with the prompts that step drew.
+        Saves step `last_step` unless it is saved already (trainer.save_freq, or the resumed step); nothing is saved
+        before the first completed step. The checkpoint holds `sampler_state`, the prompt sampler's position after
+        `last_step` (from before an aborted step: a resume, after fixing the reward, starts with the prompts that step
+        drew). A save that does not fit (a full disk) leaves the previous checkpoint as it was.
         """
-        from grpo_lib.checkpoint import SaveError
+        from grpo_lib.checkpoint import MARKER, SaveError
 
         print(f"error: {error}", file=sys.stderr)
-        saved_already = self.cfg.trainer.save_freq > 0 and last_step % self.cfg.trainer.save_freq == 0
+        saved_already = (Path(self.cfg.trainer.default_local_dir) / f"global_step_{last_step}" / MARKER).is_file()
         if last_step >= 1 and not saved_already:
             try:
                 print(f"saved the last completed step to {self.save(last_step, sampler_state)}", file=sys.stderr)
@@ -373,6 +403,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     init_distributed()
+    from grpo_lib.preflight import run_folder_not_shared
+
+    if problem := run_folder_not_shared(Path(cfg.trainer.default_local_dir), rank=rank, world_size=world_size):  # 2+ machines
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:  # every file of the checkpoint, on every process (a share each); a damaged one falls back (auto) or exits 2
         resume = checkpoint.verify_resume(cfg, resume, rank=rank, world_size=world_size)
     except checkpoint.ResumeError as exc:
@@ -382,6 +417,8 @@ def main(argv: list[str]) -> int:
         checkpoint.prepare_run_folder(cfg, resume)
     barrier()
     trainer = GRPOTrainer(cfg, world_size=world_size, rank=rank, resume=resume)
+    from grpo_lib.metrics import MetricWriteError
+
     try:
         try:
             trainer.setup()
@@ -389,6 +426,9 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return trainer.train()
+    except MetricWriteError as exc:  # a full disk while setting up (the metric files open there)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         trainer.close()
 

@@ -24,11 +24,12 @@ Metric names are namespaced and documented once here:
 | `tools/invalid_calls`, `tools/errors`, `tools/timeouts` | multi-turn, counts per step: calls with malformed JSON, an unknown tool or arguments the schema refuses; tool methods that raised (or returned no text / number); tool methods stopped at rollout.multi_turn.tool_timeout_s |
 | `tools/truncated_responses`, `tools/dropped_calls` | multi-turn, counts: responses cut to max_tool_response_length; calls past max_parallel_calls in one turn (not run) |
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
-| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
+| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/gen_peak_mb`, `memory/update_peak_mb`, `memory/push_peak_mb` | largest process's peak memory in each phase of the step, measured from the phase's start (gen: generate + reward + release; update: everything while the engine sleeps; push: the weight push and wake): CUDA max allocated since `reset_peak_memory_stats`, less the engine's memory that sleep unmapped, on GPU; peak resident set (VmHWM, reset through /proc/self/clear_refs) on CPU (`grpo_lib/perf.py`) |
 | `memory/peak_mb` | the largest of the step's three phase peaks |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
+| `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance` | after the push, mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), and its tolerance from the compute dtype (above it the run stops, exit 3; grpo_lib/weight_probe.py) |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
 | `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
 | `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |
@@ -37,7 +38,12 @@ Metric names are namespaced and documented once here:
 | `memory/sleep_freed_mb`, `memory/wake_regained_mb`, ... | device MiB freed / taken by engine transitions (CUDA only; process 0) |
 | `memory/device_free_mb` | free device MiB (`torch.cuda.mem_get_info`: the whole device, the engine's allocator too) after the step's last engine transition, the KV cache mapped (CUDA only; process 0) |
 
-Only process 0 writes; the values given to `log` are already reduced across processes.
+Only process 0 writes; the values given to `log` are already reduced across processes. Every process calls the
+logger (`MetricLogger(...)`, `log`, `log_generations`) at the same points, and each of these ends with one agreement
+(an all-reduce): a write that fails on process 0 (a full disk: ENOSPC from metrics.jsonl, TensorBoard's event file
+or val_generations.jsonl) raises `MetricWriteError` on every process alike, naming the folder and its free space, so
+no process is left waiting in a collective that process 0 never reaches. The trainer then saves the last completed
+step if the disk allows and exits 3 (`GRPOTrainer.stop_run` in train_grpo.py).
 
 A resumed run (`resume_step` > 0) continues the same files: metrics.jsonl keeps the lines up to the resumed
 step and drops the rest (they came from steps that are computed again), and TensorBoard is opened with
@@ -48,6 +54,7 @@ that held an unfinished run without checkpoint (resume_mode=auto) replaces both.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "reward/error_fraction", "response/length_mean", "actor/pg_loss",
@@ -71,7 +78,15 @@ def wandb_run_id(log_dir: Path, resume_step: int) -> str:
     return run_id
 
 
+class MetricWriteError(RuntimeError):
+    """A metric sink could not write (a full disk, a folder gone read-only), raised on every process alike (exit 3)."""
+
+    exit_code = 3
+
+
 class MetricLogger:
+    """The run's metric sinks (process 0 writes; every process calls every method: each ends with one agreement)."""
+
     def __init__(self, *, sinks: list[str], log_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
                  project_name: str = "grpo", experiment_name: str = "run", resume_step: int = 0):
         self.enabled = enabled
@@ -81,8 +96,13 @@ class MetricLogger:
         self.wandb = None  # the wandb run when "wandb" is a sink (optional package, checked at config time)
         self.jsonl = None
         self.bar = None
-        if not enabled:
-            return
+        self.failure: tuple[str, OSError] | None = None  # (what was being written, the error) of the first failed write
+        if enabled:
+            with self.writing("the metric files (metrics.jsonl, tensorboard/)"):
+                self._open(total_steps, project_name, experiment_name, resume_step)
+        self.agree()
+
+    def _open(self, total_steps, project_name, experiment_name, resume_step) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -105,13 +125,39 @@ class MetricLogger:
 
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="steps", unit="step", dynamic_ncols=True)
 
+    @contextmanager
+    def writing(self, what: str):
+        """Run a sink write; an OSError is kept (the first one) for `agree`, which raises it on every process."""
+        try:
+            yield
+        except OSError as exc:
+            self.failure = self.failure or (what, exc)
+
+    def agree(self) -> None:
+        """One all-reduce: did a write fail on any process? Then MetricWriteError on every process, naming the folder and
+        its free space. The identity without a process group."""
+        from grpo_lib.distributed import all_gather_object, all_reduce_max
+        from grpo_lib.preflight import free_space_text
+
+        if all_reduce_max(1.0 if self.failure is not None else 0.0) > 0:  # then every process takes this branch
+            mine = None if self.failure is None else (self.failure[0], f"{type(self.failure[1]).__name__}: {self.failure[1]}")
+            what, cause = next(f for f in all_gather_object(mine) if f is not None)  # the same on every process
+            raise MetricWriteError(f"could not write {what} in {self.log_dir} ({cause}; {free_space_text(self.log_dir)} "
+                                   "there). Free disk space, or point trainer.default_local_dir at a larger disk, and rerun "
+                                   "the same command to resume")
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
+        """Write one step's metrics to every sink (process 0), then agree (every process calls this)."""
+        if self.enabled:
+            with self.writing(f"the metrics of step {step}"):
+                self._write(step, metrics)
+        self.agree()
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+            self.writer.flush()  # raises the event writer thread's error (tensorboard keeps it for the next call)
         if self.wandb is not None:
             self.wandb.log(dict(metrics), step=step)
         if self.jsonl is not None:
@@ -128,9 +174,14 @@ class MetricLogger:
 
     def log_generations(self, step: int, rows: list[dict]) -> None:
         """Append validation samples to val_generations.jsonl (one line per row, with its step) and add them to
-        TensorBoard as one text summary (`val/generations`, a markdown table) at `step`."""
-        if not self.enabled or not rows:
-            return
+        TensorBoard as one text summary (`val/generations`, a markdown table) at `step`; then agree (every process
+        calls this)."""
+        if self.enabled and rows:
+            with self.writing(f"the validation samples of step {step} (val_generations.jsonl)"):
+                self._write_generations(step, rows)
+        self.agree()
+
+    def _write_generations(self, step: int, rows: list[dict]) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / "val_generations.jsonl", "a") as handle:
             handle.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
@@ -149,12 +200,17 @@ class MetricLogger:
             self.bar.update(1)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Flush and close every sink (every way out of the run: a write that fails here is a warning, the run is over)."""
+        import sys
+
+        for sink in (self.writer, self.jsonl):
+            if sink is not None:
+                try:
+                    sink.close()
+                except OSError as exc:
+                    print(f"warning: closing the metric files in {self.log_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
         if self.wandb is not None:
             self.wandb.finish()
-        if self.jsonl is not None:
-            self.jsonl.close()
         if self.bar is not None:
             self.bar.close()
 

@@ -6,7 +6,8 @@ holds one checkpoint.
 
 `train_grpo.py` calls these right after the config loads (exit code 2 on any problem), before the tokenizer,
 the data or the engine. Only the standard library is imported here (huggingface_hub's cache lookup only for a hub
-name), so a bad folder fails in about a second.
+name), so a bad folder fails in about a second. With several processes, `run_folder_not_shared` then checks, once the
+process group is up, that every process sees the same run folder (probe files; exit 2 otherwise).
 
 A local model folder must hold a readable config.json and its weights: every shard that model.safetensors.index.json
 (or pytorch_model.bin.index.json) lists, else at least one *.safetensors or pytorch_model*.bin file. Each safetensors
@@ -178,6 +179,14 @@ def _writable(folder: Path) -> str | None:
     return None
 
 
+def free_space_text(folder: Path) -> str:
+    """The free space of `folder`'s disk as a phrase for an error message: "1.25 GiB free" (or "free space unknown")."""
+    try:
+        return f"{shutil.disk_usage(folder).free / GiB:.2f} GiB free"
+    except OSError:
+        return "free space unknown"
+
+
 def check_run_folder(cfg) -> list[str]:
     """Problems with trainer.default_local_dir: not creatable / writable, or less free disk than one checkpoint."""
     folder = Path(cfg.trainer.default_local_dir).expanduser()
@@ -197,6 +206,54 @@ def check_run_folder(cfg) -> list[str]:
                 f"{TRAIN_STATE_BYTES_PER_PARAM} bytes of fp32 weights + AdamW moments, plus the {export_bytes / GiB:.2f} GiB "
                 "Hugging Face export). Free disk space or point trainer.default_local_dir at a larger disk"]
     return []
+
+
+SHARED_PROBE_WAIT_S = 5.0  # how long a process looks for the others' probe files (a network file system may lag)
+
+
+def run_folder_not_shared(folder: Path, *, rank: int, world_size: int, wait_s: float = SHARED_PROBE_WAIT_S) -> str | None:
+    """With several processes (call on every one, after the process group starts): is `folder` one folder that every
+    process sees? Each process writes a probe file into it and looks for every other process's, for up to `wait_s`
+    seconds; then they compare what they saw (one gather). None when each saw all; else the message of an exit 2, the
+    same on every process.
+
+    Several machines need trainer.default_local_dir on a file system they all mount at the same path: every process
+    writes its checkpoint shard and RNG file there and process 0 reads them back (the manifest, the resume). A folder on
+    each machine's own disk would otherwise fail at the first save, or resume each machine from a different step.
+    Example: two machines with a local `outputs/run` each -> "process 0 (host a) sees the probe files of processes
+    [0] only; process 1 (host b) sees [1] only".
+    """
+    import socket
+    import time
+    import uuid
+
+    from grpo_lib.distributed import all_gather_object, barrier, broadcast_object
+
+    if world_size == 1:
+        return None
+    token = broadcast_object(uuid.uuid4().hex[:12])  # one name for this start: old probe files never count
+    probe = lambda r: folder / f".shared_probe_{token}_rank_{r}"  # noqa: E731
+    try:
+        probe(rank).write_text(f"{socket.gethostname()}\n")
+    except OSError:
+        pass  # seen as missing by every process below (check_run_folder already tested that the folder is writable)
+    barrier()  # every process has written its probe
+    deadline = time.monotonic() + wait_s
+    while True:
+        seen = [r for r in range(world_size) if probe(r).is_file()]
+        if len(seen) == world_size or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    views = all_gather_object((socket.gethostname(), seen))  # every process has looked
+    probe(rank).unlink(missing_ok=True)
+    partial = [(r, host, seen) for r, (host, seen) in enumerate(views) if len(seen) < world_size]
+    if not partial:
+        return None
+    saw = "; ".join(f"process {r} (host {host}) sees the probe files of processes {seen} only" for r, host, seen in partial)
+    return (f"trainer.default_local_dir={str(folder)!r} is not one folder shared by all {world_size} processes: each wrote a "
+            f"probe file into it, and {saw}. Every process writes its checkpoint shard there and process 0 reads them all "
+            "back, so on several machines the run folder must be on a file system every machine mounts at the same path "
+            "(NFS, Lustre, ...); a relative path is relative to each machine's working directory")
 
 
 if __name__ == "__main__":  # python -m grpo_lib.preflight MODEL_DIR: print the checkpoint estimate

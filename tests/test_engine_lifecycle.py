@@ -24,6 +24,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+# The fake engine serves no weights (it scores every token -1.0), so the weight probe, on by default, would rightly stop
+# these runs at step 1 (exit 3): they check the call order, not the weights (tests/test_weight_probe.py, test_trust.py).
+NO_PROBE = ("trainer.weight_probe=false",)
+
+
 def names(events, *, actor: bool = False) -> list[str]:
     """Raw calls as short names: generate:train (n > 1), generate:val, score, wake_up:weights, ... (with `actor`, also
     the actor's placement and passes: actor_on_device / actor_on_host / actor_forward)."""
@@ -74,7 +79,7 @@ def test_lifecycle_order_three_steps_one_engine_start(tiny_model_dir, arith_data
     out = tmp_path / "run"
     code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(
         tiny_model_dir, arith_data, out, "rollout.free_cache_engine=true", "trainer.val_before_train=true", "trainer.test_freq=1",
-        "trainer.check_weight_sync=true", "reward.num_workers=0", "trainer.logger=[jsonl]")])
+        "trainer.check_weight_sync=true", "reward.num_workers=0", "trainer.logger=[jsonl]", *NO_PROBE)])
     assert code == 0
     assert fake.starts == 1, f"{fake.starts} engine starts in one run"
     calls = names(fake.events)
@@ -122,7 +127,8 @@ def test_actor_offloaded_before_every_kv_wake_and_generation(tiny_model_dir, ari
     base = tiny_overrides(tiny_model_dir, arith_data, out, "rollout.free_cache_engine=true",
                           "actor.fsdp_config.param_offload=true", "actor.fsdp_config.optimizer_offload=true",
                           "trainer.val_before_train=true", "trainer.test_freq=1", "trainer.save_freq=1",
-                          "trainer.check_weight_sync=true", "actor.use_kl_loss=false", "reward.num_workers=0", "trainer.logger=[jsonl]")
+                          "trainer.check_weight_sync=true", "actor.use_kl_loss=false", "reward.num_workers=0", "trainer.logger=[jsonl]",
+                          *NO_PROBE)
     recipe = str(REPO / "recipes/tiny_cpu.yaml")
     assert train_grpo.main([recipe, *merge_overrides(*base, "trainer.total_training_steps=2")]) == 0
     first = names(fake.events, actor=True)
@@ -156,7 +162,7 @@ def test_level2_sleep_pushes_before_every_wake(tiny_model_dir, arith_data, tmp_p
 
     code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(
         tiny_model_dir, arith_data, tmp_path / "run", "rollout.sleep_level=2", "trainer.total_training_steps=2",
-        "reward.num_workers=0", "trainer.logger=[jsonl]")])
+        "reward.num_workers=0", "trainer.logger=[jsonl]", *NO_PROBE)])
     assert code == 0
     calls = names(fake.events)
     check_gpu_order(calls)
@@ -177,7 +183,7 @@ def launch_fake(tmp_path, tiny_model_dir, arith_data, name: str, tp: int):
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4", f"reward.custom.path={reward}",
         "trainer.total_training_steps=2", "actor.ppo_mini_batch_size=2", f"rollout.tensor_model_parallel_size={tp}",
         "trainer.val_before_train=true", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
-        "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]")
+        "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]", *NO_PROBE)
     launcher = [*accelerate_launch(2), str(REPO / "tests/scripts/fake_llm.py"), str(out)]
     proc = subprocess.run(launcher + [str(REPO / "recipes/tiny_cpu.yaml"), *overrides], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

@@ -76,6 +76,8 @@ def test_engine_serves_actor_weights_after_every_push(engine_run):
     out, _ = engine_run
     diffs = [r["debug/weight_sync_max_abs_diff"] for r in read_metrics(out)]
     assert len(diffs) == 3 and max(diffs) < 1e-4, f"engine and actor logprobs disagree after the push: {diffs}"
+    probes = [(r["rollout/weight_probe_abs_diff"], r["rollout/weight_probe_tolerance"]) for r in read_metrics(out)]
+    assert len(probes) == 3 and all(diff < tol for diff, tol in probes), f"the weight probe (on by default) fails: {probes}"
 
 
 def test_checkpoints_reload_and_actor_changed(e2e_run, tiny_model_dir):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo_lib.config import Config, DataConfig
-from tests.conftest import run_train, tiny_overrides
+from tests.conftest import read_metrics, run_train, tiny_overrides
 
 # --------------------------------------------------------------------------------------- in-process checks
 
@@ -128,6 +128,38 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
     assert not (out / "global_step_2").exists() and not (out / "global_step_3").exists()
     sampler = json.loads((out / "global_step_1" / "trainer_state.json").read_text())["sampler"]
     assert (sampler["epoch"], sampler["position"]) == (0, 4), f"a resume must redraw the aborted step's 4 prompts: {sampler}"
+
+
+VARIED_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # varied, deterministic reward: advantages and so the update are non-zero at step 1 on the random tiny model
+    return float(len(solution_str) % 3 == 0) + 0.1 * solution_str.count("1")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_push_that_skips_a_parameter_is_caught_by_the_weight_probe_and_stops_after_saving(tiny_model_dir, arith_data,
+                                                                                            tmp_path, engine):
+    """Issue 20: the stale-weights class. The harness makes every push leave out one parameter (the engine keeps the
+    stale copy it loaded from model.path; tests/scripts/train_with_faults.py --push-skips). The weight probe, on by default,
+    sees the engine's logprobs of the probe move away from the actor's after step 1's update (actor.lr 1e-3: far above
+    the float32 tolerance, about 6e-6 here) and stops the run: the step is saved (the actor's weights are right), exit 3,
+    a message saying what happened and that rollout/weight_probe_abs_diff shows it."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(VARIED_REWARD)
+    out = tmp_path / "run"
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(
+        tiny_model_dir, arith_data, out, f"rollout.name={engine}", f"reward.custom.path={reward}", "actor.lr=1e-3",
+        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]")],
+        faults=["--push-skips", "model.layers.0.mlp.down_proj.weight"], check=False)
+    assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
+    assert "step 1: after the weight push the engine does not serve the actor's weights" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    row = read_metrics(out)[-1]
+    assert row["step"] == 1 and row["rollout/weight_probe_abs_diff"] > row["rollout/weight_probe_tolerance"], row
+    assert (out / "global_step_1" / "COMPLETE").is_file(), "the step whose push failed is saved (its actor weights are right)"
+    assert not (out / "global_step_2").exists()
 
 
 @pytest.mark.slow

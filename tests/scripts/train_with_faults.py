@@ -1,6 +1,6 @@
-"""train_grpo.py with faults injected, for the kill / resume / full-disk / NaN tests (tests/test_checkpoint.py):
+"""train_grpo.py with faults injected, for the kill / resume / full-disk / NaN / stale-weights tests (tests/test_checkpoint.py, tests/test_trust.py):
 
-    python tests/scripts/train_with_faults.py [--signal "SIGNAL POINT STEP [RANK]"] [--nan-steps 2,4,5] -- RECIPE.yaml [key=value ...]
+    python tests/scripts/train_with_faults.py [--signal "SIGNAL POINT STEP [RANK]"] [--nan-steps 2,4,5] [--push-skips NAME] -- RECIPE.yaml [key=value ...]
 
 also as the script of `accelerate launch` (every process installs the same faults). The faults are monkeypatches on
 grpo_lib functions, installed before `train_grpo.main(argv)` runs exactly as `python train_grpo.py` runs it (then
@@ -11,8 +11,13 @@ grpo_lib functions, installed before `train_grpo.main(argv)` runs exactly as `py
   `update`: right after the actor update of that step (`Actor.update` returned; its metrics are not logged yet);
   `save`: in the middle of that step's checkpoint (`checkpoint.save`), right after DCP wrote the sharded weights and
   optimizer: the RNG files, trainer_state.json and COMPLETE are not written. Example: `--signal "KILL save 4"`.
+  `metrics`, `tensorboard`, `generations`: inside the write of that sink while the metric logger writes step STEP
+  (metrics.jsonl's line; TensorBoard's event record, in its writer thread, which the next flush re-raises;
+  val_generations.jsonl's rows). Only process 0 writes them. Example: `--signal "ENOSPC metrics 3 0"`.
 - `--nan-steps 2,4,5`: the actor's loss is multiplied by NaN on those steps (counted by `Actor.steps_done + 1`), so
   their updates must be skipped.
+- `--push-skips NAME`: every weight push leaves out the parameter NAME (`Actor.named_weights` without it; the HF export
+  and the checkpoint keep it): the engine serves a stale copy of it, the bug the weight probe must catch.
 
 In-process tests install the same faults with pytest's monkeypatch, e.g.
 `nan_loss_on_steps({2}, setattr=monkeypatch.setattr)`, which undoes them after the test.
@@ -91,6 +96,74 @@ def fault_in_save(at_step: int, action: Callable[[str, int], None], *, setattr=s
     setattr(dcp, "save", dcp_save_then_fault)
 
 
+class _FailingFile:
+    """A file object whose writes run `action` (the fault) and otherwise pass through to `inner`."""
+
+    def __init__(self, inner, action: Callable[[], None]):
+        self.inner, self.action = inner, action
+
+    def write(self, *args):
+        self.action()
+        return self.inner.write(*args)
+
+    def writelines(self, *args):
+        self.action()
+        return self.inner.writelines(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.close()
+
+
+def fault_in_metrics(sink: str, at_step: int, action: Callable[[str, int], None], *, setattr=setattr) -> None:
+    """`action(sink, at_step)` inside the write of one metric sink while `MetricLogger` writes step `at_step`:
+    `metrics` (metrics.jsonl's line), `tensorboard` (the event file's record, written by TensorBoard's writer thread:
+    its error surfaces at the logger's flush, as a full disk's does) or `generations` (val_generations.jsonl)."""
+    from tensorboard.summary.writer import record_writer
+
+    from grpo_lib import metrics
+
+    log, log_generations, record_write = metrics.MetricLogger.log, metrics.MetricLogger.log_generations, record_writer.RecordWriter.write
+    writing: list[int] = []  # the step being written, while the logger writes it
+
+    @functools.wraps(log)
+    def log_with_fault(self, step, values):
+        writing[:] = [step]
+        jsonl = self.jsonl
+        if sink == "metrics" and step == at_step and jsonl is not None:
+            self.jsonl = _FailingFile(jsonl, lambda: action(sink, step))
+        try:
+            return log(self, step, values)
+        finally:
+            self.jsonl = jsonl
+            writing.clear()
+
+    @functools.wraps(log_generations)
+    def log_generations_with_fault(self, step, rows):
+        if sink != "generations" or step != at_step:
+            return log_generations(self, step, rows)
+        vars(metrics)["open"] = lambda *a, **k: _FailingFile(open(*a, **k), lambda: action(sink, step))  # shadows the builtin
+        try:
+            return log_generations(self, step, rows)
+        finally:
+            del vars(metrics)["open"]  # the builtin again
+
+    @functools.wraps(record_write)
+    def record_write_with_fault(self, data):
+        if sink == "tensorboard" and writing == [at_step]:
+            action(sink, at_step)
+        return record_write(self, data)
+
+    setattr(metrics.MetricLogger, "log", log_with_fault)
+    setattr(metrics.MetricLogger, "log_generations", log_generations_with_fault)
+    setattr(record_writer.RecordWriter, "write", record_write_with_fault)
+
+
 def nan_loss_on_steps(steps: set[int], *, setattr=setattr) -> None:
     """Every micro-batch loss of the steps in `steps` (1-based, `Actor.steps_done + 1`) times NaN, its metrics as computed."""
     from grpo_lib.actor import Actor
@@ -107,7 +180,27 @@ def nan_loss_on_steps(steps: set[int], *, setattr=setattr) -> None:
     setattr(Actor, "micro_batch_loss", corrupted)
 
 
-POINTS = {"update": fault_after_update, "save": fault_in_save}
+def push_skips(name: str, *, setattr=setattr) -> None:
+    """Every push (`Actor.named_weights`, which only the push reads) without the parameter `name`."""
+    from grpo_lib.actor import Actor
+
+    named_weights = Actor.named_weights
+
+    @functools.wraps(named_weights)
+    def without(self):
+        found = False
+        for weight_name, tensor in named_weights(self):
+            if weight_name == name:
+                found = True
+                continue
+            yield weight_name, tensor
+        assert found, f"--push-skips {name}: the push has no such parameter"
+
+    setattr(Actor, "named_weights", without)
+
+
+POINTS = {"update": fault_after_update, "save": fault_in_save,
+          **{sink: functools.partial(fault_in_metrics, sink) for sink in ("metrics", "tensorboard", "generations")}}
 
 
 def install(argv: list[str]) -> list[str]:
@@ -115,8 +208,9 @@ def install(argv: list[str]) -> list[str]:
     assert "--" in argv, f"usage: {Path(__file__).name} [--signal SPEC] [--nan-steps LIST] -- RECIPE.yaml [key=value ...]; got {argv}"
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog=Path(__file__).name)
-    parser.add_argument("--signal", help='"SIGNAL POINT STEP [RANK]": SIGNAL in KILL, TERM, INT, ENOSPC; POINT in update, save')
+    parser.add_argument("--signal", help='"SIGNAL POINT STEP [RANK]": SIGNAL in KILL, TERM, INT, ENOSPC; POINT in update, save, metrics, tensorboard, generations')
     parser.add_argument("--nan-steps", default="", help="comma-separated steps whose loss is NaN")
+    parser.add_argument("--push-skips", default=None, help="a parameter name every weight push leaves out")
     args = parser.parse_args(argv[:split])
     if args.signal:
         name, point, step, *only_rank = args.signal.split()
@@ -125,6 +219,8 @@ def install(argv: list[str]) -> list[str]:
             POINTS[point](int(step), fault_action(name))
     if steps := {int(s) for s in args.nan_steps.split(",") if s.strip()}:
         nan_loss_on_steps(steps)
+    if args.push_skips:
+        push_skips(args.push_skips)
     return argv[split + 1:]
 
 

@@ -1,0 +1,94 @@
+"""The weight probe (grpo_lib/weight_probe.py) on CPU with fakes: its tolerance by hand, what it measures, when it stops.
+
+The end-to-end cases run the trainer: a normal run logs the probe below its tolerance (tests/test_train_e2e.py, both
+engines), a push that leaves out a parameter stops with exit 3 after saving (tests/test_trust.py, both engines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from grpo_lib.weight_probe import PROBE_TOKENS, WeightMismatch, WeightProbe, mismatch, tolerance
+
+
+class FakePolicy:
+    """The actor's LogprobModel: logprobs [1, L] (entry 0 is 0) of one fixed table, whatever the ids."""
+
+    def __init__(self, logprobs: list[float]):
+        self.logprobs = logprobs
+
+    def eval(self):
+        return self
+
+    def __call__(self, ids, mask):
+        assert ids.shape == mask.shape == (1, len(self.logprobs)), ids.shape
+        return torch.tensor([self.logprobs]), None
+
+
+class FakeActor:
+    def __init__(self, logprobs: list[float]):
+        self.policy, self.device, self.loads = FakePolicy(logprobs), torch.device("cpu"), 0
+
+    def load_params(self):
+        self.loads += 1
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+
+class FakeEngine:
+    def __init__(self, logprobs: list[float]):
+        self.logprobs, self.requests = logprobs, []
+
+    def score_logprobs(self, sequences):
+        self.requests.append(sequences)
+        return [self.logprobs]
+
+
+def test_tolerance_by_hand():
+    # 8 x eps x (1 + mean |logprob|), eps of the less precise dtype: bfloat16 eps = 2**-7
+    assert tolerance([torch.float32, torch.bfloat16], 2.0) == pytest.approx(8 * 2**-7 * 3)
+    # float32 only: eps = 2**-23; at a mean |logprob| of 5.7 (the tiny test model): 8 x 1.19e-7 x 6.7 = 6.4e-6
+    assert tolerance([torch.float32], 5.7) == pytest.approx(8 * 2**-23 * 6.7)
+    assert tolerance([torch.float16, torch.float32], 0.0) == pytest.approx(8 * 2**-10)
+
+
+def test_the_probe_is_the_first_tokens_of_the_prompt_and_compares_their_mean_difference():
+    prompt = list(range(100, 100 + PROBE_TOKENS + 10))
+    probe = WeightProbe(prompt, dtypes=[torch.float32])
+    assert probe.tokens == prompt[:PROBE_TOKENS]
+    actor_lp = [0.0] + [-2.0] * (PROBE_TOKENS - 1)
+    engine_lp = [0.0] + [-2.0 + 2**-18] * (PROBE_TOKENS // 2) + [-2.0] * (PROBE_TOKENS // 2 - 1)  # exact in float32
+    actor, engine = FakeActor(actor_lp), FakeEngine(engine_lp)
+    probe.expect(actor)
+    metrics = probe.measure(engine)
+    assert engine.requests == [[probe.tokens]], "one request: the probe's tokens, the same on every process"
+    # 16 of the 31 scored tokens differ by 2**-18: mean 16 x 2**-18 / 31; tolerance 8 x 2**-23 x (1 + 2)
+    assert metrics["rollout/weight_probe_abs_diff"] == pytest.approx(16 * 2**-18 / 31, rel=1e-6)
+    assert metrics["rollout/weight_probe_tolerance"] == pytest.approx(8 * 2**-23 * 3)
+    assert mismatch(metrics, step=4) is None
+
+
+@pytest.mark.parametrize("engine_value", [-2.01, float("nan")], ids=["stale", "garbage"])
+def test_a_mismatch_stops_the_run_with_exit_3_and_says_why(engine_value):
+    """A stale engine (logprobs 0.01 off: far above float32's tolerance) or garbage weights (NaN logprobs, which must
+    not compare as 'not above the tolerance') give a WeightMismatch with exit code 3."""
+    probe = WeightProbe(list(range(8)), dtypes=[torch.float32])
+    probe.expect(FakeActor([0.0] + [-2.0] * 7))
+    metrics = probe.measure(FakeEngine([0.0] + [engine_value] * 7))
+    assert metrics["rollout/weight_probe_abs_diff"] == (pytest.approx(0.01) if engine_value == -2.01 else math.inf)
+    error = mismatch(metrics, step=3)
+    assert isinstance(error, WeightMismatch) and error.exit_code == 3
+    assert str(error).startswith("step 3: after the weight push the engine does not serve the actor's weights"), error
+    assert "rollout/weight_probe_abs_diff" in str(error) and "trainer.check_weight_sync" in str(error)
+
+
+def test_measure_before_expect_is_refused_and_runs_without_the_probe_stop_nothing():
+    probe = WeightProbe([1, 2, 3], dtypes=[torch.float32])
+    with pytest.raises(AssertionError, match="before expect"):
+        probe.measure(FakeEngine([0.0, -1.0, -1.0]))
+    assert mismatch({"actor/pg_loss": 0.1}, step=1) is None, "trainer.weight_probe=false: no probe metrics, no stop"
