@@ -50,7 +50,15 @@ def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
-def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False, empty: bool = False):
+    """The Hugging Face model at `path` in `dtype` on `device`; with `empty`, its architecture only, every parameter and
+    buffer on the meta device (no memory, nothing read): `fsdp.shard` fills it from process 0."""
+    if empty:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):  # keeps tied embeddings tied (accelerate's init_empty_weights would untie them)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
     return model.to(device)
 
@@ -138,10 +146,13 @@ class Actor:
         fc = cfg.actor.fsdp_config
         self.param_dtype, reduce_dtype = dtypes.torch_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
-        # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
+        # Read on the host by process 0 only (the others build it on the meta device); `fsdp.shard` shards it unit by
+        # unit and broadcasts process 0's weights into every process's shards: neither the device nor another process's
+        # host memory ever holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
+        reads = fsdp.reads_weights()
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code)
+                                trust_remote_code=cfg.model.trust_remote_code, empty=not reads)
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
@@ -153,8 +164,15 @@ class Actor:
         if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
-        if cfg.model.use_remove_padding:
-            check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
+        if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
+            problem = None
+            if reads:  # on the process that holds the weights; the backend is the same on every process
+                try:
+                    check_packing_isolated(self.model)
+                except RuntimeError as exc:
+                    problem = exc
+            if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that checked
+                raise problem or RuntimeError("the packed-sequence isolation check failed on process 0 (its error says why)")
         self.weights = weights_for(cfg)
         self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
         self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
@@ -166,6 +184,7 @@ class Actor:
         self.world_size = _world_size()
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
         self.offload_device = torch.device("cpu")
+        self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
 
     # -- offload (actor.fsdp_config.param_offload / optimizer_offload; no-ops on CPU) -----------------------
@@ -308,6 +327,8 @@ class Actor:
         self.policy.train()
         summed: dict[str, float] = defaultdict(float)
         num_updates = 0
+        if self.collective_bytes is not None:
+            self.collective_bytes.update(all_gather=0, reduce_scatter=0)
         generator = self._shuffle_generator()  # compute_logprobs replayed this step's first epoch with the same seed
         for _epoch in range(a.ppo_epochs):
             for rows in self.mini_batch_rows(batch, generator):
@@ -320,6 +341,8 @@ class Actor:
             fsdp.move_optimizer_state(self.optimizer, self.offload_device)
         metrics = {k: v / num_updates for k, v in summed.items()}
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
+        if self.collective_bytes is not None:  # this process's FSDP2 traffic of the update, per optimizer step
+            metrics["perf/collective_mb_per_update"] = sum(self.collective_bytes.values()) / fsdp.MB / max(num_updates, 1)
         metrics["memory/peak_mb"] = all_reduce_max(fsdp.peak_memory_mb(self.device))  # the largest process
         metrics["actor/skipped_nonfinite_steps"] = summed["actor/skipped_nonfinite_steps"]  # a count, not a mean
         return metrics
@@ -366,24 +389,35 @@ class Actor:
         weighted: dict[str, float] = defaultdict(float)
         idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                   micro_batch_size=a.ppo_micro_batch_size_per_gpu)
-        for idx in idx_lists:
-            mb = mini.select(idx) if idx else dummy_micro_batch(mini)
-            weight = 1.0 if idx else 0.0  # an empty micro-batch still runs forward + backward, contributing exactly 0
-            loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
-                                                                compute_entropy=compute_entropy)
-            (loss * (weight * self.world_size)).backward()
-            for k, v in mb_metrics.items():
-                if k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-                    metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
-                else:
-                    weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
+        fc = a.fsdp_config  # which all-gathers / reduce-scatters the micro-batches share (fsdp.mini_batch_collectives)
+        with fsdp.mini_batch_collectives(self.policy, keep_root_gathered=fc.keep_root_gathered,
+                                         reshard_after_forward=fc.reshard_after_forward,
+                                         defer_grad_reduce=fc.defer_grad_reduce) as before_micro_batch:
+            for i, idx in enumerate(idx_lists):
+                before_micro_batch(i, len(idx_lists))
+                mb = mini.select(idx) if idx else dummy_micro_batch(mini)
+                weight = 1.0 if idx else 0.0  # an empty micro-batch still runs forward + backward, contributing exactly 0
+                loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                                    compute_entropy=compute_entropy)
+                (loss * (weight * self.world_size)).backward()
+                self._add_micro_batch_metrics(metrics, weighted, mb_metrics, weight=weight, mb_tokens=mb_tokens)
         # The same keys on every process (the dummy reports them too), reduced in sorted order.
         for k in sorted(weighted):
             metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
             if k in metrics:
                 metrics[k] = all_reduce_sum(metrics[k])
-        return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter in each backward
+        return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
+
+    @staticmethod
+    def _add_micro_batch_metrics(metrics: dict, weighted: dict, mb_metrics: dict, *, weight: float, mb_tokens: int) -> None:
+        """Add one micro-batch's metrics: the losses (already normalised by global counts) summed, the others
+        token-weighted (divided by the mini-batch's token count after the loop)."""
+        for k, v in mb_metrics.items():
+            if k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+                metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
+            else:
+                weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
 
     # -- save ------------------------------------------------------------------------------------------
 
@@ -416,7 +450,7 @@ class Reference:
         param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
         offload = cfg.ref.fsdp_config.param_offload
         self.model = load_model(cfg.model.path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code)
+                                trust_remote_code=cfg.model.trust_remote_code, empty=not fsdp.reads_weights())  # as the actor
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
                                  cpu_offload=offload)
