@@ -25,6 +25,7 @@ Metric names are namespaced and documented once here:
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
 | `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
+| `perf/collective_mb_per_update` | MiB process 0 all-gathered and reduce-scattered (FSDP2: each call's full buffer) per optimizer update of the step; actor.fsdp_config.keep_root_gathered / reshard_after_forward / defer_grad_reduce lower it |
 | `memory/peak_mb` | largest process's peak memory so far: CUDA max allocated on GPU, peak resident set (VmHWM) on CPU |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
