@@ -174,7 +174,9 @@ class Actor:
             if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that checked
                 raise problem or RuntimeError("the packed-sequence isolation check failed on process 0 (its error says why)")
         self.weights = weights_for(cfg)
-        self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
+        with warnings.catch_warnings():  # on the meta build, loading model.lora_adapter_path is a no-op (process 0's counts)
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+            self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
         self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         a = cfg.actor
         trainable = [p for p in self.model.parameters() if p.requires_grad]

@@ -135,27 +135,28 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> No
     `release_freed_host_memory` between them). Buffers outside the state dict (the rotary tables are non-persistent)
     are broadcast too, so every process holds process 0's.
 
-    Example: 2 processes, a 285 MB float32 model: process 1 peaks at its 143 MB of shards + one chunk (<= 64 MiB of
-    full tensors being broadcast), where loading the model would take 285 MB (tests/test_fsdp_host_memory.py)."""
+    A parameter shared by several names (tied embeddings: the embedding and `lm_head.weight`) is broadcast once.
+    Example: 2 processes, a 294 MB float32 model: process 1 holds its 147 MB of shards plus at most one chunk of full
+    tensors, where loading the model would take 294 MB (tests/test_fsdp_host_memory.py measures it).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    chunks, size = [[]], 0
-    for name, tensor in full_state.items():
+    chunks, size = [[]], 0  # each entry: the names of one tensor (first one broadcast, the others tied to it)
+    for names in names_by_tensor(model, full_state).values() if full_state else []:
         if size >= FILL_CHUNK_BYTES:
             chunks.append([])
             size = 0
-        chunks[-1].append(name)
-        size += tensor.numel() * tensor.element_size()
+        chunks[-1].append(names)
+        size += full_state[names[0]].numel() * full_state[names[0]].element_size()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)  # strict: checked below
     loaded = set()
     for i in range(broadcast_object(len(chunks))):  # every process makes the same calls
-        part = {name: full_state[name] for name in chunks[i]} if full_state else {}
-        result = set_model_state_dict(model, part, options=options)
-        loaded.update(broadcast_object(sorted(part)))
+        set_model_state_dict(model, {names[0]: full_state[names[0]] for names in chunks[i]} if full_state else {},
+                             options=options)
+        loaded.update(broadcast_object([name for names in chunks[i] for name in names] if full_state else None))
         release_freed_host_memory()
     missing = sorted(set(model.state_dict()) - loaded)
     assert not missing, f"process 0's state dict lacks {missing[:5]} ({len(missing)} entries): those shards would stay unfilled"
-    del result
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
 
