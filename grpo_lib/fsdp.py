@@ -25,7 +25,11 @@ How the model is sharded (one path on CPU and GPU; applied by our code, accelera
   0 broadcasts the weights into them one tensor at a time (`fill_from_rank0`: torch.distributed.checkpoint's
   `set_model_state_dict(..., broadcast_from_rank0=True)`), so a process other than 0 never holds more than its shards
   plus one full tensor, and process 0's full copy is freed (and given back to the OS) once the shards are filled.
-  `tests/test_fsdp_host_memory.py` measures it on 2 processes with a 71M-parameter model.
+  `tests/test_fsdp_host_memory.py` measures it on 2 processes with a 73M-parameter model.
+- Collectives of the update (`mini_batch_collectives`, actor.fsdp_config.*): the root stays gathered across a
+  mini-batch's micro-batches by default; keeping the layers gathered from forward to backward and reduce-scattering
+  once per mini-batch are opt-in (they cost memory: `--print-plan` says how much). `count_collectives` counts every
+  all-gather's and reduce-scatter's bytes (the metric perf/collective_mb_per_update).
 
 Offload (verl's `param_offload` / `optimizer_offload` for the actor): `offload_params` moves the local shards to
 CPU while vLLM generates and `load_params` brings them back for the logprob pass, the update and the push;
