@@ -369,7 +369,9 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         if cfg.trainer.tune_allocator:  # after set-up: freed activations stay in the heap for the CPU update
-            tune_allocator(on_gpu=trainer.parts.device.type == "cuda")
+            import torch
+
+            tune_allocator(on_gpu=torch.cuda.is_available())  # the device setup() chose
         return trainer.train()
     finally:
         trainer.close()
