@@ -388,8 +388,8 @@ def main(argv: list[str]) -> int:
     from grpo_lib import checkpoint
     from grpo_lib.perf import capture_torch_threads, tune_allocator
 
-    if cfg.trainer.tune_allocator:  # before the model and engine allocate: freed activations stay in the heap
-        tune_allocator()
+    if cfg.trainer.tune_allocator:  # before the model and engine load: what start-up frees goes back to the OS
+        tune_allocator(loading=True)
     capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
     from grpo_lib.data import DataError
     from grpo_lib.distributed import barrier, gpu_visibility_problem, init_distributed
@@ -425,6 +425,10 @@ def main(argv: list[str]) -> int:
         except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        if cfg.trainer.tune_allocator:  # after set-up: freed activations stay in the heap for the CPU update
+            import torch
+
+            tune_allocator(on_gpu=torch.cuda.is_available())  # the device setup() chose
         return trainer.train()
     except MetricWriteError as exc:  # a full disk while setting up (the metric files open there)
         print(f"error: {exc}", file=sys.stderr)

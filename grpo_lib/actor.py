@@ -52,8 +52,17 @@ def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
 
 
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               attn_implementation: str = "sdpa"):
-    """`attn_implementation`: `grpo_lib.attention.select_attn_implementation` for the device the model will compute on."""
+               attn_implementation: str = "sdpa", empty: bool = False):
+    """The Hugging Face model at `path` in `dtype` on `device`; with `empty`, its architecture only, every parameter and
+    buffer on the meta device (no memory, nothing read): `fsdp.shard` fills it from process 0.
+    `attn_implementation`: `grpo_lib.attention.select_attn_implementation` for the device the model will compute on."""
+    if empty:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):  # keeps tied embeddings tied (accelerate's init_empty_weights would untie them)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                    attn_implementation=attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  attn_implementation=attn_implementation)
     return model.to(device)
@@ -142,11 +151,15 @@ class Actor:
         fc = cfg.actor.fsdp_config
         self.param_dtype, reduce_dtype = dtypes.torch_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
-        # Loaded on the host; `fsdp.shard` moves it to the device unit by unit, so the device never holds it whole.
+        # Read on the host by process 0 only (the others build it on the meta device); `fsdp.shard` shards it unit by
+        # unit and broadcasts process 0's weights into every process's shards: neither the device nor another process's
+        # host memory ever holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
         self.attn_implementation = attention.select_attn_implementation(device, self.param_dtype)
+        reads = fsdp.reads_weights()
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation)
+                                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation,
+                                empty=not reads)
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
@@ -158,10 +171,19 @@ class Actor:
         if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
-        if cfg.model.use_remove_padding:
-            check_packing_isolated(self.model)  # fails loudly if this attention backend lets packed rows attend to each other
+        if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
+            problem = None
+            if reads:  # on the process that holds the weights; the backend is the same on every process
+                try:
+                    check_packing_isolated(self.model)
+                except RuntimeError as exc:
+                    problem = exc
+            if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that checked
+                raise problem or RuntimeError("the packed-sequence isolation check failed on process 0 (its error says why)")
         self.weights = weights_for(cfg)
-        self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
+        with warnings.catch_warnings():  # on the meta build, loading model.lora_adapter_path is a no-op (process 0's counts)
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+            self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
         self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         a = cfg.actor
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -171,6 +193,7 @@ class Actor:
         self.world_size = _world_size()
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
         self.offload_device = torch.device("cpu")
+        self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
         print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)}; "
               + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block" if cfg.model.use_remove_padding
@@ -323,6 +346,8 @@ class Actor:
         self.policy.train()
         summed: dict[str, float] = defaultdict(float)
         num_updates = 0
+        if self.collective_bytes is not None:
+            self.collective_bytes.update(all_gather=0, reduce_scatter=0)
         generator = self._shuffle_generator()  # compute_logprobs replayed this step's first epoch with the same seed
         for _epoch in range(a.ppo_epochs):
             for rows in self.mini_batch_rows(batch, generator):
@@ -335,6 +360,8 @@ class Actor:
             fsdp.move_optimizer_state(self.optimizer, self.offload_device)
         metrics = {k: v / num_updates for k, v in summed.items()}
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
+        if self.collective_bytes is not None:  # this process's FSDP2 traffic of the update, per optimizer step
+            metrics["perf/collective_mb_per_update"] = sum(self.collective_bytes.values()) / fsdp.MB / max(num_updates, 1)
         metrics["memory/peak_mb"] = all_reduce_max(fsdp.peak_memory_mb(self.device))  # the largest process
         metrics["actor/skipped_nonfinite_steps"] = summed["actor/skipped_nonfinite_steps"]  # a count, not a mean
         return metrics
@@ -382,20 +409,20 @@ class Actor:
         perf_counts: dict[str, float] = defaultdict(float)
         idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                   micro_batch_size=a.ppo_micro_batch_size_per_gpu)
-        for idx in idx_lists:
-            mb = mini.select(idx) if idx else dummy_micro_batch(mini)
-            weight = 1.0 if idx else 0.0  # an empty micro-batch still runs forward + backward, contributing exactly 0
-            loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
-                                                                compute_entropy=compute_entropy)
-            (loss * (weight * self.world_size)).backward()
-            perf_counts["micro_batches"] += weight
-            for k, v in mb_metrics.items():
-                if k.startswith("perf/"):
-                    perf_counts[k] += weight * v  # counts: summed, turned into fractions below
-                elif k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-                    metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
-                else:
-                    weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
+        fc = a.fsdp_config  # which all-gathers / reduce-scatters the micro-batches share (fsdp.mini_batch_collectives)
+        with fsdp.mini_batch_collectives(self.policy, keep_root_gathered=fc.keep_root_gathered,
+                                         reshard_after_forward=fc.reshard_after_forward,
+                                         defer_grad_reduce=fc.defer_grad_reduce) as before_micro_batch:
+            for i, idx in enumerate(idx_lists):
+                before_micro_batch(i, len(idx_lists))
+                mb = mini.select(idx) if idx else dummy_micro_batch(mini)
+                weight = 1.0 if idx else 0.0  # an empty micro-batch still runs forward + backward, contributing exactly 0
+                loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                                    compute_entropy=compute_entropy)
+                (loss * (weight * self.world_size)).backward()
+                perf_counts["micro_batches"] += weight
+                self._add_micro_batch_metrics(metrics, weighted, perf_counts, mb_metrics, weight=weight,
+                                              mb_tokens=mb_tokens)
         # The same keys on every process (the dummy reports them too), reduced in sorted order.
         for k in sorted(weighted):
             metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
@@ -406,7 +433,21 @@ class Actor:
         totals = {k: all_reduce_sum(perf_counts[k]) for k in ("micro_batches", "perf/packed", "perf/real_tokens", "perf/computed_tokens")}
         metrics["perf/packed"] = totals["perf/packed"] / max(totals["micro_batches"], 1.0)
         metrics["perf/real_token_fraction"] = totals["perf/real_tokens"] / max(totals["perf/computed_tokens"], 1.0)
-        return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter in each backward
+        return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
+
+    @staticmethod
+    def _add_micro_batch_metrics(metrics: dict, weighted: dict, perf_counts: dict, mb_metrics: dict, *, weight: float,
+                                 mb_tokens: int) -> None:
+        """Add one micro-batch's metrics: the perf/ counts summed (fractions after the loop), the losses (already
+        normalised by global counts) summed, the others token-weighted (divided by the mini-batch's token count after
+        the loop)."""
+        for k, v in mb_metrics.items():
+            if k.startswith("perf/"):
+                perf_counts[k] += weight * v
+            elif k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+                metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
+            else:
+                weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
 
     # -- save ------------------------------------------------------------------------------------------
 
@@ -440,7 +481,8 @@ class Reference:
         offload = cfg.ref.fsdp_config.param_offload
         self.model = load_model(cfg.model.path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code,
-                                attn_implementation=attention.select_attn_implementation(device, param_dtype))
+                                attn_implementation=attention.select_attn_implementation(device, param_dtype),
+                                empty=not fsdp.reads_weights())  # as the actor
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
                                  cpu_offload=offload)

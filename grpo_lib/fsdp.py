@@ -20,6 +20,16 @@ How the model is sharded (one path on CPU and GPU; applied by our code, accelera
   its forward / backward, gradients are reduce-scattered in reduce_dtype (float32) into float32 shards.
 - Without a process group (plain `python train_grpo.py` on CPU) nothing is sharded; the wrapper still runs,
   so the forward path is the same.
+- Host memory at start: only process 0 reads the checkpoint (`reads_weights`); every other process builds the
+  architecture on the meta device (no memory). After `fully_shard`, each process allocates its own shards and process
+  0 broadcasts the weights into them one tensor at a time (`fill_from_rank0`: torch.distributed.checkpoint's
+  `set_model_state_dict(..., broadcast_from_rank0=True)`), so a process other than 0 never holds more than its shards
+  plus one full tensor, and process 0's full copy is freed (and given back to the OS) once the shards are filled.
+  `tests/test_fsdp_host_memory.py` measures it on 2 processes with a 73M-parameter model.
+- Collectives of the update (`mini_batch_collectives`, actor.fsdp_config.*): the root stays gathered across a
+  mini-batch's micro-batches by default; keeping the layers gathered from forward to backward and reduce-scattering
+  once per mini-batch are opt-in (they cost memory: `--print-plan` says how much). `count_collectives` counts every
+  all-gather's and reduce-scatter's bytes (the metric perf/collective_mb_per_update).
 
 Offload (verl's `param_offload` / `optimizer_offload` for the actor): `offload_params` moves the local shards to
 CPU while vLLM generates and `load_params` brings them back for the logprob pass, the update and the push;
@@ -30,6 +40,7 @@ for its own forward. On a CPU machine both are no-ops (the device is the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from collections.abc import Iterator
 
@@ -38,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from grpo_lib.distributed import has_group
+from grpo_lib.distributed import broadcast_object, has_group
 from grpo_lib.logprobs import token_logprobs
 
 
@@ -67,17 +78,30 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def reads_weights() -> bool:
+    """True on the one process that reads the model's files (process 0, or the only process); the others build the
+    architecture on the meta device and receive their shards from it in `shard`."""
+    return not has_group() or dist.get_rank() == 0
+
+
 def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
           cpu_offload: bool = False) -> LogprobModel:
-    """Wrap `model` (on the host) in a `LogprobModel` and, when a process group exists, `fully_shard` its layers and
-    the root: each unit is moved to `device` and sharded in turn (to host memory with `cpu_offload`). Without a
-    group the whole model moves to `device` (only a CPU run has no group: `distributed.init_distributed`)."""
+    """Wrap `model` in a `LogprobModel` and, when a process group exists, `fully_shard` its layers and the root, then
+    fill the shards from process 0 (`fill_from_rank0`). `model` holds its weights on the host on process 0 and is an
+    empty meta-device build on the others (`reads_weights`); its shards land on `device` (in host memory with
+    `cpu_offload`). Without a group the whole model moves to `device` (only a CPU run has no group:
+    `distributed.init_distributed`)."""
     policy = LogprobModel(model)
     if not has_group():
         return policy.to(device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert on_meta != reads_weights(), (
+        f"process {dist.get_rank()}: the model must be read on process 0 only and built on the meta device elsewhere "
+        f"(actor.load_model(..., empty=not fsdp.reads_weights())); this one is {'empty' if on_meta else 'loaded'}")
+    full_state = model.state_dict() if reads_weights() else {}  # process 0's full tensors (no copy), for the broadcast
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # reshard_after_forward=True on the root too (FSDP2's default keeps the ROOT unsharded after its forward, which
     # would leave the embeddings and head whole after every no-grad pass, forever for the reference).
@@ -87,6 +111,10 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(policy, **kwargs)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device=torch.device("cpu") if cpu_offload else device)  # this process's shards, not filled yet
+    fill_from_rank0(model, full_state)
+    del full_state
     # FSDP2 fixes each unit's mixed-precision dtypes (the reduce dtype among them) at its first forward, from the
     # parameters that require grad AT THAT MOMENT. With LoRA the first forward would be the reference pass inside
     # peft's disable_adapter(), which turns requires_grad off on the adapters: every unit would then keep no reduce
@@ -95,7 +123,153 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     with torch.no_grad():
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # [1, 2]
         policy(ids, torch.ones_like(ids))
+    release_freed_host_memory()  # process 0's full copy and, on CPU, the forward's gathered units (host memory there)
     return policy
+
+
+# Process 0's weights are broadcast in chunks of about this many bytes; the host's freed heap pages are given back
+# between chunks, so on a CPU machine a process holds its shards plus at most one chunk of full tensors.
+FILL_CHUNK_BYTES = 64 * 2**20
+
+
+def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
+    """Fill the FSDP2-sharded `model`'s shards from process 0's `full_state` (its `state_dict()` before sharding; empty
+    elsewhere): each tensor is broadcast and every process copies its own slice into its shard
+    (`set_model_state_dict(..., broadcast_from_rank0=True)`, one tensor at a time, in chunks of FILL_CHUNK_BYTES with
+    `release_freed_host_memory` between them). Buffers outside the state dict (the rotary tables are non-persistent)
+    are broadcast too, so every process holds process 0's.
+
+    A parameter shared by several names (tied embeddings: the embedding and `lm_head.weight`) is broadcast once.
+    Example: 2 processes, a 294 MB float32 model: process 1 holds its 147 MB of shards plus at most one chunk of full
+    tensors, where loading the model would take 294 MB (tests/test_fsdp_host_memory.py measures it).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    chunks, size = [[]], 0  # each entry: the names of one tensor (first one broadcast, the others tied to it)
+    for names in names_by_tensor(model, full_state).values() if full_state else []:
+        if size >= FILL_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(names)
+        size += full_state[names[0]].numel() * full_state[names[0]].element_size()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)  # strict: checked below
+    loaded = set()
+    for i in range(broadcast_object(len(chunks))):  # every process makes the same calls
+        set_model_state_dict(model, {names[0]: full_state[names[0]] for names in chunks[i]} if full_state else {},
+                             options=options)
+        loaded.update(broadcast_object([name for names in chunks[i] for name in names] if full_state else None))
+        release_freed_host_memory()
+    missing = sorted(set(model.state_dict()) - loaded)
+    assert not missing, f"process 0's state dict lacks {missing[:5]} ({len(missing)} entries): those shards would stay unfilled"
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def release_freed_host_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc `malloc_trim(0)`); False where there is no glibc.
+
+    glibc keeps freed blocks below its mmap threshold in the heap (all blocks under 256 MiB with trainer.tune_allocator),
+    and trims only the top of the heap: the full model freed after sharding would stay resident for the whole run."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
+# ------------------------------------------------------------------------------------------ collectives per mini-batch
+
+
+def count_collectives(policy: nn.Module) -> dict[str, int] | None:
+    """Count the bytes of every FSDP2 all-gather and reduce-scatter of `policy`'s units from now on; returns the live
+    counter {"all_gather": bytes, "reduce_scatter": bytes}, or None without a process group.
+
+    Bytes of a call are its full buffer, in the dtype on the wire: the gathered unit (param_dtype) of an all-gather, the
+    unsharded gradient (reduce_dtype) of a reduce-scatter; what one process sends of it is (W - 1) / W of that in a
+    ring. Installed as FSDP2's custom all-gather / reduce-scatter (`set_custom_all_gather`), which run torch's own
+    collectives (`dist.all_gather_into_tensor` / `dist.reduce_scatter_tensor`), so FSDP2's schedule is unchanged.
+    """
+    if not has_group():
+        return None
+    # torch's comm interfaces live in a private module (torch 2.11-2.13: _fsdp_api); FSDPModule.set_custom_* are public.
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    counter = {"all_gather": 0, "reduce_scatter": 0}
+
+    class CountingAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            counter["all_gather"] += output_tensor.numel() * output_tensor.element_size()
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class CountingReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            counter["reduce_scatter"] += input_tensor.numel() * input_tensor.element_size()
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(CountingAllGather())
+            module.set_custom_reduce_scatter(CountingReduceScatter())
+    return counter
+
+
+GRAD_REDUCE_CHOICES = ("none", "root", "all")  # actor.fsdp_config.defer_grad_reduce
+
+
+@contextlib.contextmanager
+def mini_batch_collectives(policy: nn.Module, *, keep_root_gathered: bool, reshard_after_forward: bool,
+                           defer_grad_reduce: str):
+    """The FSDP2 schedule of one mini-batch's micro-batches (actor.fsdp_config.*); yields `before(i, n)`, to call before
+    micro-batch i of n. On leaving, every unit is resharded and back to the schedule of the no-grad passes.
+
+    - keep_root_gathered: the root (embeddings, final norm, head) is all-gathered once, at the first micro-batch's
+      forward, and resharded after the last one's backward (FSDP2 set_reshard_after_forward / _after_backward on the
+      root only), instead of twice per micro-batch (forward, then again for the backward).
+    - reshard_after_forward=False: the decoder layers stay gathered from their forward to their backward.
+    - defer_grad_reduce: "root" / "all": the root's / every unit's gradients accumulate unsharded (in reduce_dtype) and
+      are reduce-scattered once, in the last micro-batch's backward (set_requires_gradient_sync), instead of after
+      every micro-batch. The sum is the same up to float32 summation order.
+    Without a process group it does nothing. Example (2 micro-batches, keep_root_gathered, defer "all"): root gathered
+    1x, each layer gathered 4x (2 per micro-batch), one reduce-scatter per unit, where the default makes 4, 4 and 2.
+    """
+    assert defer_grad_reduce in GRAD_REDUCE_CHOICES, f"defer_grad_reduce={defer_grad_reduce!r}: one of {GRAD_REDUCE_CHOICES}"
+    if not has_group():
+        yield lambda i, n: None
+        return
+    layers = decoder_layers(policy.model)
+
+    def before(i: int, n: int) -> None:
+        last = i == n - 1
+        if keep_root_gathered:
+            policy.set_reshard_after_forward(False, recurse=False)
+            policy.set_reshard_after_backward(last, recurse=False)
+        if defer_grad_reduce != "none":
+            policy.set_requires_gradient_sync(last, recurse=defer_grad_reduce == "all")
+
+    for layer in layers:
+        layer.set_reshard_after_forward(reshard_after_forward, recurse=False)
+    try:
+        yield before
+    finally:
+        policy.set_reshard_after_forward(True)  # every unit, as fsdp.shard set them (the no-grad passes rely on it)
+        policy.set_reshard_after_backward(True)
+        policy.set_requires_gradient_sync(True)
+        policy.reshard()  # a no-op for units already resharded
 
 
 # ------------------------------------------------------------------------------------------ full weights

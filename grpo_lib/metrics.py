@@ -28,6 +28,7 @@ Metric names are namespaced and documented once here:
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/gen_peak_mb`, `memory/update_peak_mb`, `memory/push_peak_mb` | largest process's peak memory in each phase of the step, measured from the phase's start (gen: generate + reward + release; update: everything while the engine sleeps; push: the weight push and wake): CUDA max allocated since `reset_peak_memory_stats`, less the engine's memory that sleep unmapped, on GPU; peak resident set (VmHWM, reset through /proc/self/clear_refs) on CPU (`grpo_lib/perf.py`) |
 | `memory/peak_mb` | the largest of the step's three phase peaks |
+| `perf/collective_mb_per_update` | MiB process 0 all-gathered and reduce-scattered (FSDP2: each call's full buffer) per optimizer update of the step; actor.fsdp_config.keep_root_gathered / reshard_after_forward / defer_grad_reduce lower it |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance` | after the push, mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), and its tolerance from the compute dtype (above it the run stops, exit 3; grpo_lib/weight_probe.py) |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |

@@ -495,6 +495,66 @@ def budget_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     return lines
 
 
+# ------------------------------------------------------------------ FSDP2 collectives of the update (issue 21)
+
+
+def collective_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> list[str]:
+    """Bytes all-gathered and reduce-scattered per mini-batch per process by the update, today's FSDP2 schedule and this
+    config's (actor.fsdp_config.keep_root_gathered / reshard_after_forward / defer_grad_reduce), and each choice's
+    memory cost per GPU; M = micro-batches per mini-batch when every sequence is full length (the batch section's).
+
+    With R / L the root's / all layers' parameters, c / r the param / reduce dtype bytes and T_R / T_L their trained
+    parameters: today = 2 M c (R + L) gathered + M r (T_R + T_L) reduce-scattered; keep_root_gathered gathers the root
+    once (c R), reshard_after_forward=false the layers once per micro-batch (M c L), defer_grad_reduce root / all
+    reduce-scatters the root / every unit once (r T). tests/test_multiprocess.py checks these counts on 2 processes.
+    """
+    a, d, fc = cfg.actor, cfg.data, cfg.actor.fsdp_config
+    if world_size < 2:
+        return ["one process: the shards are the whole model, no all-gather or reduce-scatter moves data"]
+    seq = d.max_prompt_length + d.max_response_length
+    per_proc = a.ppo_mini_batch_size * cfg.rollout.n // world_size
+    M = math.ceil(per_proc / max(1, a.ppo_max_token_len_per_gpu // seq)) if a.use_dynamic_bsz else \
+        math.ceil(per_proc / a.ppo_micro_batch_size_per_gpu)
+    c, r = _dtype_bytes(fc.param_dtype), DTYPE_BYTES[fc.reduce_dtype]
+    L = sizes.layers * sizes.layer_params
+    R = sizes.params - L
+    lora = cfg.model.lora_rank > 0
+    TR, TL = (0, lora_params(sizes, cfg.model.lora_rank)) if lora else (R, L)
+
+    def traffic(keep_root: bool, reshard: bool, defer: str) -> tuple[float, float]:
+        gathered = (c * R if keep_root else 2 * M * c * R) + (2 if reshard else 1) * M * c * L
+        reduced = (r * TR if defer in ("root", "all") else M * r * TR) + (r * TL if defer == "all" else M * r * TL)
+        return gathered, reduced
+
+    today = sum(traffic(False, True, "none"))
+    ag, rs = traffic(fc.keep_root_gathered, fc.reshard_after_forward, fc.defer_grad_reduce)
+    extra = {  # memory per GPU each choice adds at the training peak
+        "reshard_after_forward": 0.0 if fc.reshard_after_forward else c * L,
+        "defer_grad_reduce": {"none": 0.0, "root": r * TR, "all": r * (TR + TL)}[fc.defer_grad_reduce],
+    }
+    training = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)["training phase"]
+    lines = [
+        f"M = {M} micro-batches per mini-batch (every sequence full length); param_dtype {c} B, reduce_dtype {r} B; root "
+        f"{R / 1e6:.0f}M parameters, layers {L / 1e6:.0f}M",
+        f"  today's schedule (per micro-batch): {today / GIB:.1f} GiB per mini-batch per process",
+        f"  this config (keep_root_gathered={fc.keep_root_gathered}, reshard_after_forward={fc.reshard_after_forward}, "
+        f"defer_grad_reduce={fc.defer_grad_reduce}): all-gather {ag / GIB:.1f} + reduce-scatter {rs / GIB:.1f} = "
+        f"{(ag + rs) / GIB:.1f} GiB ({today / (ag + rs):.2f}x fewer)",
+        "  choices (actor.fsdp_config.*), bytes saved per mini-batch per process, memory added at the training peak:",
+        f"    keep_root_gathered=true        -{(2 * M - 1) * c * R / GIB:.1f} GiB; +0 GiB (the root is gathered through every "
+        "micro-batch anyway)",
+        f"    reshard_after_forward=false    -{M * c * L / GIB:.1f} GiB; +{c * L / GIB:.2f} GiB (every layer gathered from "
+        "forward to backward)",
+        f"    defer_grad_reduce=root         -{(M - 1) * r * TR / GIB:.1f} GiB; +{r * TR / GIB:.2f} GiB (the root's unsharded "
+        "gradient)",
+        f"    defer_grad_reduce=all          -{(M - 1) * r * (TR + TL) / GIB:.1f} GiB; +{r * (TR + TL) / GIB:.2f} GiB (every "
+        "unit's unsharded gradient)",
+        f"  training phase with this config's choices: {(training + sum(extra.values())) / GIB:.2f} GiB of {gpu_gb:g} "
+        f"({'fits' if training + sum(extra.values()) <= gpu_gb * GIB else 'DOES NOT FIT'})",
+    ]
+    return lines
+
+
 _MISSING = "<missing>"  # the value of a flag given last, without one
 _EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json"}
 
@@ -604,6 +664,8 @@ def print_plan(argv: list[str], measure=None) -> int:
     else:
         lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)
         out += [f"  config: {where}"] + [f"  {line}" for line in lines]
+        out += ["", "FSDP2 collectives of the update:"] + [f"  {line}" for line in
+                                                          collective_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)]
         out += ["", "token budgets that fit:"] + [f"  {line}" for line in budget_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)]
         if wants_measure:
             print("\n".join(out), flush=True)

@@ -153,6 +153,9 @@ def test_fsdp_update_equals_unsharded_update(tiny_model_dir):
         "tied embeddings: the push stream carries lm_head.weight")
     for key in ("memory/actor_params_mb", "memory/peak_mb"):
         assert sharded_metrics[key] > 0, key
+    # One process: FSDP2 moves nothing (2 processes: tests/test_multiprocess.py counts every byte); no group: no metric.
+    assert sharded_metrics["perf/collective_mb_per_update"] == 0.0
+    assert "perf/collective_mb_per_update" not in plain_metrics
 
 
 def test_offload_keys_change_nothing_on_cpu(tiny_model_dir):
@@ -272,3 +275,33 @@ def test_offload_moves_shards_to_host_and_back_on_gpu(tiny_model_dir):
         actor.update(batch)  # loads params and optimizer state back
     finally:
         dist.destroy_process_group()
+
+
+def test_plan_prints_the_collectives_of_each_choice():
+    """--print-plan's collective section for the Qwen3-4B recipe on 4 processes: today's bytes per mini-batch per
+    process are M (2 c + r) P with M = 320 micro-batches, c = 2 (bf16 gathers), r = 4 (fp32 reduce-scatters), P = the
+    model's parameters (tests/data/qwen3_4b_config.json: 4,022,468,096); every opt-in choice lowers them."""
+    import json
+    import re
+    from pathlib import Path
+
+    from grpo_lib import plan
+    from grpo_lib.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    sizes = plan.model_sizes(json.loads((repo / "tests" / "data" / "qwen3_4b_config.json").read_text()))
+    assert sizes.params == 4_022_468_096
+
+    def total_gib(*overrides):
+        cfg = load_config(str(repo / "recipes" / "qwen3_4b_gsm8k.yaml"), list(overrides), world_size=4)
+        lines = plan.collective_lines(cfg, sizes, world_size=4, gpu_gb=80)
+        today = float(re.search(r"today's schedule \(per micro-batch\): ([0-9.]+) GiB", "\n".join(lines)).group(1))
+        this = float(re.search(r"= ([0-9.]+) GiB \(", "\n".join(lines)).group(1))
+        return today, this
+
+    today, default = total_gib()
+    assert today == pytest.approx(320 * (2 * 2 + 4) * sizes.params / 2**30, abs=0.05)
+    assert default < today, "keep_root_gathered (the default) saves the root's re-gathers"
+    _, deferred = total_gib("actor.fsdp_config.defer_grad_reduce=all")
+    _, both = total_gib("actor.fsdp_config.defer_grad_reduce=all", "actor.fsdp_config.reshard_after_forward=false")
+    assert both < deferred < default and today / both > 4, (today, default, deferred, both)

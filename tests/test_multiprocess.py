@@ -83,6 +83,51 @@ def test_two_processes_give_the_full_batch_gradient(launched, loss_agg_mode, set
     check_against_one_process(launched, records, loss_agg_mode, f"{loss_agg_mode} {setting} holes={holes}", holes)
 
 
+COLLECTIVE_CHOICES = ["per-micro-batch", "default", "no-reshard-after-forward", "defer-root", "defer-all", "all-three"]
+SAME_ARITHMETIC = {"default", "no-reshard-after-forward"}  # they only skip gathers of values that did not change
+
+
+@pytest.mark.parametrize("setting", ["fixed1-padded", "budget60-packed"])
+@pytest.mark.parametrize("choice", COLLECTIVE_CHOICES)
+def test_collective_choices_give_the_full_batch_gradient(launched, choice, setting):
+    """Every actor.fsdp_config choice of the update's collectives (tests/scripts/grad_worker.py COLLECTIVE_CHOICES)
+    gives the 1-process full-batch gradient within GRAD_TOL (a deferred reduce-scatter sums the micro-batches before
+    averaging over processes instead of after: the same sum in another float32 order, which GRAD_TOL bounds), and the
+    choices that only skip re-gathers give today's (per-micro-batch) gradient bit for bit."""
+    records = load(launched, f"collectives-{choice}-{setting}")
+    check_against_one_process(launched, records, "token-mean", f"{choice} {setting}")
+    if choice in SAME_ARITHMETIC:
+        today = load(launched, f"collectives-per-micro-batch-{setting}")
+        for name, grad in records[0]["grads"].items():
+            assert torch.equal(grad, today[0]["grads"][name]), f"{choice} {setting}: {name} differs from today's schedule"
+
+
+@pytest.mark.parametrize("setting", ["fixed1-padded", "budget60-packed"])
+def test_collective_bytes_follow_the_schedule(launched, setting):
+    """Bytes counted by `fsdp.count_collectives` per mini-batch of M micro-batches, from R and L, the bytes of one
+    all-gather of the root and of all decoder layers (float32 on CPU, so a unit's reduce-scatter moves as many bytes as
+    its all-gather). Today: every unit is gathered for the forward and again for the backward and reduce-scattered
+    once per micro-batch: 2M (R + L) + M (R + L)."""
+    unit = torch.load(launched["out"] / "rank0" / "unit_bytes.pt")
+    R, L = unit["root"], sum(v for k, v in unit.items() if k.startswith("layer"))
+    assert R > 0 and L > 0
+    for choice in COLLECTIVE_CHOICES:
+        records = load(launched, f"collectives-{choice}-{setting}")
+        M = records[0]["forwards"]
+        assert M > 1, "several micro-batches per mini-batch, or the choices cannot differ"
+        expected = {  # (all-gather bytes, reduce-scatter bytes)
+            "per-micro-batch": (2 * M * (R + L), M * (R + L)),
+            "default": (R + 2 * M * L, M * (R + L)),  # keep_root_gathered: the root once per mini-batch
+            "no-reshard-after-forward": (R + M * L, M * (R + L)),  # layers gathered once per micro-batch
+            "defer-root": (R + 2 * M * L, R + M * L),
+            "defer-all": (R + 2 * M * L, R + L),
+            "all-three": (R + M * L, R + L),
+        }[choice]
+        for rec in records:
+            got = (rec["collectives"]["all_gather"], rec["collectives"]["reduce_scatter"])
+            assert got == expected, f"{choice} {setting} rank {rec['rows']}: {got} != {expected} (M={M}, R={R}, L={L})"
+
+
 def test_lopsided_shares_run_dummy_micro_batches(launched):
     """Process 1 holds 2 rows but runs 6 micro-batches (4 dummies) like process 0; the gradient is unchanged."""
     records = load(launched, "lopsided")

@@ -122,6 +122,21 @@ class ActorFSDPConfig:
     (it would need loss scaling)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
+    # FSDP2 collectives of the update's micro-batches (grpo_lib/fsdp.py mini_batch_collectives; --print-plan shows
+    # each one's bytes per mini-batch and memory). None changes the gradient beyond float32 summation order.
+    keep_root_gathered: bool = True
+    """Gather the root unit (embeddings, final norm, output head: the largest unit) once per mini-batch instead of
+    twice per micro-batch; it stays gathered between the micro-batches. No cost at the peak: the root is gathered
+    through every micro-batch's forward and backward anyway. false: FSDP2's per-micro-batch schedule."""
+    reshard_after_forward: bool = True
+    """Free each decoder layer's gathered weights after its forward and gather them again for its backward (verl's
+    fsdp_config.reshard_after_forward). false: one all-gather per layer per micro-batch instead of two, for every
+    layer's weights in param_dtype held from the forward to the backward (2 bytes x the layers' parameters in bf16)."""
+    defer_grad_reduce: Literal["none", "root", "all"] = "none"
+    """Reduce-scatter the gradients once per mini-batch, in the last micro-batch's backward, instead of after every
+    micro-batch: none; root (the root's unsharded gradient, 4 x vocab x hidden bytes in float32, is held across the
+    micro-batches); all (every unit's: the whole model's unsharded gradient, 4 bytes per parameter, held; use it when
+    the plan shows that it fits). Same gradient up to float32 summation order."""
 
 
 @dataclass

@@ -12,7 +12,9 @@ Cases (groups g0..g3 of the fixed batch; g1 and g3 hold the most tokens):
 - lopsided: process 0 gets 3 groups, process 1 one group, 1 trajectory per micro-batch: process 1 runs dummy
   micro-batches to match process 0's count, in the update and in the old-logprob pass;
 - balanced: process 0 starts with g1 and g3 (141 tokens), process 1 with g0 and g2 (86 tokens);
-  `balance_across_ranks` moves groups, then the update runs under a token budget with packing.
+  `balance_across_ranks` moves groups, then the update runs under a token budget with packing;
+- collectives-*: the even share under each actor.fsdp_config choice of COLLECTIVE_CHOICES, with the bytes of every
+  all-gather and reduce-scatter (`fsdp.count_collectives`); unit_bytes.pt: one all-gather of each unit alone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from grpo_lib import fsdp  # noqa: E402
 from grpo_lib.actor import Actor  # noqa: E402
 from grpo_lib.algorithms import LOSS_AGG_MODES  # noqa: E402
 from grpo_lib.batching import balance_across_ranks  # noqa: E402
@@ -41,6 +44,15 @@ SHARES = {  # case kind -> groups of each process
     "balanced": [["g1", "g3"], ["g0", "g2"]],
 }
 EVEN_SETTINGS = {"fixed1-padded": dict(micro_batch_size=1), "budget60-packed": dict(max_tokens=case.LONGEST, remove_padding=True)}
+# actor.fsdp_config choices of the update's collectives (fsdp.mini_batch_collectives); "default" is the config default.
+COLLECTIVE_CHOICES = {
+    "per-micro-batch": ("actor.fsdp_config.keep_root_gathered=false",),
+    "default": (),
+    "no-reshard-after-forward": ("actor.fsdp_config.reshard_after_forward=false",),
+    "defer-root": ("actor.fsdp_config.defer_grad_reduce=root",),
+    "defer-all": ("actor.fsdp_config.defer_grad_reduce=all",),
+    "all-three": ("actor.fsdp_config.reshard_after_forward=false", "actor.fsdp_config.defer_grad_reduce=all"),
+}
 
 
 def main(model_dir: str, batch_path: str, out: str) -> None:
@@ -58,8 +70,11 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
         actor.cfg = case.make_config(Path(model_dir), world_size=world_size, **config)
         actor.model.zero_grad(set_to_none=True)
         forwards[0] = 0
+        actor.collective_bytes.update(all_gather=0, reduce_scatter=0)
         metrics = actor.accumulate_gradients(batch)
+        collectives = dict(actor.collective_bytes)
         record = {"grads": case.grads_of(actor.model), "metrics": metrics, "forwards": forwards[0], "rows": len(batch),
+                  "collectives": collectives,
                   "group_ids": list(dict.fromkeys(batch.group_ids)), "tokens": sum(batch.seq_lens),
                   "sharded": all(isinstance(p, DTensor) for p in actor.model.parameters())}
         if name == "lopsided":
@@ -74,6 +89,17 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
         for setting, micro in EVEN_SETTINGS.items():
             run(f"even-{mode}-{setting}", mine("even"), loss_agg_mode=mode, **micro)
             run(f"holes-even-{mode}-{setting}", mine("even", holed), loss_agg_mode=mode, **micro)
+    for choice, extra in COLLECTIVE_CHOICES.items():
+        for setting, micro in EVEN_SETTINGS.items():
+            run(f"collectives-{choice}-{setting}", mine("even"), extra=extra, **micro)
+    # Bytes of one all-gather of each unit (FSDPModule.unshard of the unit alone), for the byte counts' formulas.
+    unit_bytes = {}
+    for unit_name, unit in [("root", actor.policy), *((f"layer{i}", m) for i, m in enumerate(fsdp.decoder_layers(actor.model)))]:
+        before = actor.collective_bytes["all_gather"]
+        unit.unshard()
+        unit.reshard()
+        unit_bytes[unit_name] = actor.collective_bytes["all_gather"] - before
+    torch.save(unit_bytes, out_dir / "unit_bytes.pt")
     run("lopsided", mine("lopsided"), micro_batch_size=1)
     run("balanced", balance_across_ranks(mine("balanced")), max_tokens=case.LONGEST, remove_padding=True)
     (out_dir / "done.json").write_text(json.dumps({"rank": rank, "world_size": world_size, "pid": os.getpid()}))
