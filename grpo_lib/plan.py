@@ -38,7 +38,7 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
 Phases: generation (weights + AdamW + reference + vLLM share + context); training = the largest of the layers'
 backward (weights + gradients + AdamW + gathered units + activations + head chunk + head gradient), the root's backward
 (the bf16 root, the head and embedding gradients, the reduce-scatter) and the optimizer step; resume (checkpoint.load
-creates AdamW's state with the engine awake). Peak = the largest phase. The host-memory line counts what the processes
+creates AdamW's state with the engine released, as before an update). Peak = the largest phase. The host-memory line counts what the processes
 of one machine load at start and keep resident after. Measured against the real update on fake tensors:
 `--measure` (grpo_lib/plan_measure.py; tests/test_plan_measure.py holds the Qwen3-4B plan within 10% of it).
 
@@ -321,9 +321,9 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     parts.update(phases)
     parts["training phase"] = max(phases.values())
     parts["training phase at"] = max(phases, key=phases.get)  # type: ignore[assignment]  (a name, not bytes)
-    # checkpoint.load creates AdamW's state (a zero-gradient step: gradients, moments, the step's temporary) while the
-    # engine holds its share (the engine is awake at the load in train_grpo.py's setup)
-    parts["resume phase"] = weights + grads + adam + parts["AdamW step temporary"] + ref + parts["vLLM share"] + ctx
+    # checkpoint.load creates AdamW's state (a zero-gradient step: gradients, moments, the step's temporary) with the
+    # engine released (train_grpo.py's setup releases it before the load, as a step does before its update)
+    parts["resume phase"] = weights + grads + adam + parts["AdamW step temporary"] + ref + engine_in_training + ctx
     parts["peak"] = max(parts["generation phase"], parts["training phase"], parts["resume phase"])
     return parts
 
@@ -342,7 +342,8 @@ def update_tokens(cfg: Config) -> int:
 def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int) -> dict[str, float]:
     """Host bytes per machine (all W processes of one machine): what the start loads and what stays resident.
 
-    Start: every process loads the whole model in float32 (and the reference in model.dtype) before sharding it.
+    Start: process 0 alone reads the whole model in float32 (and the reference in model.dtype) and broadcasts it into
+    the shards (fsdp.shard); the others build on the meta device and receive their shards (on GPU, on the device).
     Resident: the reference's shards in pinned memory (ref.fsdp_config.param_offload), vLLM's level-1 sleep backup of
     its weights (bf16, one TP shard per process), the offloaded actor shards / AdamW state when those keys are on.
     """
@@ -351,7 +352,7 @@ def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int) -> dict[str,
     ref_on_host = kl and cfg.model.lora_rank == 0
     ref_bytes = _dtype_bytes(cfg.model.dtype) * P
     fc = cfg.actor.fsdp_config
-    start = W * (4 * P + (ref_bytes if ref_on_host else 0))
+    start = 4 * P + (ref_bytes if ref_on_host else 0)  # process 0's full copies, read once per machine
     resident = (ref_bytes if ref_on_host and cfg.ref.fsdp_config.param_offload else 0.0)
     if cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 1:
         resident += _dtype_bytes(cfg.rollout.dtype) * P * W / cfg.rollout.tensor_model_parallel_size
@@ -467,13 +468,13 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     lines.append(f"  training phase             {parts['training phase'] / GIB:7.2f} GiB (at the {parts['training phase at']}; "
                  f"{sleep})")
     lines.append(f"  resume phase               {parts['resume phase'] / GIB:7.2f} GiB (checkpoint.load creates AdamW's "
-                 "state while the engine holds its share)")
+                 f"state; {'the engine released' if cfg.rollout.free_cache_engine else 'the engine stays resident'})")
     fits = parts["peak"] <= gpu_gb * GIB
     lines.append(f"  peak per GPU               {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
     host = host_memory(cfg, sizes, world_size=world_size)
-    lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start ({world_size} processes each load the "
-                 f"model in float32 before sharding), {host['resident'] / GIB:.2f} GiB resident after (reference shards, "
-                 "vLLM's sleep backup, offloaded state)")
+    lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start (process 0 reads the model in "
+                 f"float32 once and broadcasts it into the shards), {host['resident'] / GIB:.2f} GiB resident after "
+                 "(reference shards, vLLM's sleep backup, offloaded state)")
     return lines, fits
 
 

@@ -156,13 +156,14 @@ def test_auto_at_setup_on_cpu_and_on_a_gpu(tmp_path):
 
 
 def test_host_memory_line_by_hand():
-    """Qwen3-4B on 4 processes: each loads fp32 4P and the bf16 reference 2P at start; resident after: the reference's
+    """Qwen3-4B on 4 processes: process 0 alone reads fp32 4P and the bf16 reference 2P at start (the others receive
+    their shards by broadcast, onto the GPU); resident after: the reference's
     pinned shards (2P over the machine) and vLLM's level-1 sleep backup (bf16, 2P / TP per process)."""
     cfg = load_config(RECIPE, world_size=4)
     sizes = model_sizes(json.loads(QWEN3_4B.read_text()))
     P = sizes.params
     host = host_memory(cfg, sizes, world_size=4)
-    assert host["start"] == 4 * (4 * P + 2 * P)
+    assert host["start"] == 4 * P + 2 * P
     assert host["resident"] == 2 * P + 2 * P * 4 / 2
 
 
