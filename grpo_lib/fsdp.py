@@ -85,9 +85,10 @@ def reads_weights() -> bool:
 
 
 def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-          cpu_offload: bool = False) -> LogprobModel:
+          cpu_offload: bool = False, fill: bool = True) -> LogprobModel:
     """Wrap `model` in a `LogprobModel` and, when a process group exists, `fully_shard` its layers and the root, then
-    fill the shards from process 0 (`fill_from_rank0`). `model` holds its weights on the host on process 0 and is an
+    fill the shards from process 0 (`fill_from_rank0`; `fill=False` skips it: the memory measurement's fake tensors
+    hold no values to broadcast). `model` holds its weights on the host on process 0 and is an
     empty meta-device build on the others (`reads_weights`); its shards land on `device` (in host memory with
     `cpu_offload`). Without a group the whole model moves to `device` (only a CPU run has no group:
     `distributed.init_distributed`)."""
@@ -101,7 +102,7 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     assert on_meta != reads_weights(), (
         f"process {dist.get_rank()}: the model must be read on process 0 only and built on the meta device elsewhere "
         f"(actor.load_model(..., empty=not fsdp.reads_weights())); this one is {'empty' if on_meta else 'loaded'}")
-    full_state = model.state_dict() if reads_weights() else {}  # process 0's full tensors (no copy), for the broadcast
+    full_state = model.state_dict() if reads_weights() and fill else {}  # process 0's full tensors (no copy), for the broadcast
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # reshard_after_forward=True on the root too (FSDP2's default keeps the ROOT unsharded after its forward, which
     # would leave the embeddings and head whole after every no-grad pass, forever for the reference).
@@ -113,7 +114,8 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     fully_shard(policy, **kwargs)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model.to_empty(device=torch.device("cpu") if cpu_offload else device)  # this process's shards, not filled yet
-    fill_from_rank0(model, full_state)
+    if fill:
+        fill_from_rank0(model, full_state)
     del full_state
     # FSDP2 fixes each unit's mixed-precision dtypes (the reduce dtype among them) at its first forward, from the
     # parameters that require grad AT THAT MOMENT. With LoRA the first forward would be the reference pass inside

@@ -229,7 +229,8 @@ def _actor(cfg, model, device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     actor.model = model
-    actor.policy = fsdp.shard(model, device=device, param_dtype=actor.param_dtype, reduce_dtype=getattr(torch, a.fsdp_config.reduce_dtype))
+    actor.policy = fsdp.shard(model, device=device, param_dtype=actor.param_dtype, reduce_dtype=getattr(torch, a.fsdp_config.reduce_dtype),
+                              fill=False)  # fake tensors: no values to broadcast from process 0
     actor.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr,
                                         weight_decay=a.weight_decay, betas=(0.9, 0.999))
     actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda s: 1.0)
