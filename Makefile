@@ -39,7 +39,7 @@ demo-lora: artifacts/tiny_qwen3/config.json artifacts/data/arith/train.parquet
 # the multi-turn tool demo: its own model folder and data (make demo's stay as they are)
 artifacts/tiny_qwen3_tool/config.json: $(STAMP) data_prep/tiny_model.py data_prep/synthetic.py recipes/tool_config/calculator_tool_config.yaml
 	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3_tool --tool-config recipes/tool_config/calculator_tool_config.yaml \
-		--tool-warmup-fraction 0.5 --warmup-steps 150
+		--tool-warmup-fraction 0.5 --warmup-steps 600
 
 artifacts/data/arith_tool/train.parquet: $(STAMP) data_prep/synthetic.py data_prep/gsm8k_tool.py
 	$(VPY) data_prep/synthetic.py --tool --out artifacts/data/arith_tool --train-size 2000 --test-size 100

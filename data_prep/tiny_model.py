@@ -22,7 +22,7 @@ expression, reads the tool's response (loss-masked, as in training) and copies t
 answer directly with noisy sums. GRPO then has two ways to the reward, and the tool one is reliable:
 
       python data_prep/tiny_model.py --out artifacts/tiny_qwen3_tool --tool-config recipes/tool_config/calculator_tool_config.yaml \
-          --tool-warmup-fraction 0.5 --warmup-steps 150
+          --tool-warmup-fraction 0.5 --warmup-steps 600
 """
 
 from __future__ import annotations

@@ -51,3 +51,19 @@ def test_tiny_tool_recipe_budgets_hold_a_whole_tool_episode():
     prompt, *response = [len(tokenizer(t, add_special_tokens=False)["input_ids"])
                          for t, _ in tool_episode_texts(tokenizer, schemas, row, use_tool=True, answer=198)]
     assert prompt <= cfg.data.max_prompt_length and sum(response) <= cfg.data.max_response_length, (prompt, response)
+
+
+def test_tiny_tool_model_build_line_is_the_same_in_makefile_recipe_and_docstring():
+    """make demo-tool builds the tool model with the flags the recipe's header and tiny_model.py's docstring show (the
+    README's measured table was made with them): the three copies of the line must not drift apart."""
+    import re
+
+    def flags(text: str) -> list[str]:  # the words from --out up to --warmup-steps N (the line's last flag)
+        line = re.search(r"tiny_model\.py (--out artifacts/tiny_qwen3_tool .*?--warmup-steps \d+)", text, re.S)
+        assert line, "no tiny_qwen3_tool build line ending in --warmup-steps N found"
+        return [w for w in line.group(1).replace("\\", " ").split() if w != "#"]
+
+    makefile = flags((REPO / "Makefile").read_text())
+    recipe = flags((REPO / "recipes" / "tiny_cpu_tool.yaml").read_text())
+    docstring = flags((REPO / "data_prep" / "tiny_model.py").read_text().split('"""', 2)[1])
+    assert makefile == recipe == docstring, (makefile, recipe, docstring)
