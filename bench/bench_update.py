@@ -123,13 +123,10 @@ def peak_rss_mib() -> float:
 
 
 def reset_peak_rss() -> bool:
-    """Restart VmHWM at the current resident set (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """Restart VmHWM at the current resident set (grpo_lib.perf.reset_peak_memory on the CPU)."""
+    from grpo_lib.perf import reset_peak_memory
+
+    return reset_peak_memory(torch.device("cpu"))
 
 
 def set_packed_row_tokens(packed_row_tokens: int | None) -> None:

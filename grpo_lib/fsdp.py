@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo_lib.distributed import broadcast_object, has_group
 from grpo_lib.logprobs import token_logprobs
+from grpo_lib.perf import vm_hwm_mb
 
 
 class LogprobModel(nn.Module):
@@ -372,14 +373,8 @@ def peak_memory_mb(device: torch.device) -> float:
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / MB
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB -> MiB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    hwm = vm_hwm_mb()
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def describe(model: nn.Module, *, name: str, param_dtype: torch.dtype, trainable: bool) -> str:

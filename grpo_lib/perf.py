@@ -250,6 +250,11 @@ def peak_memory_mb(device) -> float | None:
         import torch
 
         return (torch.cuda.max_memory_allocated(device) - engine_unmapped_bytes()) / MB
+    return vm_hwm_mb()
+
+
+def vm_hwm_mb() -> float | None:
+    """This process's peak resident set in MiB (VmHWM of /proc/self/status); None without /proc."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
