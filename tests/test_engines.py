@@ -2,7 +2,8 @@
 
 Each engine runs in its own process (tests/scripts/engine_generate.py) on the tiny fp32 model: greedy tokens
 must be equal token for token, before and after a weight push, and a tensor-parallel vLLM engine over 2 processes
-must generate what one process does; both satisfy the RolloutEngine protocol; sample k
+must generate what one process does (and starts while another run's CPU TP shared memory holds vLLM's names); both
+satisfy the RolloutEngine protocol; sample k
 of a request is seeded with seed + k in both; sampled-token logprobs equal the engine's own rescoring.
 """
 
@@ -12,9 +13,11 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from grpo_lib.engines.vllm import SHM_DIR, SHM_PREFIX, cpu_shm_names_of_this_run, remove_stale_shm
 from tests.conftest import REPO, accelerate_launch
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
@@ -34,10 +37,33 @@ def run_engine(name: str, model_dir, out_dir) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
 
 
+# vLLM's own names for a CPU TP-2 group's shared memory under external_launcher (grpo_lib/engines/vllm.py docstring):
+# another run alive, or a SIGKILLed one, holds them; vLLM alone then fails with "create shm ... errno: 17".
+VLLM_SHM_NAMES = ["-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1"]
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 @pytest.fixture(scope="module")
 def outputs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
-    return {name: run_engine(name, tiny_model_dir, root / name) for name in ("vllm", "hf", "vllm_tp2")}
+    out = {name: run_engine(name, tiny_model_dir, root / name) for name in ("vllm", "hf")}
+    held = [SHM_DIR / n for n in VLLM_SHM_NAMES if not (SHM_DIR / n).exists()]
+    stale = SHM_DIR / f"{SHM_PREFIX}{dead_pid()}-tp:0-[0-1]-cpushm_0"
+    for path in [*held, stale]:
+        path.touch()
+    try:
+        out["vllm_tp2"] = run_engine("vllm_tp2", tiny_model_dir, root / "vllm_tp2")
+    finally:
+        for path in held:
+            path.unlink(missing_ok=True)
+    out["stale_shm_left"] = stale.exists()
+    stale.unlink(missing_ok=True)
+    return out
 
 
 def test_hf_greedy_equals_vllm_token_for_token(outputs):
@@ -81,3 +107,31 @@ def test_on_finished_reports_each_response_once_and_changes_nothing(outputs, nam
     # limits 4, 12, 8: a response is reported after the step that gave its last token, so shorter ones come first
     lengths = out["report_lengths"]
     assert len(lengths) == 3 and lengths == sorted(lengths) and len(set(lengths)) > 1, lengths
+
+
+def test_tp2_starts_next_to_another_runs_shared_memory(outputs):
+    """vLLM's default segment names were taken while the TP-2 engine started (fixture): it used this run's own, and
+    removed the segment a dead run left behind."""
+    assert len(outputs["vllm_tp2"]) == 2
+    assert not outputs["stale_shm_left"], "the segment of a run whose rank 0 is gone was not removed"
+
+
+def test_cpu_shm_names_carry_the_run_prefix(monkeypatch):
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what the CPU worker sets under external_launcher
+    group = SimpleNamespace(unique_name="tp:0", ranks=[2, 3])
+    assert _CPUSHMDistributed.make_group_name(group) == "//-tp:0-[2-3]-cpushm"
+    with cpu_shm_names_of_this_run("grpo123"):
+        assert _CPUSHMDistributed.make_group_name(group) == "grpo123-tp:0-[2-3]-cpushm"
+    assert _CPUSHMDistributed.make_group_name(group) == "//-tp:0-[2-3]-cpushm", "vLLM's own naming was not restored"
+
+
+def test_only_dead_runs_segments_are_removed(tmp_path):
+    live, dead = os.getpid(), dead_pid()
+    names = [f"{SHM_PREFIX}{live}-tp:0-[0-1]-cpushm_0", f"{SHM_PREFIX}{dead}-tp:0-[0-1]-cpushm_0",
+             f"{SHM_PREFIX}{dead}-tp:0-[0-1]-cpushm_1", "-tp:0-[0-1]-cpushm_0", "psm_1234"]
+    for name in names:
+        (tmp_path / name).touch()
+    assert sorted(remove_stale_shm(tmp_path)) == sorted(names[1:3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])

