@@ -98,6 +98,10 @@ def _tiny_base(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[st
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
         "reward.num_workers=1",
+        # vLLM eager: its torch.compile costs ~5 CPU-s per engine start, a quarter of a tiny run, and the suite starts
+        # ~150 engines. The compiled engine (the recipes' default) is covered where it matters: it takes pushed weights
+        # and serves them (tests/test_perf_train.py, with the weight-sync check), and `make demo` runs it.
+        "rollout.enforce_eager=true",
     ]
 
 

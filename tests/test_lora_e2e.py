@@ -85,7 +85,7 @@ def test_checkpoint_adapter_and_merged_folder(lora_run, tiny_model_dir):
         trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{tiny_model_dir}", dtype=torch.float32),
                                             "{ckpt / 'adapter'}")
         trained_lp = hf(trained)
-        engine = VLLMEngine(model_path="{ckpt / 'merged'}", cfg=RolloutConfig(kv_cache_memory_bytes=32 * 2**20),
+        engine = VLLMEngine(model_path="{ckpt / 'merged'}", cfg=RolloutConfig(kv_cache_memory_bytes=32 * 2**20, enforce_eager=True),
                             max_model_len=128, seed=0, on_cpu=True, world_size=1)
         score = lambda: torch.tensor(engine.score_logprobs([seq])[0])
         result = dict(adapter_moved=float((trained_lp - base_lp).abs().max()),

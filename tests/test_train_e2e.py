@@ -105,7 +105,7 @@ def test_checkpoint_loads_in_vllm(e2e_run):
         from grpo_lib.engines.vllm import VLLMEngine
         from grpo_lib.config import RolloutConfig
         from grpo_lib.logprobs import token_logprobs
-        cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20)
+        cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20, enforce_eager=True)
         engine = VLLMEngine(model_path="{ckpt}", cfg=cfg, max_model_len=128, seed=0, on_cpu=True, world_size=1)
         seq = [1, 20, 30, 40, 50, 60, 70, 80]
         engine_lp = torch.tensor(engine.score_logprobs([seq])[0])

@@ -30,7 +30,7 @@ from grpo_lib.engines.vllm import VLLMEngine  # noqa: E402
 def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
     init_distributed()
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20, tensor_model_parallel_size=tp, max_num_seqs=8)
+    cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20, enforce_eager=True, tensor_model_parallel_size=tp, max_num_seqs=8)
     if engine_name == "hf":
         from grpo_lib.engines.hf import HFEngine
 
