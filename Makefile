@@ -50,12 +50,15 @@ demo-tool: artifacts/tiny_qwen3_tool/config.json artifacts/data/arith_tool/train
 # The suite in two phases: everything but the wall-clock-bound tests on $(TEST_WORKERS) pytest-xdist workers, one test
 # file per worker at a time (--dist loadfile keeps a file's module-scoped runs shared by its tests), then the
 # `wallclock` tests alone. A serial run uses about one core (imports, engine builds, subprocess waits), so 2 workers
-# on 2 cores cut the time by ~40%. TEST_WORKERS=0 runs everything in this process, as before.
+# on 2 cores cut the time by ~40%. TEST_WORKERS=0 runs everything in this process, as before. Each worker and the
+# trainer processes it launches compute on one thread (TEST_THREADS): with torch's default of one thread per core, 2
+# workers each running a 2-process launch put ~8 spinning OpenMP threads on 2 cores.
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 
 test: $(STAMP)
 	status=0; \
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 -m "not wallclock" tests || status=$$?; \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 -m "not wallclock" tests || status=$$?; \
 	$(VPY) -m pytest -q --durations=5 -m wallclock tests || status=$$?; \
 	exit $$status
 

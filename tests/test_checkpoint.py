@@ -433,6 +433,145 @@ def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, three_steps_a
     assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "final exports differ after kill + resume (2 processes)"
 
 
+def test_plan_resume_without_checkpoint_and_incomplete_paths(tmp_path):
+    from grpo_lib.checkpoint import ResumeError, plan_resume
+    from grpo_lib.config import Config
+
+    cfg = Config()
+    cfg.trainer.default_local_dir = str(tmp_path)
+    assert plan_resume(cfg).step == 0, "an empty folder starts fresh"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / ".tmp_global_step_1").mkdir()  # a save cut short by a kill
+    assert plan_resume(cfg).step == 0, "a run killed before its first checkpoint starts again"
+    (tmp_path / "global_step_1").mkdir()  # no COMPLETE marker: an older format, never resumed nor overwritten
+    with pytest.raises(ResumeError, match="without a COMPLETE marker"):
+        plan_resume(cfg)
+    cfg.trainer.resume_mode = "disable"
+    with pytest.raises(ResumeError, match="already holds a run"):
+        plan_resume(cfg)
+    cfg.trainer.resume_mode, cfg.trainer.resume_from_path = "resume_path", str(tmp_path / "global_step_1")
+    with pytest.raises(ResumeError, match="not a complete checkpoint"):
+        plan_resume(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_full_disk_during_a_save_on_one_process_stops_both_with_the_last_checkpoint_intact(base, tmp_path):
+    """2 processes; process 1's checkpoint write of step 4 fails with ENOSPC (test hook). Both processes agree and
+    exit 3 (none waits in a collective the other skipped), the partial folder is removed, global_step_2 stays
+    complete and resumable, the metrics of steps 1-4 are kept, and the message names the intact checkpoint."""
+    out = tmp_path / "run"
+    full = run_killed(base(out, "trainer.save_freq=2"), ["--signal", "ENOSPC save 4 1"], tmp_path / "full.log",
+                      launcher=accelerate_launch(2))
+    log = (tmp_path / "full.log").read_text()
+    assert full.returncode != 0 and "exitcode  : 3" in log, log[-3000:]
+    assert "test hook: ENOSPC at save of step 4" in log
+    assert "could not write the checkpoint of step 4" in log and "global_step_2, is intact" in log, log[-3000:]
+    assert sorted(p.name for p in out.iterdir() if "global_step" in p.name) == ["global_step_2"]
+    assert (out / "global_step_2" / MARKER).is_file() and (out / POINTER).read_text().strip() == "2"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    resumed = run_train(base(out, "trainer.save_freq=2", "trainer.total_training_steps=3"))  # one process: DCP reshards
+    assert "resumed from" in resumed.stderr and (out / "global_step_3" / MARKER).is_file(), resumed.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def full_disk_under_the_metrics(base, tmp_path_factory):
+    """One 2-process run whose metrics.jsonl write of step 3 fails with ENOSPC on process 0 (the only process that writes
+    metrics; test hook), saving every 2 steps: (run folder, combined log of both processes and the launcher)."""
+    tmp = tmp_path_factory.mktemp("full_disk_metrics")
+    out = tmp / "run"
+    run_killed(base(out, "trainer.save_freq=2"), ["--signal", "ENOSPC metrics 3 0"], tmp / "run.log", launcher=accelerate_launch(2))
+    return out, (tmp / "run.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_full_disk_under_the_metrics_on_process_0_stops_both_processes_with_exit_3(full_disk_under_the_metrics):
+    """Issue 20 item 3: the first write a full disk refuses is often metrics.jsonl or TensorBoard, not a checkpoint. Process
+    0's write of step 3 fails; both processes learn it from the logger's agreement (neither waits in a collective the other
+    skipped: the run ends, and each process prints the error, naming the folder and its free space) and exit 3."""
+    out, log = full_disk_under_the_metrics
+    assert "test hook: ENOSPC at metrics of step 3" in log, log[-3000:]
+    assert "exitcode  : 3" in log, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error: could not write the metrics of step 3 in ")]
+    assert len(errors) == 2, f"each process reports the failed write: {errors}\n{log[-3000:]}"
+    assert all(f" in {out} (" in line and re.search(r"\d+\.\d\d GiB free there", line) for line in errors), errors
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_full_disk_under_the_metrics_saves_the_step_when_space_allows(full_disk_under_the_metrics):
+    """Step 3's update was done when its metrics failed to write: the stop saves step 3 (the disk had room for it here),
+    so nothing trained is lost; the metrics of steps 1-2 are kept and step 3's line is the one that was refused."""
+    out, log = full_disk_under_the_metrics
+    assert (out / "global_step_3" / MARKER).is_file() and (out / POINTER).read_text().strip() == "3", log[-3000:]
+    assert f"saved the last completed step to {out / 'global_step_3'}" in log
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+# ------------------------------------------------------------------------------------ two machines, simulated
+def two_machines(args: list[str], tmp: Path, name: str, *, cwds: tuple[Path, Path] = (REPO, REPO)) -> tuple[list[int], str]:
+    """Two `accelerate launch` launchers on this host, `--num_machines 2 --machine_rank 0/1`, one process each, meeting at
+    127.0.0.1 (gloo), as two machines run the same command; each runs in its own working directory. Returns both
+    launchers' exit codes and their logs, joined."""
+    port = str(free_port())
+    logs = [tmp / f"{name}_machine{r}.log" for r in (0, 1)]
+    procs = []
+    for machine_rank, (cwd, log) in enumerate(zip(cwds, logs)):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "2",
+               "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train_grpo.py"), *args]
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}))
+    codes = [proc.wait(timeout=600) for proc in procs]
+    return codes, "\n".join(f"--- machine {r} ---\n{log.read_text()}" for r, log in enumerate(logs))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_machines_simulated_train_checkpoint_and_resume_one_run(base, tmp_path):
+    """Issue 20: two launchers as two machines of one process each (machine ranks 0 and 1 on the loopback address) train
+    2 steps and save; the same two commands again with 3 steps resume the checkpoint on both machines and add step 3."""
+    out = tmp_path / "run"
+    args = lambda steps: [str(REPO / "recipes" / "tiny_cpu.yaml"),  # noqa: E731  (cwd-independent)
+                          *base(out, "trainer.save_freq=2", f"trainer.total_training_steps={steps}")[1:]]
+    codes, log = two_machines(args(2), tmp_path, "train")
+    assert codes == [0, 0], log[-4000:]
+    assert (out / "global_step_2" / MARKER).is_file() and [r["step"] for r in read_metrics(out)] == [1, 2]
+    state = json.loads((out / "global_step_2" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and sorted(p.name for p in (out / "global_step_2" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    codes, log = two_machines(args(3), tmp_path, "resume")
+    assert codes == [0, 0], log[-4000:]
+    assert log.count(f"resumed from {out / 'global_step_2'} (step 2 of 3)") == 2, "both machines resume the checkpoint"
+    assert (out / "global_step_3" / MARKER).is_file() and [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_run_folder_not_shared_between_machines_exits_2_at_start(base, tmp_path):
+    """The two machines' run folder is `run`, a relative path, and each launcher runs in its own working directory: the
+    same path is two folders, as `outputs/run` on each machine's local disk is (no patch: the probe files really are
+    invisible to the other process). Both processes exit 2 at start, before the engine, naming the folder and what each
+    process saw; neither folder gets a checkpoint or metrics."""
+    homes = (tmp_path / "machine0", tmp_path / "machine1")
+    for home in homes:
+        home.mkdir()
+    args = [str(REPO / "recipes" / "tiny_cpu.yaml"), *base(Path("run"), "trainer.save_freq=2", "trainer.total_training_steps=2")[1:]]
+    codes, log = two_machines(args, tmp_path, "not_shared", cwds=homes)
+    assert all(code != 0 for code in codes) and log.count("exitcode  : 2") == 2, log[-4000:]
+    errors = [line for line in log.splitlines() if line.startswith("error: trainer.default_local_dir='run' is not one folder shared")]
+    assert len(errors) == 2, log[-4000:]
+    assert "process 0 (host " in errors[0] and "sees the probe files of processes [0] only" in errors[0], errors[0]
+    assert "process 1 (host " in errors[0] and "sees the probe files of processes [1] only" in errors[0], errors[0]
+    assert "Starting to load model" not in log, "the check comes before the engine"
+    for home in homes:
+        assert sorted(p.name for p in (home / "run").iterdir()) == [], "probe files removed, nothing else written"
+
+
+# ------------------------------------------------------------------------------------ another process count
+# The metrics tests/test_multiprocess_train.py compares between 1 and 2 processes, with its tolerance: rtol 1e-4 covers
+# the float reordering of sums over 1 vs 2 processes (the rollouts and the gradients do not depend on the count).
 PROCESS_COUNT_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
 
