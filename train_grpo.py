@@ -4,7 +4,7 @@ Also `accelerate launch train_grpo.py RECIPE.yaml ...`. Each process owns its sh
 colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (setup -> step -> validate -> save
 -> close, as torchtune's recipe classes do); `GRPOTrainer.step` holds the step order of docs/DESIGN.md:
 
-    prompts -> generate (rollout.n per prompt) -> reward -> engine sleeps -> reference logprobs (if KL)
+    prompts -> generate (rollout.n per prompt) -> reward -> weight probe -> engine sleeps -> reference logprobs (if KL)
     -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
@@ -18,7 +18,7 @@ fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --g
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
 could not be trusted (rewards failing, a tool failing on every call of a step, the engine not serving the actor's
-weights after a push (trainer.weight_probe), see `GRPOTrainer.stop_run`; or trainer.max_bad_steps consecutive
+weights, found before the step's update (trainer.weight_probe), see `GRPOTrainer.stop_run`; or trainer.max_bad_steps consecutive
 non-finite updates), or could not be written (a full disk under the metrics or a checkpoint).
 """
 
@@ -161,6 +161,9 @@ class GRPOTrainer:
                            "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
         if self.resume.path is None:
+            if probe is not None:  # step 1's generation proves the engine loaded the weights the actor did
+                probe.expect(actor)
+                probe.send(engine)
             actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
             return
         # Resume with the engine asleep: loading creates the AdamW state (and DCP's read buffers) on the device, which
@@ -168,8 +171,12 @@ class GRPOTrainer:
         # from model.path), the order of a step's push.
         engine.release()
         checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
+        if probe is not None:  # the resumed weights, which the push below gives the engine
+            probe.expect(actor)
         actor.offload()  # optimizer_offload: the loaded AdamW state goes to the host before the engine's weights wake
         engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+        if probe is not None:
+            probe.send(engine)
         print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
@@ -193,7 +200,6 @@ class GRPOTrainer:
         from grpo_lib import checkpoint
         from grpo_lib import step as S
         from grpo_lib.stopping import install_stop_handlers, stop_requested
-        from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
@@ -220,8 +226,6 @@ class GRPOTrainer:
                       f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}): the run diverged, stopping. The last checkpoint is "
                       "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
                 return 3
-            if (error := mismatch(metrics, step=step)) is not None:  # the engine serves other weights: save, exit 3
-                return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
             if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
                 self.validate(step)
             stopping = stop_requested()  # agreed by all processes
@@ -242,6 +246,7 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
+        from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         engine, actor, reference = p.engine, p.actor, p.reference
@@ -255,6 +260,11 @@ class GRPOTrainer:
                 batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
                                                         world_size=self.world_size, rank=self.rank, timings=timings,
                                                         episodes=p.episodes)
+                if p.probe is not None and p.probe.pending:  # did these rollouts come from the actor's weights?
+                    with timed(timings, "weight_probe"):
+                        gen_metrics.update(p.probe.measure(engine))  # scored inside the generation above
+                    if (error := mismatch(gen_metrics, step=step)) is not None:  # before any update: save, exit 3
+                        raise S.RunAborted(str(error), exit_code=error.exit_code)
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
                 if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
@@ -281,9 +291,10 @@ class GRPOTrainer:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
-            if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
+            probe = p.probe if step < p.total_steps else None  # no training rollouts follow the last push
+            if probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
                 with timed(timings, "weight_probe"):
-                    p.probe.expect(actor)
+                    probe.expect(actor)
             # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
             # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
@@ -291,9 +302,8 @@ class GRPOTrainer:
             with timed(timings, "push"):
                 engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
             memory.end()
-            if p.probe is not None:  # ... and the engine's, after the push (rollout/weight_probe_abs_diff)
-                with timed(timings, "weight_probe"):
-                    train_metrics.update(p.probe.measure(engine))
+            if probe is not None:  # ... and the engine's, inside the next generation (rollout/weight_probe_abs_diff)
+                probe.send(engine)
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()

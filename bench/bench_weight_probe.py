@@ -4,11 +4,14 @@ Not a test: `python bench/bench_weight_probe.py [--steps 12] [--work-dir DIR] [-
 model and data (as `make demo` does: the tiny Qwen3 warmed up --warmup-steps steps, 2000 synthetic additions) unless DIR
 has them, runs
 `train_grpo.py recipes/tiny_cpu.yaml` (real vLLM on CPU, 32 prompts x 8 responses per step) for --steps steps, and
-reads from its metrics.jsonl, per step, `timing_s/weight_probe` (the actor's forward of the probe before the push plus
-the engine's prefill after it; both inside `timing_s/step`) against `timing_s/step`. The first 2 steps are left out
-(one-off warm-up: the engine compiles the probe's shape once). The probe's time is measured inside the same steps it
-is compared with, so a machine shared with other jobs slows both alike; the load average is printed with the result.
-Writes bench/results_weight_probe_cpu.md.
+reads from its metrics.jsonl, per step, `timing_s/weight_probe` (the actor's forward of the probe before the push, and
+the comparison after the next generation; inside `timing_s/step`) against `timing_s/step`. The first 2 steps are left
+out (one-off warm-up). The engine scores the probe inside its generation call (one more prompt-logprob request in the
+batch), which timing_s/weight_probe does not see: that part is measured here in one process, as paired A/B calls of
+the step's generate (the demo's 32 prompts x 8 samples, streamed as in training) with and without the queued probe,
+alternating, --ab-pairs pairs; its median difference is added to the probe's cost. Both parts are measured inside the
+same steps / calls they are compared with, so a machine shared with other jobs slows both alike; the load average is
+printed with the result. Writes bench/results_weight_probe_cpu.md.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 WARMUP_STEPS = 2
 
 
@@ -39,11 +43,50 @@ def build(work: Path, warmup_steps: int) -> tuple[Path, Path]:
     return model, data
 
 
+def generate_ab(model: Path, data: Path, pairs: int) -> tuple[float, float]:
+    """Median over `pairs` of (generate with the queued probe - generate without), and the median plain generate, s."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from grpo_lib.config import load_config
+    from grpo_lib.data import load_prompts
+    from grpo_lib.engines.vllm import VLLMEngine
+    from grpo_lib.weight_probe import PROBE_TOKENS
+
+    cfg = load_config(REPO / "recipes" / "tiny_cpu.yaml", [f"model.path={model}", f"data.train_files=[{data / 'train.parquet'}]"])
+    train = load_prompts(cfg.data.train_files, AutoTokenizer.from_pretrained(str(model)), cfg.data)
+    engine = VLLMEngine.from_config(cfg, on_cpu=True, world_size=1)
+    prompts, probe = train.prompt_ids[:cfg.data.train_batch_size], train.prompt_ids[0][:PROBE_TOKENS]
+
+    def generate(with_probe: bool, rep: int) -> float:
+        if with_probe:
+            engine.queue_scores([probe])
+        start = time.perf_counter()
+        engine.generate(prompts, n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
+                        seeds=[1000 * rep + i for i in range(len(prompts))], on_finished=lambda finished: None)
+        elapsed = time.perf_counter() - start
+        if with_probe:
+            engine.pop_scores()
+        return elapsed
+
+    for rep in range(3):  # warm-up
+        generate(rep % 2 == 0, rep)
+    diffs, plain = [], []
+    for rep in range(pairs):  # the same seeds for both calls of a pair; which goes first alternates
+        order = (False, True) if rep % 2 == 0 else (True, False)
+        t = {w: generate(w, rep) for w in order}
+        diffs.append(t[True] - t[False])
+        plain.append(t[False])
+    return statistics.median(diffs), statistics.median(plain)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--warmup-steps", type=int, default=300, help="the tiny model's warm-up (make demo: 300)")
+    parser.add_argument("--ab-pairs", type=int, default=60, help="paired generate calls with / without the queued probe")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_probe_"))
     model, data = build(work, args.warmup_steps)
@@ -58,7 +101,8 @@ def main() -> None:
     rows = [r for r in rows if "timing_s/weight_probe" in r and r["step"] > WARMUP_STEPS]
     probe = [r["timing_s/weight_probe"] for r in rows]
     step = [r["timing_s/step"] for r in rows]
-    share = [p / s for p, s in zip(probe, step)]
+    in_gen, gen_plain = generate_ab(model, data, args.ab_pairs)
+    share = [(p + in_gen) / s for p, s in zip(probe, step)]
     load = os.getloadavg()
     lines = [
         "# Weight probe: its cost per step (bench/bench_weight_probe.py)", "",
@@ -67,9 +111,11 @@ def main() -> None:
         f"The demo run (recipes/tiny_cpu.yaml: 32 prompts x 8 responses of <= 16 tokens, real vLLM on CPU, float32; the "
         f"tiny model warmed up {args.warmup_steps} steps), steps {WARMUP_STEPS + 1}-{args.steps}:", "",
         "| | median | max |", "|---|---|---|",
-        f"| timing_s/weight_probe | {statistics.median(probe) * 1e3:.1f} ms | {max(probe) * 1e3:.1f} ms |",
+        f"| timing_s/weight_probe (actor forward + comparison) | {statistics.median(probe) * 1e3:.2f} ms | {max(probe) * 1e3:.2f} ms |",
+        f"| the probe inside the generate call ({args.ab_pairs} A/B pairs; plain generate {gen_plain:.3f} s) | "
+        f"{in_gen * 1e3:.2f} ms | |",
         f"| timing_s/step | {statistics.median(step):.3f} s | {max(step):.3f} s |",
-        f"| probe / step | {statistics.median(share):.2%} | {max(share):.2%} |",
+        f"| probe / step (both parts) | {statistics.median(share):.2%} | {max(share):.2%} |",
         f"| rollout/weight_probe_abs_diff | {statistics.median(r['rollout/weight_probe_abs_diff'] for r in rows):.2g} | "
         f"{max(r['rollout/weight_probe_abs_diff'] for r in rows):.2g} |",
         f"| rollout/weight_probe_tolerance | {statistics.median(r['rollout/weight_probe_tolerance'] for r in rows):.2g} | |",

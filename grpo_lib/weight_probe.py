@@ -1,4 +1,4 @@
-"""The weight probe: after every push the engine proves that it serves the actor's weights (`trainer.weight_probe`, on).
+"""The weight probe: every step's rollouts come from the actor's weights, proven at almost no cost (`trainer.weight_probe`, on).
 
 Why: the stale-weights class of bugs (a parameter missing from the push, LoRA adapters not merged into what is pushed,
 vLLM's sleep level 2 waking with garbage weights) is silent: the engine generates from weights the trainer does not
@@ -12,14 +12,19 @@ How (`WeightProbe`, one per run, the same on every process):
                logprobs are moderate (a random token would have a logprob of about -log(vocab) and a rounding
                error to match), identical on every process (every process loads the same data), so the ranks of a
                tensor-parallel group send the engine the identical request
-    expect     right after the update, before the push: the actor's logprobs of the probe (temperature 1), from the
-               very weights about to be pushed; the shards are on the device for the push anyway (one forward of
-               PROBE_TOKENS tokens)
-    measure    after the push, the engine ready: the engine's logprobs of the probe (one prefill), then
-               rollout/weight_probe_abs_diff = mean over the probe's tokens of |engine - actor|, the largest over
-               processes (every process probes its own engine), and rollout/weight_probe_tolerance
-    mismatch   a difference above the tolerance stops the run after saving the step (exit 3, train_grpo.py): the
-               actor's weights are right, the engine's are not, and the next rollouts would come from the wrong ones
+    expect     whenever the engine is given weights: at setup (the engine loaded model.path, or a resume pushed the
+               checkpoint's) and right after each update, before its push: the actor's logprobs of the probe
+               (temperature 1), from the very weights the engine serves next (one forward of PROBE_TOKENS tokens;
+               the shards are on the device for the push anyway); `send` then queues the probe in the engine
+               (`engine.queue_scores`), which scores it inside its next generate call (vLLM: one more prompt-logprob
+               request in the same batch; no engine call of its own)
+    measure    after the next step's generation, before anything trains on it: the engine's logprobs of the probe
+               (`engine.pop_scores`) against `expect`'s; rollout/weight_probe_abs_diff = mean over the probe's
+               tokens of |engine - actor|, the largest over processes (every process probes its own engine), and
+               rollout/weight_probe_tolerance, logged with the step whose rollouts they vouch for
+    mismatch   a difference above the tolerance stops the run before that step's update (exit 3, train_grpo.py):
+               the last completed step is saved (its actor weights are right, the engine's are not), nothing is
+               trained on the rollouts of the wrong weights
 
 Tolerance, from the compute dtype. A token's logprob is z_t - logsumexp(z), computed from values about as large as
 the logprob itself; two correct computations of it from the same weights (vLLM's kernels against the trainer's,
@@ -35,10 +40,10 @@ with eps = torch.finfo(dtype).eps (float32 1.2e-7, bfloat16 7.8e-3, float16 9.8e
 
 What it cannot see: a mismatch whose effect on these few tokens stays under the tolerance, e.g. a parameter left
 stale that the updates have not moved far yet (it is caught once the actor has moved away from it; a run with
-actor.lr 1e-3 on the tiny model catches it at step 1, tests/test_trust.py).
-The resume's push (setup) is not probed; the same push code runs after every step, whose probe follows.
-Cost: one actor forward and one engine prefill of PROBE_TOKENS tokens per step (timing_s/weight_probe, inside
-timing_s/step; measured by bench/bench_weight_probe.py, bench/results_weight_probe_cpu.md).
+actor.lr 1e-3 on the tiny model catches it at step 2, the first rollouts after the first push, tests/test_trust.py).
+The push after the last step is not probed (no training rollouts follow it; a final validation would generate from
+it). Cost: one actor forward of PROBE_TOKENS tokens per step, plus one more short request in the engine's generation
+batch (timing_s/weight_probe, inside timing_s/step; bench/bench_weight_probe.py, bench/results_weight_probe_cpu.md).
 """
 
 from __future__ import annotations
@@ -87,11 +92,21 @@ class WeightProbe:
             lp, _ = actor.policy(ids, torch.ones_like(ids))  # [1, L], entry 0 is 0
         self.expected = lp[0, 1:].float().cpu()  # [L-1]
 
+    def send(self, engine) -> None:
+        """After the engine got the weights `expect` scored: have it score the probe along with its next generate call."""
+        assert self.expected is not None, "WeightProbe.send before expect: score the actor's weights first"
+        engine.queue_scores([self.tokens])
+
+    @property
+    def pending(self) -> bool:
+        """Sent and not measured yet (the same on every process)."""
+        return self.expected is not None
+
     def measure(self, engine) -> dict[str, float]:
-        """After the push (the engine ready): the engine's logprobs of the probe against `expect`'s, as metrics, equal on
-        every process (the difference is the largest over processes, the tolerance the smallest)."""
+        """After the engine's next generation (the engine ready): its logprobs of the probe against `expect`'s, as
+        metrics, equal on every process (the difference is the largest over processes, the tolerance the smallest)."""
         assert self.expected is not None, "WeightProbe.measure before expect: score the actor's weights before the push"
-        got = torch.tensor(engine.score_logprobs([self.tokens])[0][1:], dtype=torch.float32)  # [L-1]
+        got = torch.tensor(engine.pop_scores()[0][1:], dtype=torch.float32)  # [L-1]
         diff = float((got - self.expected).abs().mean())
         tol = tolerance(self.dtypes, float(self.expected.abs().mean()))
         self.expected = None
@@ -109,9 +124,9 @@ def mismatch(metrics: dict[str, float], *, step: int) -> WeightMismatch | None:
     if diff is None or diff <= tol:
         return None
     return WeightMismatch(
-        f"step {step}: after the weight push the engine does not serve the actor's weights: the mean |engine - actor| "
-        f"logprob of the weight probe is {diff:.3g}, above the tolerance {tol:.3g} of the compute dtype "
-        "(rollout/weight_probe_abs_diff in metrics.jsonl). The engine would generate the next rollouts from other weights "
-        "than the ones trained (a parameter missing from the push, LoRA adapters not merged, weights lost in the engine's "
-        "sleep: rollout.sleep_level=2). The actor's weights of this step are saved; trainer.check_weight_sync=true "
-        "compares a whole trajectory after every push, to debug it")
+        f"step {step}: the engine does not serve the actor's weights: the mean |engine - actor| logprob of the weight "
+        f"probe is {diff:.3g}, above the tolerance {tol:.3g} of the compute dtype (rollout/weight_probe_abs_diff in "
+        "metrics.jsonl). This step's rollouts came from other weights than the ones trained (a parameter missing from the "
+        "push, LoRA adapters not merged, weights lost in the engine's sleep: rollout.sleep_level=2, or a model.path the "
+        "engine and the actor read differently) and are not trained on; the last completed step is saved. "
+        "trainer.check_weight_sync=true compares a whole trajectory after every push, to debug it")

@@ -135,3 +135,18 @@ def test_only_dead_runs_segments_are_removed(tmp_path):
         (tmp_path / name).touch()
     assert sorted(remove_stale_shm(tmp_path)) == sorted(names[1:3])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf"])
+def test_queued_scores_ride_along_with_the_next_generate_and_change_nothing(outputs, name):
+    """engine.queue_scores (the weight probe's path, every step): vLLM scores the sequences inside its next generate
+    call (one more prompt-logprob request in the batch, plain and streamed), the hf engine when they are popped; the
+    scores equal score_logprobs' (a prefill batched with other requests: fp32 matmuls of other shapes, so within the
+    logprob-rescoring bound above, not bitwise) and the generated tokens equal those of the same call without them."""
+    (out,) = outputs[name]
+    for path in ("plain", "streamed", "unfolded"):
+        for got, want in zip(out[f"queued_{path}_scores"], out["direct_scores"], strict=True):
+            assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (path, got, want)
+    for path in ("plain", "streamed"):
+        assert out[f"queued_{path}_sampled"] == out["sampled"], f"{path}: the queued scores changed what was generated"
+        assert out[f"folded_{path}"] == (name == "vllm"), f"{path}: folded into the generate call: {out[f'folded_{path}']}"

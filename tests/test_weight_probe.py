@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from grpo_lib.engines.base import EngineGlue
 from grpo_lib.weight_probe import PROBE_TOKENS, WeightMismatch, WeightProbe, mismatch, tolerance
 
 
@@ -40,7 +41,9 @@ class FakeActor:
         return contextlib.nullcontext()
 
 
-class FakeEngine:
+class FakeEngine(EngineGlue):
+    """score_logprobs of one fixed table; queue_scores / pop_scores are EngineGlue's (scored when popped)."""
+
     def __init__(self, logprobs: list[float]):
         self.logprobs, self.requests = logprobs, []
 
@@ -65,8 +68,11 @@ def test_the_probe_is_the_first_tokens_of_the_prompt_and_compares_their_mean_dif
     engine_lp = [0.0] + [-2.0 + 2**-18] * (PROBE_TOKENS // 2) + [-2.0] * (PROBE_TOKENS // 2 - 1)  # exact in float32
     actor, engine = FakeActor(actor_lp), FakeEngine(engine_lp)
     probe.expect(actor)
+    probe.send(engine)
+    assert probe.pending and engine.requests == [], "sent: the engine scores it with its next generate, not now"
     metrics = probe.measure(engine)
     assert engine.requests == [[probe.tokens]], "one request: the probe's tokens, the same on every process"
+    assert not probe.pending
     # 16 of the 31 scored tokens differ by 2**-18: mean 16 x 2**-18 / 31; tolerance 8 x 2**-23 x (1 + 2)
     assert metrics["rollout/weight_probe_abs_diff"] == pytest.approx(16 * 2**-18 / 31, rel=1e-6)
     assert metrics["rollout/weight_probe_tolerance"] == pytest.approx(8 * 2**-23 * 3)
@@ -79,11 +85,13 @@ def test_a_mismatch_stops_the_run_with_exit_3_and_says_why(engine_value):
     not compare as 'not above the tolerance') give a WeightMismatch with exit code 3."""
     probe = WeightProbe(list(range(8)), dtypes=[torch.float32])
     probe.expect(FakeActor([0.0] + [-2.0] * 7))
-    metrics = probe.measure(FakeEngine([0.0] + [engine_value] * 7))
+    engine = FakeEngine([0.0] + [engine_value] * 7)
+    probe.send(engine)
+    metrics = probe.measure(engine)
     assert metrics["rollout/weight_probe_abs_diff"] == (pytest.approx(0.01) if engine_value == -2.01 else math.inf)
     error = mismatch(metrics, step=3)
     assert isinstance(error, WeightMismatch) and error.exit_code == 3
-    assert str(error).startswith("step 3: after the weight push the engine does not serve the actor's weights"), error
+    assert str(error).startswith("step 3: the engine does not serve the actor's weights"), error
     assert "rollout/weight_probe_abs_diff" in str(error) and "trainer.check_weight_sync" in str(error)
 
 
@@ -92,3 +100,18 @@ def test_measure_before_expect_is_refused_and_runs_without_the_probe_stop_nothin
     with pytest.raises(AssertionError, match="before expect"):
         probe.measure(FakeEngine([0.0, -1.0, -1.0]))
     assert mismatch({"actor/pg_loss": 0.1}, step=1) is None, "trainer.weight_probe=false: no probe metrics, no stop"
+
+
+def test_queued_scores_fold_into_one_generate_and_pop_once():
+    """EngineGlue's queue: an engine's generate takes the queued sequences once and folds their scores; pop_scores
+    returns the folded scores (no call of its own) and empties the queue; without a generate in between it scores."""
+    engine = FakeEngine([0.0, -1.0])
+    engine.queue_scores([[1, 2]])
+    assert engine.take_queued_scores() == [[1, 2]]
+    engine.fold_scores([[0.0, -0.5]])
+    assert engine.take_queued_scores() == [], "folded already: a second generate call must not score them again"
+    assert engine.pop_scores() == [[0.0, -0.5]] and engine.requests == []
+    with pytest.raises(AssertionError, match="without queue_scores"):
+        engine.pop_scores()
+    engine.queue_scores([[3, 4]])
+    assert engine.pop_scores() == [[0.0, -1.0]] and engine.requests == [[[3, 4]]]

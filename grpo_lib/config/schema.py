@@ -473,10 +473,11 @@ class TrainerConfig:
     """After every push, compare the engine's logprobs of one trajectory with the actor's (temperature 1) and
     log the largest difference as `debug/weight_sync_max_abs_diff` (costs one tiny forward each)."""
     weight_probe: bool = may_change_on_resume(True)
-    """After every push, the engine's logprobs of a fixed probe (the first 32 tokens of the first training prompt) are
-    compared with the actor's: `rollout/weight_probe_abs_diff` (mean over the probe), and a difference above the
-    tolerance of the compute dtype stops the run after saving the step (exit 3): the engine would generate from other
-    weights than the actor's (grpo_lib/weight_probe.py). One forward and one engine prefill of 32 tokens per step."""
+    """Every step's rollouts are proven to come from the actor's weights: the engine scores a fixed probe (the first 32
+    tokens of the first training prompt) inside each generation call, the actor scored it when the engine got its
+    weights (setup, each push): `rollout/weight_probe_abs_diff` (mean over the probe), and a difference above the
+    tolerance of the compute dtype stops the run before the step's update, saving the last completed step (exit 3)
+    (grpo_lib/weight_probe.py). One actor forward of 32 tokens and one more request in the generation batch per step."""
     project_name: str = may_change_on_resume("grpo")
     """Project of the run in wandb; with experiment_name, the run's name in TensorBoard (text `run/name`)."""
     experiment_name: str = may_change_on_resume("run")

@@ -61,6 +61,10 @@ class RolloutEngine(Protocol):
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
 
+    def queue_scores(self, sequences: list[list[int]]) -> None: ...
+
+    def pop_scores(self) -> list[list[float]]: ...
+
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
@@ -187,6 +191,32 @@ class EngineGlue:
         if free_trainer_memory is not None:
             free_trainer_memory()
         self.restore_cache()
+
+    # score_logprobs without a call of its own (the weight probe, every step): queue_scores asks for the scores of
+    # the weights the engine serves at its next generate, an engine that can batches them into that call
+    # (`take_queued_scores` / `fold_scores`: vLLM adds prompt-logprob requests to the same batch), and pop_scores returns
+    # them, scoring them then if no generate ran since (or the engine does not batch them).
+    _queued_scores: list[list[int]] | None = None
+    _folded_scores: list[list[float]] | None = None
+
+    def queue_scores(self, sequences: list[list[int]]) -> None:
+        """Score `sequences` (as score_logprobs) along with the next generate call; `pop_scores` returns the result."""
+        self._queued_scores, self._folded_scores = [list(s) for s in sequences], None
+
+    def pop_scores(self) -> list[list[float]]:
+        """score_logprobs of the sequences of the last queue_scores, from the next generate call after it (or now)."""
+        queued, folded = self._queued_scores, self._folded_scores
+        assert queued is not None, "pop_scores without queue_scores"
+        self._queued_scores = self._folded_scores = None
+        return folded if folded is not None else self.score_logprobs(queued)
+
+    def take_queued_scores(self) -> list[list[int]]:
+        """For an engine's generate: the queued sequences it should score in this call (then `fold_scores`), or []."""
+        return self._queued_scores if self._queued_scores is not None and self._folded_scores is None else []
+
+    def fold_scores(self, scores: list[list[float]]) -> None:
+        """For an engine's generate: the scores of `take_queued_scores`'s sequences, computed in this call."""
+        self._folded_scores = scores
 
     def pop_metrics(self, prefix: str = "") -> dict[str, float]:
         """The engine's counters whose names start with `prefix`, summed since they were last popped; they restart at 0.

@@ -251,6 +251,7 @@ class VLLMEngine(EngineGlue):
 
         with self.lifecycle.transition("generate"):
             requests, params = [], []
+            scored = self.take_queued_scores()  # queue_scores: prompt-logprob requests in the same batch
             for i, ids in enumerate(prompt_ids):
                 requests.append({"prompt_token_ids": list(ids)})
                 params.append(SamplingParams(
@@ -259,22 +260,37 @@ class VLLMEngine(EngineGlue):
                     logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
                 ))
             preemptions_before = self.preemptions_total()
+            score_requests = [{"prompt_token_ids": list(s)} for s in scored]
             if on_finished is None:
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
+                outputs = self.llm.generate(requests + score_requests, params + [score_params()] * len(scored), use_tqdm=False)
+                outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
-                result = self._generate_stepwise(requests, params, on_finished)
+                result, score_outputs = self._generate_stepwise(requests, params, on_finished, score_requests)
+            if scored:
+                self.fold_scores([_prompt_logprobs(out, seq) for out, seq in zip(score_outputs, scored)])
             self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
         return result
 
-    def _generate_stepwise(self, requests: list[dict], params: list, on_finished: OnFinished) -> list[list[Generation]]:
-        """One request per sample (LLMEngine.add_request), the engine stepped here, `on_finished` after every step."""
+    def _generate_stepwise(self, requests: list[dict], params: list, on_finished: OnFinished,
+                           score_requests: list[dict]) -> tuple[list[list[Generation]], list]:
+        """One request per sample (LLMEngine.add_request), the engine stepped here, `on_finished` after every step;
+        `score_requests` (queue_scores) ride along: their outputs come back second, in order, and never reach on_finished."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         sample_of: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index); unfinished ones
         result: list[list[Generation | None]] = [[None] * p.n for p in params]
+        score_of: dict[str, int] = {}
+        score_outputs: list = [None] * len(score_requests)
         try:
+            for j, request in enumerate(score_requests):
+                request_id = f"grpo-score-{next(self._request_counter)}"
+                score_of[request_id] = j
+                sample_of[request_id] = (-1, j)  # aborted with the rest if a step raises
+                params_j = score_params()
+                params_j.output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(request_id, request, params_j)
             for i, (request, p) in enumerate(zip(requests, params)):
                 for k in range(p.n):
                     child = copy.copy(p)
@@ -287,7 +303,10 @@ class VLLMEngine(EngineGlue):
             while engine.has_unfinished_requests():
                 finished = []
                 for out in engine.step():
-                    if out.finished and out.request_id in sample_of:
+                    if out.finished and out.request_id in score_of:
+                        sample_of.pop(out.request_id)
+                        score_outputs[score_of.pop(out.request_id)] = out
+                    elif out.finished and out.request_id in sample_of:
                         i, k = sample_of.pop(out.request_id)
                         result[i][k] = _generation(out.outputs[0])
                         finished.append((i, k, result[i][k]))
@@ -295,7 +314,7 @@ class VLLMEngine(EngineGlue):
         finally:
             if sample_of:  # the callback or a step raised: leave no request behind in the engine
                 engine.abort_request(list(sample_of))
-        return result
+        return result, score_outputs
 
     def preemptions_total(self) -> int:
         """Sequences preempted by this process's engine(s) since start (vllm:num_preemptions, summed over engines)."""
@@ -303,14 +322,24 @@ class VLLMEngine(EngineGlue):
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
-        from vllm import SamplingParams
-
         with self.lifecycle.transition("generate"):
-            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
-                                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
-        return [[0.0 if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, seq)]
-                for out, seq in zip(outputs, sequences)]
+            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], score_params(), use_tqdm=False)
+        return [_prompt_logprobs(out, seq) for out, seq in zip(outputs, sequences)]
 
+
+def score_params():
+    """A fresh SamplingParams (vLLM sets fields on the one it is given) for score_logprobs's requests: every prompt
+    token's logprob (temperature 1), one sampled token from its own seed (never drawing from the generator that
+    unseeded requests share), no text (detokenizing each prompt token's logprob entry was most of a short request's
+    cost)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0, detokenize=False)
+
+
+def _prompt_logprobs(out, seq: list[int]) -> list[float]:
+    """One prompt-logprob RequestOutput -> the logprob of each token of `seq` given its prefix (entry 0 is 0)."""
+    return [0.0 if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, seq)]
 
 
 def _generation(completion) -> Generation:

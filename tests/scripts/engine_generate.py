@@ -5,7 +5,8 @@
 
 Prompts are fixed random token ids (a random tiny model answers a chat prompt with one repeated token; random
 prompts give varied greedy continuations). Written: greedy tokens, seeded samples (n=3) with their logprobs,
-the engine's logprobs of one sequence, the n-children seed rule (vLLM), the Protocol check, and greedy tokens
+the engine's logprobs of one sequence (directly and queued with a generate call), the n-children seed rule (vLLM),
+the Protocol check, and greedy tokens
 again after pushing perturbed weights (the same perturbation in every engine, seeded).
 """
 
@@ -64,6 +65,17 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
     engine.generate(prompts[:3], n=1, temperature=1.0, max_tokens=[4, 12, 8], seeds=[1, 2, 3], on_finished=reports.append)
     out["report_lengths"] = [len(g.token_ids) for finished in reports for _, _, g in finished]
     out["child_rule"] = child[0][0].token_ids == sampled[0][1].token_ids
+    # queue_scores (the weight probe): scored along with the next generate, which returns what it returns without them
+    scored = [prompts[4] + [7, 8, 9], prompts[1]]
+    out["direct_scores"] = engine.score_logprobs(scored)
+    for path, kwargs in (("plain", {}), ("streamed", {"on_finished": lambda finished: None})):
+        engine.queue_scores(scored)
+        again = engine.generate(prompts[:3], n=3, temperature=1.0, max_tokens=12, seeds=[101, 202, 303], **kwargs)
+        out[f"folded_{path}"] = not engine.take_queued_scores()  # the generate call scored them
+        out[f"queued_{path}_scores"] = engine.pop_scores()
+        out[f"queued_{path}_sampled"] = [[s.token_ids for s in group] for group in again]
+    engine.queue_scores(scored)  # no generate in between: pop_scores scores them itself
+    out["queued_unfolded_scores"] = engine.pop_scores()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
