@@ -200,6 +200,7 @@ class GRPOTrainer:
         from grpo_lib import checkpoint
         from grpo_lib import step as S
         from grpo_lib.stopping import install_stop_handlers, stop_requested
+        from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
@@ -220,6 +221,8 @@ class GRPOTrainer:
             # 8. log / validate / checkpoint / stop
             p.logger.log(step, metrics)
             p.logger.advance()
+            if (error := mismatch(metrics, step=step, final_push=True)) is not None:  # the last push's probe (step)
+                return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
             bad_steps = bad_steps + 1 if metrics["actor/skipped_nonfinite_steps"] > 0 else 0  # equal on every process
             if bad_steps >= cfg.trainer.max_bad_steps:
                 print(f"error: {bad_steps} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
@@ -291,10 +294,9 @@ class GRPOTrainer:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch)
-            probe = p.probe if step < p.total_steps else None  # no training rollouts follow the last push
-            if probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
+            if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
                 with timed(timings, "weight_probe"):
-                    probe.expect(actor)
+                    p.probe.expect(actor)
             # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
             # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
             # serves the actor's current weights from here on (check, validation and the next step's generation)
@@ -302,8 +304,14 @@ class GRPOTrainer:
             with timed(timings, "push"):
                 engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
             memory.end()
-            if probe is not None:  # ... and the engine's, inside the next generation (rollout/weight_probe_abs_diff)
-                probe.send(engine)
+            if p.probe is not None:  # ... and the engine's, inside the next generation (rollout/weight_probe_abs_diff)
+                p.probe.send(engine)
+                if step == p.total_steps:  # no generation follows the last push: the engine scores it now (one call)
+                    with timed(timings, "weight_probe"):
+                        final = p.probe.measure(engine)
+                    ratio = lambda m: m["rollout/weight_probe_abs_diff"] / m["rollout/weight_probe_tolerance"]  # noqa: E731
+                    if "rollout/weight_probe_abs_diff" not in gen_metrics or ratio(final) > ratio(gen_metrics):
+                        train_metrics.update(final)  # the row keeps the worse of the step's two probes (run_steps)
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()

@@ -141,6 +141,7 @@ def force_lengths(shape: str) -> list[int] | None:
     lengths = forced_lengths(shape)
     if lengths is not None:
         import vllm
+        from vllm import LLM  # noqa: F401  (vLLM's modules type-annotate with SamplingParams at import: import them first)
 
         params_class = vllm.SamplingParams
         vllm.SamplingParams = lambda **kwargs: params_class(**{**kwargs, "ignore_eos": True})

@@ -41,8 +41,8 @@ with eps = torch.finfo(dtype).eps (float32 1.2e-7, bfloat16 7.8e-3, float16 9.8e
 What it cannot see: a mismatch whose effect on these few tokens stays under the tolerance, e.g. a parameter left
 stale that the updates have not moved far yet (it is caught once the actor has moved away from it; a run with
 actor.lr 1e-3 on the tiny model catches it at step 2, the first rollouts after the first push, tests/test_trust.py).
-The push after the last step is not probed (no training rollouts follow it; a final validation would generate from
-it). Cost: one actor forward of PROBE_TOKENS tokens per step, plus one more short request in the engine's generation
+The push after the last update, which no generation follows, is scored at once (one engine call per run); the step's
+row keeps the worse of its two probes. Cost: one actor forward of PROBE_TOKENS tokens per step, plus one more short request in the engine's generation
 batch (timing_s/weight_probe, inside timing_s/step; bench/bench_weight_probe.py, bench/results_weight_probe_cpu.md).
 """
 
@@ -115,18 +115,22 @@ class WeightProbe:
         return {"rollout/weight_probe_abs_diff": all_reduce_max(diff), "rollout/weight_probe_tolerance": all_reduce_min(tol)}
 
 
-def mismatch(metrics: dict[str, float], *, step: int) -> WeightMismatch | None:
-    """The error that stops the run when step `step`'s probe found the engine serving other weights, else None.
+def mismatch(metrics: dict[str, float], *, step: int, final_push: bool = False) -> WeightMismatch | None:
+    """The error that stops the run when step `step`'s probe found the engine serving other weights, else None:
+    the probe of the step's rollouts (checked before its update), or with `final_push` the probe of the push after the
+    last update (which no generation follows, so it is scored at once).
 
     Example: {"rollout/weight_probe_abs_diff": 0.9, "rollout/weight_probe_tolerance": 6e-6} -> WeightMismatch(...).
     """
     diff, tol = metrics.get("rollout/weight_probe_abs_diff"), metrics.get("rollout/weight_probe_tolerance")
     if diff is None or diff <= tol:
         return None
+    what = ("The last update's push left the engine with other weights than the ones trained (the actor's weights of "
+            "this step are right and saved)") if final_push else \
+        "This step's rollouts came from other weights than the ones trained and are not trained on; the last completed step is saved"
     return WeightMismatch(
         f"step {step}: the engine does not serve the actor's weights: the mean |engine - actor| logprob of the weight "
         f"probe is {diff:.3g}, above the tolerance {tol:.3g} of the compute dtype (rollout/weight_probe_abs_diff in "
-        "metrics.jsonl). This step's rollouts came from other weights than the ones trained (a parameter missing from the "
-        "push, LoRA adapters not merged, weights lost in the engine's sleep: rollout.sleep_level=2, or a model.path the "
-        "engine and the actor read differently) and are not trained on; the last completed step is saved. "
+        f"metrics.jsonl). {what}: a parameter missing from the push, LoRA adapters not merged, weights lost in the "
+        "engine's sleep (rollout.sleep_level=2), or a model.path the engine and the actor read differently. "
         "trainer.check_weight_sync=true compares a whole trajectory after every push, to debug it")

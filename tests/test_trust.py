@@ -137,32 +137,50 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_a_push_that_skips_a_parameter_is_caught_by_the_weight_probe_and_stops_after_saving(tiny_model_dir, arith_data,
-                                                                                            tmp_path, engine):
-    """Issue 20: the stale-weights class. The harness makes every push leave out one parameter (the engine keeps the
-    stale copy it loaded from model.path; tests/scripts/train_with_faults.py --push-skips). The weight probe, on by default,
-    sees in step 2's generation (the first after a push) the engine's logprobs of the probe away from the actor's after
-    step 1's update (actor.lr 1e-3: far above the float32 tolerance, about 6e-6 here) and stops the run before step 2's
-    update: step 1 is saved (the actor's weights are right), exit 3, a message saying what happened and that
-    rollout/weight_probe_abs_diff shows it; step 1's probe (the weights both loaded from model.path) passed."""
+def push_skipping_run(tiny_model_dir, arith_data, tmp_path, engine: str, steps: int):
+    """A run whose every push leaves out one parameter (the engine keeps the stale copy it loaded from model.path;
+    tests/scripts/train_with_faults.py --push-skips), actor.lr 1e-3: far above the float32 tolerance (about 6e-6 here)."""
     reward = tmp_path / "reward.py"
     reward.write_text(VARIED_REWARD)
     out = tmp_path / "run"
     proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(
         tiny_model_dir, arith_data, out, f"rollout.name={engine}", f"reward.custom.path={reward}", "actor.lr=1e-3",
-        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]")],
+        f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]")],
         faults=["--push-skips", "model.layers.0.mlp.down_proj.weight"], check=False)
     assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
-    assert "step 2: the engine does not serve the actor's weights" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_push_that_skips_a_parameter_is_caught_by_the_weight_probe_and_stops_after_saving(tiny_model_dir, arith_data,
+                                                                                            tmp_path, engine):
+    """Issue 20: the stale-weights class. The weight probe, on by default, sees in step 2's generation (the first after a
+    push) the engine's logprobs of the probe away from the actor's after step 1's update and stops the run before step
+    2's update: step 1 is saved (the actor's weights are right), exit 3, a message saying what happened and that
+    rollout/weight_probe_abs_diff shows it; step 1's probe (the weights both loaded from model.path) passed."""
+    proc, out = push_skipping_run(tiny_model_dir, arith_data, tmp_path, engine, steps=2)
+    assert "step 2: the engine does not serve the actor's weights" in proc.stderr, proc.stderr[-3000:]
+    assert "This step's rollouts came from other weights" in proc.stderr, proc.stderr[-3000:]
     first, row = read_metrics(out)
     assert first["step"] == 1 and first["rollout/weight_probe_abs_diff"] <= first["rollout/weight_probe_tolerance"], first
     assert row["step"] == 2 and row["rollout/weight_probe_abs_diff"] > row["rollout/weight_probe_tolerance"], row
     assert "actor/pg_loss" not in row, "step 2 trained on the rollouts of the wrong weights"
-    assert (out / "global_step_1" / "COMPLETE").is_file(), "the step whose push failed is saved (its actor weights are right)"
+    assert (out / "global_step_1" / "COMPLETE").is_file(), "the last completed step is saved (its actor weights are right)"
     assert not (out / "global_step_2").exists()
+
+
+@pytest.mark.slow
+def test_the_push_after_the_last_update_is_probed_too(tiny_model_dir, arith_data, tmp_path):
+    """A 1-step run: no generation follows its push, so the engine scores the probe at once; the mismatch stops the run
+    with exit 3, the step saved, the row holding the failed probe."""
+    proc, out = push_skipping_run(tiny_model_dir, arith_data, tmp_path, "hf", steps=1)
+    assert "step 1: the engine does not serve the actor's weights" in proc.stderr, proc.stderr[-3000:]
+    assert "The last update's push left the engine with other weights" in proc.stderr, proc.stderr[-3000:]
+    (row,) = read_metrics(out)
+    assert row["rollout/weight_probe_abs_diff"] > row["rollout/weight_probe_tolerance"] and "actor/pg_loss" in row, row
+    assert (out / "global_step_1" / "COMPLETE").is_file()
 
 
 @pytest.mark.slow

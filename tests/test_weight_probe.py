@@ -93,6 +93,8 @@ def test_a_mismatch_stops_the_run_with_exit_3_and_says_why(engine_value):
     assert isinstance(error, WeightMismatch) and error.exit_code == 3
     assert str(error).startswith("step 3: the engine does not serve the actor's weights"), error
     assert "rollout/weight_probe_abs_diff" in str(error) and "trainer.check_weight_sync" in str(error)
+    assert "This step's rollouts came from other weights" in str(error)
+    assert "The last update's push left the engine" in str(mismatch(metrics, step=3, final_push=True))
 
 
 def test_measure_before_expect_is_refused_and_runs_without_the_probe_stop_nothing():
