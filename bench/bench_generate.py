@@ -13,7 +13,7 @@ prompt's sample k would get), so both engines run exactly the same work.
    (vLLM sets the process to one torch thread when it starts: both engines run on it). Reported: seconds per call,
    response tokens, hf / vLLM.
 2. reward: whole training steps (generation -> rewards -> advantages -> update -> push, as bench_step.py) of one
-   trainer process (train_grpo.setup, vLLM engine, reward.num_workers=1) with three reward set-ups alternated per
+   trainer process (train_grpo.GRPOTrainer.setup, vLLM engine, reward.num_workers=1) with three reward set-ups alternated per
    round: a free reward; a CPU-bound reward (a busy loop) costing 30% of the generation time in all, scored while
    the engine generates (the default); the same reward scored after generation (`stream_rewards=False`, today's
    order). The target: the streamed step within 10% of the free one. Each reward scorer has its own worker.
