@@ -161,8 +161,12 @@ class GRPOTrainer:
                            "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
         if self.resume.path is None:
-            if probe is not None:  # step 1's generation proves the engine loaded the weights the actor did
+            if probe is not None:  # step 1's generation proves the engine serves the weights the actor starts from
                 probe.expect(actor)
+            if cfg.model.lora_adapter_path is not None:  # the engine read model.path alone: give it the loaded adapters
+                engine.release()
+                engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+            if probe is not None:
                 probe.send(engine)
             actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
             return

@@ -52,6 +52,23 @@ def test_engine_scores_like_merged_actor_after_every_push(lora_run):
 
 
 @pytest.mark.slow
+def test_a_run_from_a_saved_adapter_generates_from_it_at_step_1(lora_run, tiny_model_dir, arith_data, tmp_path):
+    """model.lora_adapter_path: the engine loads model.path (the base) alone, so setup pushes base + the loaded adapters
+    before step 1; the weight probe of step 1's rollouts (and the weight-sync check) see the engine serve them (without
+    the push step 1 generated from the base model and the probe stopped the run with exit 3)."""
+    out, _ = lora_run
+    run = tmp_path / "run"
+    reward = out / "reward.py"
+    overrides = tiny_overrides(tiny_model_dir, arith_data, run, *LORA, f"reward.custom.path={reward}", "trainer.total_training_steps=1",
+                               f"model.lora_adapter_path={out / 'global_step_3' / 'actor' / 'adapter'}")
+    proc = run_train(["recipes/tiny_cpu.yaml", *overrides], check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = read_metrics(run)
+    assert row["rollout/weight_probe_abs_diff"] <= row["rollout/weight_probe_tolerance"], row
+    assert row["debug/weight_sync_max_abs_diff"] < 1e-4, row
+
+
+@pytest.mark.slow
 def test_bad_target_module_exits_2_before_the_engine(tiny_model_dir, arith_data, tmp_path):
     overrides = tiny_overrides(tiny_model_dir, arith_data, tmp_path, "model.lora_rank=8", "model.target_modules=[q_proj,attn_qkv]")
     proc = run_train(["recipes/tiny_cpu.yaml", *overrides], check=False, timeout=300)
