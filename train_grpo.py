@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,7 +253,6 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
-        from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         engine, actor, reference = p.engine, p.actor, p.reference
@@ -264,14 +263,14 @@ class GRPOTrainer:
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is ready
             gen_metrics = {}
             try:
-                batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
-                                                        world_size=self.world_size, rank=self.rank, timings=timings,
-                                                        episodes=p.episodes)
-                if p.probe is not None and p.probe.pending:  # did these rollouts come from the actor's weights?
-                    with timed(timings, "weight_probe"):
-                        gen_metrics.update(p.probe.measure(engine))  # scored inside the generation above
-                    if (error := mismatch(gen_metrics, step=step)) is not None:  # before any update: save, exit 3
-                        raise S.RunAborted(str(error), exit_code=error.exit_code)
+                try:
+                    batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
+                                                            world_size=self.world_size, rank=self.rank, timings=timings,
+                                                            episodes=p.episodes)
+                except S.RunAborted:  # collecting gave up (DAPO found no usable group): were the weights the cause?
+                    self.probe_rollouts(step, timings, into=gen_metrics)
+                    raise
+                self.probe_rollouts(step, timings, into=gen_metrics)
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
                 if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
@@ -323,13 +322,31 @@ class GRPOTrainer:
         return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/"),
                 **memory.metrics()}
 
+    def probe_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]) -> None:
+        """Did this step's rollouts come from the actor's weights? The weight probe, scored inside the step's first
+        generate call, against the actor's: its metrics (rollout/weight_probe_*) go `into` the step's generation
+        metrics; a mismatch then raises step.RunAborted (exit 3) before anything trains on them."""
+        from grpo_lib import step as S
+        from grpo_lib.weight_probe import mismatch
+
+        p = self.parts
+        if p.probe is None or not p.probe.pending:
+            return
+        with timed(timings, "weight_probe"):
+            metrics = p.probe.measure(p.engine)
+        into.update(metrics)
+        if (error := mismatch(metrics, step=step)) is not None:
+            raise S.RunAborted(str(error), exit_code=error.exit_code)
+
     def validate(self, step: int) -> None:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
         from grpo_lib import step as S
 
         p = self.parts
-        metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank, step=step,
-                                   tokenizer=p.tokenizer, episodes=p.episodes)
+        held = p.engine.hold_queued_scores() if p.probe is not None else nullcontext()  # the probe rides in training's batch
+        with held:
+            metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
+                                       step=step, tokenizer=p.tokenizer, episodes=p.episodes)
         p.logger.log(step, metrics)
         p.logger.log_generations(step, rows)
 

@@ -17,7 +17,9 @@ How (`WeightProbe`, one per run, the same on every process):
                (temperature 1), from the very weights the engine serves next (one forward of PROBE_TOKENS tokens;
                the shards are on the device for the push anyway); `send` then queues the probe in the engine
                (`engine.queue_scores`), which scores it inside its next generate call (vLLM: one more prompt-logprob
-               request in the same batch; no engine call of its own)
+               request in the same batch; no engine call of its own; validation's calls leave it queued, so it
+               rides in the next training step's first call whether or not a validation came between, as after a
+               resume: the same batch either way)
     measure    after the next step's generation, before anything trains on it: the engine's logprobs of the probe
                (`engine.pop_scores`) against `expect`'s; rollout/weight_probe_abs_diff = mean over the probe's
                tokens of |engine - actor|, the largest over processes (every process probes its own engine), and

@@ -56,6 +56,7 @@ def outputs(tiny_model_dir, tmp_path_factory):
     stale = SHM_DIR / f"{SHM_PREFIX}{dead_pid()}-tp:0-[0-1]-cpushm_0"
     for path in [*held, stale]:
         path.touch()
+    os.utime(stale, (0, 0))  # made long ago (younger segments are kept: remove_stale_shm)
     try:
         out["vllm_tp2"] = run_engine("vllm_tp2", tiny_model_dir, root / "vllm_tp2")
     finally:
@@ -113,6 +114,8 @@ def test_tp2_starts_next_to_another_runs_shared_memory(outputs):
     """vLLM's default segment names were taken while the TP-2 engine started (fixture): it used this run's own, and
     removed the segment a dead run left behind."""
     assert len(outputs["vllm_tp2"]) == 2
+    assert all(out["tp_communicator"] == "_CPUSHMDistributed" for out in outputs["vllm_tp2"]), \
+        "the TP group fell back to torch.distributed: its ranks disagreed on the shared-memory name"
     assert not outputs["stale_shm_left"], "the segment of a run whose rank 0 is gone was not removed"
 
 
@@ -128,11 +131,16 @@ def test_cpu_shm_names_carry_the_run_prefix(monkeypatch):
 
 
 def test_only_dead_runs_segments_are_removed(tmp_path):
-    live, dead = os.getpid(), dead_pid()
+    """Segments of a dead rank 0 made over a minute ago go; a live pid's, a just-made one's (a run starting in another
+    PID namespace may look dead) and other programs' stay."""
+    live, dead, dead_young = os.getpid(), dead_pid(), dead_pid()
     names = [f"{SHM_PREFIX}{live}-tp:0-[0-1]-cpushm_0", f"{SHM_PREFIX}{dead}-tp:0-[0-1]-cpushm_0",
-             f"{SHM_PREFIX}{dead}-tp:0-[0-1]-cpushm_1", "-tp:0-[0-1]-cpushm_0", "psm_1234"]
+             f"{SHM_PREFIX}{dead}-tp:0-[0-1]-cpushm_1", f"{SHM_PREFIX}{dead_young}-tp:0-[0-1]-cpushm_0",
+             "-tp:0-[0-1]-cpushm_0", "psm_1234"]
     for name in names:
         (tmp_path / name).touch()
+        if not name.startswith(f"{SHM_PREFIX}{dead_young}-"):
+            os.utime(tmp_path / name, (0, 0))
     assert sorted(remove_stale_shm(tmp_path)) == sorted(names[1:3])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,3 +118,27 @@ def test_queued_scores_fold_into_one_generate_and_pop_once():
         engine.pop_scores()
     engine.queue_scores([[3, 4]])
     assert engine.pop_scores() == [[0.0, -1.0]] and engine.requests == [[[3, 4]]]
+
+
+def test_validation_leaves_the_queued_probe_for_the_next_training_generate(monkeypatch):
+    """GRPOTrainer.validate holds the queue: validation's generate calls do not take the probe, so it always rides in the
+    next training step's first generate call, whether a validation ran after the push or not (a resumed run has none
+    in between: the same batch either way, so resume stays exact)."""
+    import train_grpo
+    from grpo_lib import step as S
+
+    engine, seen = FakeEngine([0.0, -1.0]), []
+    engine.queue_scores([[1, 2]])
+
+    def validate(cfg, engine, *args, **kwargs):
+        seen.append(engine.take_queued_scores())  # what a generate call inside validation would fold
+        return {}, []
+
+    monkeypatch.setattr(S, "validate", validate)
+    logger = type("Logger", (), {"log": lambda *a: None, "log_generations": lambda *a: None})()
+    trainer = train_grpo.GRPOTrainer(None, world_size=1, rank=0, resume=None)
+    trainer.parts = SimpleNamespace(engine=engine, probe=object(), scorer=None, val=None, tokenizer=None, episodes=None,
+                                    logger=logger)
+    trainer.validate(10)
+    assert seen == [[]], "validation's generate took the probe"
+    assert engine.take_queued_scores() == [[1, 2]], "the probe is still queued for the next training step"

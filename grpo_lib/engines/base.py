@@ -198,6 +198,7 @@ class EngineGlue:
     # them, scoring them then if no generate ran since (or the engine does not batch them).
     _queued_scores: list[list[int]] | None = None
     _folded_scores: list[list[float]] | None = None
+    _scores_held = False
 
     def queue_scores(self, sequences: list[list[int]]) -> None:
         """Score `sequences` (as score_logprobs) along with the next generate call; `pop_scores` returns the result."""
@@ -210,9 +211,21 @@ class EngineGlue:
         self._queued_scores = self._folded_scores = None
         return folded if folded is not None else self.score_logprobs(queued)
 
+    @contextmanager
+    def hold_queued_scores(self):
+        """Generate calls inside leave the queued scores for a later one (validation: so the probe always rides in the
+        next training step's first generate call, whether or not a validation ran in between, as after a resume)."""
+        self._scores_held = True
+        try:
+            yield
+        finally:
+            self._scores_held = False
+
     def take_queued_scores(self) -> list[list[int]]:
         """For an engine's generate: the queued sequences it should score in this call (then `fold_scores`), or []."""
-        return self._queued_scores if self._queued_scores is not None and self._folded_scores is None else []
+        if self._scores_held or self._queued_scores is None or self._folded_scores is not None:
+            return []
+        return self._queued_scores
 
     def fold_scores(self, scores: list[list[float]]) -> None:
         """For an engine's generate: the scores of `take_queued_scores`'s sequences, computed in this call."""

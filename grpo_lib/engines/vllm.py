@@ -63,13 +63,24 @@ def run_shm_prefix() -> str:
     return f"{SHM_PREFIX}{pid[0]}"
 
 
-def remove_stale_shm(shm_dir: Path = SHM_DIR) -> list[str]:
+STALE_SHM_AGE_S = 60.0  # a segment younger than this may belong to a run starting in another PID namespace
+
+
+def remove_stale_shm(shm_dir: Path = SHM_DIR, *, min_age_s: float = STALE_SHM_AGE_S) -> list[str]:
     """Unlink the CPU TP segments of runs whose rank-0 process is gone (a SIGKILLed run never unlinks its own); the
-    names removed. A live process's segments are kept."""
+    names removed. A live process's segments are kept, and so is any segment created in the last `min_age_s` seconds
+    (a container sharing /dev/shm but not its PID namespace shows a live run as gone; once a run is up its ranks hold
+    the memory mapped, so an unlinked name no longer hurts it)."""
+    import time
+
     removed = []
     for path in shm_dir.glob(f"{SHM_PREFIX}*-*cpushm*"):
         pid = path.name[len(SHM_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        try:
+            young = time.time() - path.stat().st_mtime < min_age_s  # set when vLLM creates and sizes it
+        except OSError:  # gone meanwhile
+            continue
+        if pid.isdigit() and not young and not Path(f"/proc/{pid}").exists():
             with contextlib.suppress(OSError):
                 path.unlink()
                 removed.append(path.name)
@@ -262,7 +273,7 @@ class VLLMEngine(EngineGlue):
             preemptions_before = self.preemptions_total()
             score_requests = [{"prompt_token_ids": list(s)} for s in scored]
             if on_finished is None:
-                outputs = self.llm.generate(requests + score_requests, params + [score_params()] * len(scored), use_tqdm=False)
+                outputs = self.llm.generate(requests + score_requests, params + [score_params() for _ in scored], use_tqdm=False)
                 outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:

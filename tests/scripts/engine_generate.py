@@ -41,6 +41,10 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 250, (int(length),), generator=g).tolist() for length in (5, 9, 12, 7, 16, 3)]
     out = {"protocol": isinstance(engine, RolloutEngine)}
+    if tp > 1:  # vLLM's CPU TP all-reduce: shared memory when the ranks agreed on its name, else torch.distributed
+        from vllm.distributed.parallel_state import get_tp_group
+
+        out["tp_communicator"] = type(get_tp_group().device_communicator.dist_module).__name__
     greedy = engine.generate(prompts, n=1, temperature=0.0, max_tokens=20)
     out["greedy"] = [group[0].token_ids for group in greedy]
     sampled = engine.generate(prompts[:3], n=3, temperature=1.0, max_tokens=12, seeds=[101, 202, 303])
