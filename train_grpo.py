@@ -160,28 +160,24 @@ class GRPOTrainer:
                            "data/truncated": train.num_truncated,
                            "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
         freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
-        if self.resume.path is None:
-            if probe is not None:  # step 1's generation proves the engine serves the weights the actor starts from
-                probe.expect(actor)
-            if cfg.model.lora_adapter_path is not None:  # the engine read model.path alone: give it the loaded adapters
-                engine.release()
-                engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
-            if probe is not None:
-                probe.send(engine)
-            actor.offload()  # the engine is ready: with param/optimizer offload the actor rests on the host from here on
-            return
-        # Resume with the engine asleep: loading creates the AdamW state (and DCP's read buffers) on the device, which
-        # next to the engine's share is the run's peak; then the engine wakes serving the resumed weights (it started
-        # from model.path), the order of a step's push.
-        engine.release()
-        checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-        if probe is not None:  # the resumed weights, which the push below gives the engine
+        # The engine read model.path alone: a resume's weights, or the adapters of model.lora_adapter_path, are pushed
+        # to it. A resume loads with the engine asleep: loading creates the AdamW state (and DCP's read buffers) on the
+        # device, which next to the engine's share is the run's peak; then the engine wakes with the weights, the
+        # order of a step's push.
+        push = self.resume.path is not None or cfg.model.lora_adapter_path is not None
+        if push:
+            engine.release()
+        if self.resume.path is not None:
+            checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
+        if probe is not None:  # the weights the engine serves from here on: step 1's generation proves it serves them
             probe.expect(actor)
-        actor.offload()  # optimizer_offload: the loaded AdamW state goes to the host before the engine's weights wake
-        engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+        actor.offload()  # with param/optimizer offload the actor rests on the host (the loaded AdamW state before a wake)
+        if push:
+            engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
         if probe is not None:
             probe.send(engine)
-        print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
+        if self.resume.path is not None:
+            print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
 
@@ -253,6 +249,7 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
+        from grpo_lib.weight_probe import worse_probe
 
         cfg, p = self.cfg, self.parts
         engine, actor, reference = p.engine, p.actor, p.reference
@@ -311,10 +308,7 @@ class GRPOTrainer:
                 p.probe.send(engine)
                 if step == p.total_steps:  # no generation follows the last push: the engine scores it now (one call)
                     with timed(timings, "weight_probe"):
-                        final = p.probe.measure(engine)
-                    ratio = lambda m: m["rollout/weight_probe_abs_diff"] / m["rollout/weight_probe_tolerance"]  # noqa: E731
-                    if "rollout/weight_probe_abs_diff" not in gen_metrics or ratio(final) > ratio(gen_metrics):
-                        train_metrics.update(final)  # the row keeps the worse of the step's two probes (run_steps)
+                        train_metrics.update(worse_probe(gen_metrics, p.probe.measure(engine)))  # checked in run_steps
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
                 train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
                 actor.offload()

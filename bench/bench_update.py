@@ -55,14 +55,17 @@ from grpo_lib.types import RolloutBatch  # noqa: E402
 GROUP_SIZE = 4  # rollout.n
 
 
-def write_model(path: Path, *, hidden: int, layers: int, vocab: int) -> int:
-    """Random Qwen3 (head_dim 64, GQA 2:1, MLP 3x hidden, tied embeddings) saved to `path`; returns its parameter count."""
+def write_model(path: Path, *, hidden: int, layers: int, vocab: int, intermediate: int | None = None,
+                max_positions: int = 4096) -> int:
+    """Random Qwen3 (head_dim 64, GQA 2:1, MLP `intermediate` (default 3x hidden), tied embeddings) saved to `path`;
+    returns its parameter count."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 3 * hidden, num_hidden_layers=layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
-                         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+                         max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=None, eos_token_id=1,
+                         pad_token_id=0)
     model = Qwen3ForCausalLM(config).float()
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
@@ -230,15 +233,7 @@ WORK_PROMPTS, WORK_GROUP, WORK_MICRO_BATCH = 16, 8, 32  # bench_step's shape: 16
 
 def write_step_model(path: Path) -> int:
     """bench_step.py's random Qwen3 (hidden 256, 4 layers, 4 heads of 64, 2 kv heads, MLP 688, vocab 2000, tied): 3.4M."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=1, pad_token_id=0)
-    model = Qwen3ForCausalLM(config).float()
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    return write_model(path, hidden=256, layers=4, vocab=2000, intermediate=688, max_positions=2048)
 
 
 def work_lengths(work: str, n: int, *, seed: int = 0) -> list[int]:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from grpo_lib.config.checks import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS
+from grpo_lib.distributed import broadcast_object
 from grpo_lib.dtypes import resolve as resolve_dtype
 from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.types import Generation
@@ -53,14 +54,8 @@ SHM_PREFIX = "grpo"  # this trainer's CPU TP segments: grpo<pid of global rank 0
 
 
 def run_shm_prefix() -> str:
-    """`grpo<pid of global rank 0>`, the same on every process of the run (broadcast over the default group when one is
-    up): unique among the runs alive on this machine."""
-    import torch.distributed as dist
-
-    pid = [os.getpid()]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(pid, src=0)
-    return f"{SHM_PREFIX}{pid[0]}"
+    """`grpo<pid of global rank 0>`, the same on every process of the run: unique among the runs alive on this machine."""
+    return f"{SHM_PREFIX}{broadcast_object(os.getpid())}"
 
 
 STALE_SHM_AGE_S = 60.0  # a segment younger than this may belong to a run starting in another PID namespace
