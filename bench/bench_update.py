@@ -256,9 +256,11 @@ def make_work_batch(work: str, *, vocab: int = 2000, seed: int = 0) -> RolloutBa
     input_ids = torch.zeros(n, width, dtype=torch.long)  # [B, T]
     attention_mask = torch.zeros(n, width, dtype=torch.long)  # [B, T]
     response_mask = torch.zeros(n, width)  # [B, T]
+    prompts = [torch.randint(2, vocab, (p,), generator=generator) for p in prompt_lens]  # a group shares its prompt
     for i, length in enumerate(lengths):
         p = prompt_lens[i // WORK_GROUP]
-        input_ids[i, : p + length] = torch.randint(2, vocab, (p + length,), generator=generator)
+        input_ids[i, :p] = prompts[i // WORK_GROUP]
+        input_ids[i, p : p + length] = torch.randint(2, vocab, (length,), generator=generator)
         attention_mask[i, : p + length] = 1
         response_mask[i, p : p + length] = 1.0
     return RolloutBatch(

@@ -35,7 +35,7 @@ from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
-from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, packing_pays, real_token_fraction
+from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout
 from grpo_lib.types import RolloutBatch
 from grpo_lib.weights import weights_for
 
@@ -127,13 +127,16 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
     width = batch.input_ids.shape[1]
     index_lists = micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size)
     chunks = []
+    share = attention.shares_prefixes(policy.model)
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
         score_mask = response_scores(mb)
+        layout, _ = choose_layout(mb.input_ids, mb.attention_mask, score_mask, remove_padding=remove_padding,
+                                  share_prefixes=share)
         with autocast() if autocast is not None else contextlib.nullcontext():
             lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                           remove_padding=remove_padding and packing_pays(mb.attention_mask), score_mask=None if score_mask is None else score_mask.to(device),
-                           score_unmasked=True)  # [b, t]
+                           remove_padding=layout != "padded", share_prefixes=layout == "shared_prefix",
+                           score_mask=None if score_mask is None else score_mask.to(device), score_unmasked=True)  # [b, t]
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
 
@@ -156,6 +159,7 @@ class Actor:
         # host memory ever holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
         self.attn_implementation = attention.select_attn_implementation(device, self.param_dtype)
+        self.share_prefixes = self.attn_implementation == attention.VARLEN_NAME  # rows sharing a prompt compute it once
         reads = fsdp.reads_weights()
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation,
@@ -196,8 +200,9 @@ class Actor:
         self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
         print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)}; "
-              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block" if cfg.model.use_remove_padding
-                 else "packing off (model.use_remove_padding)"), flush=True)
+              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block"
+                 + ("; responses to one prompt share its forward (one copy per micro-batch)" if self.share_prefixes else "")
+                 if cfg.model.use_remove_padding else "packing off (model.use_remove_padding)"), flush=True)
 
     # -- offload (actor.fsdp_config.param_offload / optimizer_offload; no-ops on CPU) -----------------------
 
@@ -268,10 +273,12 @@ class Actor:
         # Packed only where it pays (the old-logprob pass decides alike on the same micro-batch); the prompt and the
         # response's holes are not scored at all here (score_unmasked=False): the loss reads the loss tokens only, and
         # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
-        pack = self.cfg.model.use_remove_padding and packing_pays(mb.attention_mask)
+        layout, computed = choose_layout(mb.input_ids, mb.attention_mask, score_mask,
+                                         remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
         with self.autocast():
             lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                      temperature=self.cfg.rollout.temperature, remove_padding=pack,
+                                      temperature=self.cfg.rollout.temperature, remove_padding=layout != "padded",
+                                      share_prefixes=layout == "shared_prefix",
                                       compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
                                       score_mask=None if score_mask is None else score_mask.to(self.device),
                                       score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
@@ -288,9 +295,8 @@ class Actor:
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
-        real = int(mb.attention_mask.sum())  # computed tokens: packed rows hold the real ones (+ pad segments if dense)
-        metrics.update({"perf/packed": float(pack), "perf/real_tokens": float(real),
-                        "perf/computed_tokens": real / (1.0 if pack else real_token_fraction(mb.attention_mask))})
+        metrics.update({"perf/packed": float(layout != "padded"), "perf/shared_prefix": float(layout == "shared_prefix"),
+                        "perf/real_tokens": float(mb.attention_mask.sum()), "perf/computed_tokens": float(computed)})
         if engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
             gap = ((old - mb.rollout_logprobs.to(self.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
             metrics["rollout/logprob_abs_diff_mean"] = gap.item()
@@ -430,8 +436,10 @@ class Actor:
             if k in metrics:
                 metrics[k] = all_reduce_sum(metrics[k])
         # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
-        totals = {k: all_reduce_sum(perf_counts[k]) for k in ("micro_batches", "perf/packed", "perf/real_tokens", "perf/computed_tokens")}
+        totals = {k: all_reduce_sum(perf_counts[k])
+                  for k in ("micro_batches", "perf/packed", "perf/shared_prefix", "perf/real_tokens", "perf/computed_tokens")}
         metrics["perf/packed"] = totals["perf/packed"] / max(totals["micro_batches"], 1.0)
+        metrics["perf/shared_prefix"] = totals["perf/shared_prefix"] / max(totals["micro_batches"], 1.0)
         metrics["perf/real_token_fraction"] = totals["perf/real_tokens"] / max(totals["perf/computed_tokens"], 1.0)
         return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
 

@@ -18,6 +18,11 @@ Implementations (`attn_implementation` names of transformers' `AttentionInterfac
 - `sdpa`: the dense block-diagonal mask, the fallback (any model whose attention does not go through
   transformers' `AttentionInterface`).
 
+Shared-prompt rows (`batching.pack_shared_prefixes`, grpo_varlen only, `shares_prefixes`): GRPO's n responses to one
+prompt go into one row as [prompt | response 1 | response 2 | ...]; each response segment attends to the prompt's
+keys and values and causally to itself (the `CONTINUES_KWARG` forward kwarg names the segment it continues), so the
+decoder runs over the prompt once for all n and its gradient is their sum: the saving works without length spread.
+
 `select_attn_implementation(device)` picks the first available; `available_implementations(device)` says for each
 whether it runs here and why not (the tests run packing equivalence on every available one and skip the others with
 that reason). `is_varlen(model)` tells `logprobs.token_logprobs` to pack into one row with the varlen kwargs instead
@@ -36,6 +41,9 @@ from torch import Tensor
 VARLEN_NAME = "grpo_varlen"
 # Implementations that take packed rows as cu_seq_lens kwargs (one row, no pad segment needed).
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", VARLEN_NAME)
+# Forward kwarg of a shared-prefix row (`batching.pack_shared_prefixes`): per segment, the index of the segment it
+# continues, or -1. Only grpo_varlen reads it (`shares_prefixes`).
+CONTINUES_KWARG = "grpo_segment_continues"
 
 
 def _torch_varlen_attn():
@@ -84,6 +92,10 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
     batch_size, num_heads, width, head_dim = query.shape
+    continues = kwargs.get(CONTINUES_KWARG)
+    if continues is not None:  # a shared-prefix row (batching.pack_shared_prefixes)
+        return _shared_prefix_attention(module, query, key, value, cu_seq_lens, continues, dropout=dropout,
+                                        scaling=scaling, sliding_window=kwargs.get("sliding_window"))
     packed = attention_mask is None and key.shape[2] == width and (
         cu_seq_lens is not None or (position_ids is not None and bool((position_ids.diff(dim=-1) != 1).any())))
     if not packed:
@@ -112,6 +124,42 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
         out_rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])  # [1, Hq, T, D]
     out = torch.cat(out_rows, dim=0) if len(out_rows) > 1 else out_rows[0]  # [b, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None  # [b, T, Hq, D]
+
+
+def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor,
+                             continues: tuple[int, ...], *, dropout: float, scaling: float | None,
+                             sliding_window: int | None) -> tuple[Tensor, None]:
+    """Attention of one packed row whose segments may continue an earlier segment (a prompt computed once for the
+    responses that share it): segment i attends causally to itself, after all of segment continues[i] when that is
+    >= 0. query [1, Hq, N, D], key / value [1, Hkv, N, D] -> ([1, N, Hq, D], None).
+
+    A continuation's queries are put after its prefix's queries, so each call is the square causal problem of the
+    whole sequence (prefix + continuation) that the padded path computes, on the same kernel; the prefix's part of
+    the output is dropped (its queries were answered in the prefix's own call). The extra work is the prefix's
+    attention per continuation, small next to the decoder work saved on its tokens.
+    Example: segments [0, 3) prompt, [3, 5) and [5, 7) two responses, continues (-1, 0, 0): outputs of 3..4 equal
+    positions 3..4 of the 5-token sequence prompt + response 1 run alone.
+    """
+    assert sliding_window is None, (
+        "grpo_varlen: shared prompts with sliding-window attention are not supported; set model.use_remove_padding: false")
+    assert query.shape[0] == 1, f"a shared-prefix pack is one row, got {query.shape[0]}"
+    seg_lens = cu_seq_lens.diff().tolist()
+    assert len(seg_lens) == len(continues), f"{len(seg_lens)} segments but {len(continues)} continuation entries"
+    enable_gqa = key.shape[1] != query.shape[1]
+    dropout_p = dropout if module.training else 0.0
+    # One split per tensor (its backward is one concatenation; per-segment slices would each add a full-size zero
+    # gradient in the backward: quadratic in the segment count).
+    qs, ks, vs = (x.split(seg_lens, dim=2) for x in (query, key, value))  # per segment [1, H, L, D]
+    parts = []
+    for i, prefix in enumerate(continues):
+        q, k, v = qs[i], ks[i], vs[i]
+        if prefix >= 0:
+            q, k, v = (torch.cat([xs[prefix], x], dim=2) for xs, x in ((qs, q), (ks, k), (vs, v)))  # [1, H, P + L, D]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling,
+                                             enable_gqa=enable_gqa)  # [1, Hq, P + L, D]
+        parts.append(out[:, :, out.shape[2] - seg_lens[i]:])  # [1, Hq, L, D]
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, Hq, N, D]
+    return out.transpose(1, 2).contiguous(), None  # [1, N, Hq, D]
 
 
 def _varlen_mask(*args, attention_mask: Tensor | None = None, **kwargs):
@@ -164,3 +212,8 @@ def describe(implementation: str, device: torch.device, compute_dtype: torch.dty
 def is_varlen(model: torch.nn.Module) -> bool:
     """Does `model`'s attention take packed rows as cu_seq_lens (one packed row, no dense mask)?"""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) in VARLEN_IMPLEMENTATIONS
+
+
+def shares_prefixes(model: torch.nn.Module) -> bool:
+    """Can `model`'s attention run shared-prefix rows (segments continuing a prompt computed once)? grpo_varlen only."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_NAME

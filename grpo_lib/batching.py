@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_lib.attention import is_varlen
+from grpo_lib.attention import CONTINUES_KWARG, is_varlen, shares_prefixes
 from grpo_lib.types import RolloutBatch
 
 
@@ -415,13 +415,108 @@ def packed_forward_kwargs(packed: PackedBatch, *, varlen: bool) -> dict:
     return kwargs
 
 
+@dataclass
+class SharedPrefixPack:
+    """b right-padded rows packed into ONE row in which rows that begin with the same prefix (their prompt) share one
+    copy of it: [prefix | continuation of row i | continuation of row j | ... | next prefix | ...].
+
+    Every position of the padded [b, T] layout maps to one packed token (`padded_to_packed`); the prefix's tokens
+    stand for the same positions of every row that shares them, so their hidden states (and gradients, summed)
+    serve all those rows. Position ids run on from the prefix (the continuation of a p-token prefix starts at p).
+    """
+
+    input_ids: Tensor  # [1, N]
+    position_ids: Tensor  # [1, N]
+    cu_seqlens: Tensor  # [segments + 1] int32, segment boundaries in the packed row
+    continues: tuple[int, ...]  # per segment, the index of the prefix segment it continues, -1 for a prefix / whole row
+    max_seqlen: int  # longest segment, tokens
+    padded_to_packed: Tensor  # [b, T] long, packed index of each real padded position, -1 at pads
+
+
+def shared_prefix_rows(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> list[tuple[int, list[int]]]:
+    """Rows grouped by an identical prefix: [(prefix length, rows)] in order of first row, groups of one row with
+    prefix length 0 (nothing shared). A row's prefix is its first prefix_lens[r] tokens (its prompt: the tokens before
+    its first scored token); rows share when those lengths and tokens are equal.
+    Example: prompts [5, 6], [5, 6], [7] (prefix lengths 2, 2, 1) -> [(2, [0, 1]), (0, [2])]."""
+    lens = attention_mask.sum(dim=1).tolist()  # [b]
+    keys: dict[tuple, list[int]] = {}
+    for r, (p, n) in enumerate(zip(prefix_lens, lens)):
+        p = min(int(p), n)
+        key = (p, *input_ids[r, :p].tolist()) if p > 0 else ("alone", r)
+        keys.setdefault(key, []).append(r)
+    return [(key[0], rows) if len(rows) > 1 else (0, rows) for key, rows in keys.items()]
+
+
+def shared_prefix_tokens(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> int:
+    """Tokens of the `pack_shared_prefixes` row: the real tokens less every shared prefix's extra copies.
+    Example: two 10-token rows sharing a 4-token prompt -> 20 - 4 = 16."""
+    saved = sum(p * (len(rows) - 1) for p, rows in shared_prefix_rows(input_ids, attention_mask, prefix_lens))
+    return int(attention_mask.sum()) - saved
+
+
+def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> SharedPrefixPack:
+    """Pack RIGHT-padded rows into one row, each group of `shared_prefix_rows` as its prefix once followed by every
+    row's continuation (rows sharing nothing go whole). Call the model with `shared_prefix_forward_kwargs`.
+    Example: ids [[5, 6, 8], [5, 6, 9]], mask all 1, prefix_lens [2, 2] -> input_ids [[5, 6, 8, 9]],
+    position_ids [[0, 1, 2, 2]], cu_seqlens [0, 2, 3, 4], continues (-1, 0, 0), padded_to_packed [[0, 1, 2], [0, 1, 3]].
+    """
+    assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
+        f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]")
+    mask = attention_mask.to(torch.long)  # [b, T]
+    assert bool((mask[:, 1:] <= mask[:, :-1]).all()), "pack_shared_prefixes assumes right padding (1s then 0s per row)"
+    batch_size, seq_len = mask.shape
+    lens = mask.sum(dim=1).tolist()  # [b]
+    sources: list[tuple[int, int, int]] = []  # per segment: (row, start, end) of the padded tokens it holds
+    continues: list[int] = []
+    to_packed = torch.full((batch_size, seq_len), -1, dtype=torch.long)  # [b, T]
+    offset = 0
+    for p, rows in shared_prefix_rows(input_ids, attention_mask, prefix_lens):
+        prefix_segment = -1
+        if p > 0:
+            prefix_segment = len(sources)
+            sources.append((rows[0], 0, p))
+            continues.append(-1)
+            to_packed[rows, :p] = torch.arange(offset, offset + p)
+            offset += p
+        for r in rows:
+            if lens[r] > p:
+                sources.append((r, p, lens[r]))
+                continues.append(prefix_segment)
+                to_packed[r, p : lens[r]] = torch.arange(offset, offset + lens[r] - p)
+                offset += lens[r] - p
+    device = input_ids.device
+    seg_lens = [end - start for _, start, end in sources]
+    flat = torch.cat([torch.arange(r * seq_len + start, r * seq_len + end) for r, start, end in sources]) if sources \
+        else torch.zeros(0, dtype=torch.long)  # [N] index into the flattened padded layout
+    positions = torch.cat([torch.arange(start, end) for _, start, end in sources]) if sources \
+        else torch.zeros(0, dtype=torch.long)  # [N]
+    return SharedPrefixPack(
+        input_ids=input_ids.flatten()[flat.to(device)].view(1, -1),  # [1, N]
+        position_ids=positions.to(device).view(1, -1),  # [1, N]
+        cu_seqlens=torch.tensor([0, *torch.tensor(seg_lens, dtype=torch.long).cumsum(0).tolist()] if seg_lens else [0],
+                                dtype=torch.int32, device=device),
+        continues=tuple(continues),
+        max_seqlen=max(seg_lens, default=0),
+        padded_to_packed=to_packed.to(device),
+    )
+
+
+def shared_prefix_forward_kwargs(packed: SharedPrefixPack) -> dict:
+    """Model kwargs for a shared-prefix row: position ids running on from each prefix, no mask, no cache, the segment
+    boundaries, and per segment the prefix it continues (read by grpo_varlen, `attention.CONTINUES_KWARG`)."""
+    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
+                cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
+                max_length_k=packed.max_seqlen, **{CONTINUES_KWARG: packed.continues})
+
+
 @torch.no_grad()
 def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None, seed: int = 0) -> None:
     """Start-up check that packed sequences do not attend to each other with the model's attention backend.
 
     Packs three random sequences (3, 9 and 4 tokens) as `pack_sequences` does (restarting position_ids,
     attention_mask=None, use_cache=False) into one row, and into two rows ([3 + 4 + a 2-token pad segment] and
-    [9]: two sequences in a row, a pad segment, a row without one), and runs each sequence alone; raises
+    [9]: two sequences in a row, a pad segment, a row without one), with grpo_varlen also two rows sharing a 4-token
+    prompt in one `pack_shared_prefixes` row, and runs each sequence alone; raises
     RuntimeError if the log-probabilities differ by more than atol (default 1e-4 for float32, 1e-1 for half
     precision: a leak changes them by O(1) in a trained model).
     """
@@ -449,6 +544,15 @@ def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None,
             logits = model(**packed_forward_kwargs(packed, varlen=is_varlen(model))).logits  # [k, width, V]
             unpacked = packed.unpack(logits.float().log_softmax(-1))  # [3, 9, V]
             diffs[num_rows] = max((unpacked[i, :n] - alone[i]).abs().max().item() for i, n in enumerate(lens.tolist()))
+        if shares_prefixes(model):  # and rows sharing a prompt: the 9-token row's first 4 tokens + 3 of the 4-token row
+            ids = torch.stack([input_ids[1], torch.cat([input_ids[1, :4], input_ids[2, :3], input_ids[2, :2]])])  # [2, 9]
+            ids_mask = torch.tensor([[1] * 9, [1] * 7 + [0] * 2], device=param.device)  # [2, 9]
+            shared = pack_shared_prefixes(ids, ids_mask, [4, 4])
+            logits = model(**shared_prefix_forward_kwargs(shared)).logits[0].float().log_softmax(-1)  # [N, V]
+            own = [model(input_ids=ids[i : i + 1, :n], position_ids=torch.arange(n, device=param.device)[None],
+                         use_cache=False).logits.float().log_softmax(-1)[0] for i, n in enumerate((9, 7))]  # [n, V]
+            diffs["shared-prompt"] = max((logits[shared.padded_to_packed[i, :n]] - own[i]).abs().max().item()
+                                         for i, n in enumerate((9, 7)))
     finally:
         model.train(was_training)
     if not all(diff <= atol for diff in diffs.values()):

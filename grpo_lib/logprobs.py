@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from grpo_lib.attention import is_varlen
-from grpo_lib.batching import pack_sequences, packed_forward_kwargs
+from grpo_lib.attention import is_varlen, shares_prefixes
+from grpo_lib.batching import (pack_sequences, pack_shared_prefixes, packed_forward_kwargs, shared_prefix_forward_kwargs,
+                               shared_prefix_tokens)
 
 
 def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
@@ -136,6 +137,42 @@ def packing_pays(attention_mask: Tensor) -> bool:
     return real_token_fraction(attention_mask) < PACK_BELOW_REAL_FRACTION
 
 
+def prefix_lengths(score_mask: Tensor) -> list[int]:
+    """Per row, the tokens before its first scored token (its prompt), 0 for a row that scores nothing.
+    Example: [[0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0]] -> [2, 1, 0]."""
+    scored = score_mask.bool()  # [b, T]
+    first = scored.to(torch.uint8).argmax(dim=1)  # [b], 0 where nothing is scored
+    return torch.where(scored.any(dim=1), first, torch.zeros_like(first)).tolist()
+
+
+LAYOUTS = ("padded", "packed", "shared_prefix")
+
+
+def choose_layout(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None, *, remove_padding: bool,
+                  share_prefixes: bool) -> tuple[str, int]:
+    """How `token_logprobs` runs a right-padded micro-batch, and the tokens its decoder then computes.
+
+    - "shared_prefix" (`remove_padding` and `share_prefixes`, i.e. grpo_varlen): rows that begin with the same prompt
+      share one copy of it (`batching.pack_shared_prefixes`) when that saves tokens and computes under
+      PACK_BELOW_REAL_FRACTION of the padded block: GRPO's n responses per prompt then pay for the prompt once.
+    - "packed" (`remove_padding`): `packing_pays`, the real tokens alone.
+    - "padded": rows x longest row.
+    A function of the micro-batch alone: the old-logprob pass and the update decide alike (first ratio bitwise 1).
+    Example: 8 rows of a 30-token prompt + 128 response tokens: padded 1264, shared 30 + 8 * 128 = 1054 -> shared.
+    """
+    lens = attention_mask.sum(dim=1)  # [b]
+    padded = int(lens.max()) * lens.shape[0] if lens.numel() else 0
+    if not remove_padding:
+        return "padded", padded
+    if share_prefixes and score_mask is not None:
+        shared = shared_prefix_tokens(input_ids, attention_mask, prefix_lengths(score_mask))
+        if shared < int(lens.sum()) and shared < PACK_BELOW_REAL_FRACTION * padded:
+            return "shared_prefix", shared
+    if packing_pays(attention_mask):
+        return "packed", int(lens.sum())
+    return "padded", padded
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -150,6 +187,7 @@ def token_logprobs(
     score_unmasked: bool = False,
     entropy_grad: bool = True,
     checkpoint_min_bytes: int = 0,
+    share_prefixes: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probabilities (and optionally entropies) of `input_ids` under `model`, float32 [b, T].
 
@@ -174,6 +212,10 @@ def token_logprobs(
     not).
     score_unmasked=True scores the other tokens too, without grad, in chunks of their own after the masked ones: the
     masked tokens' values are then bit-identical to a score_mask-only call, and every position has its value.
+    share_prefixes=True (with remove_padding and a score_mask; grpo_varlen only): one packed row in which rows beginning
+    with the same prompt (the tokens before their first scored token) share one copy of it
+    (`batching.pack_shared_prefixes`): the decoder runs over each prompt once, its hidden states serve every row of
+    the group and their gradients add up. The same values as the padded path up to float rounding.
     entropy_grad=False: entropy without grad (logged only). checkpoint_min_bytes: recompute the head in the backward
     only when the scored tokens' float32 logits exceed this size (0: always, the most memory-frugal).
     Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
@@ -192,7 +234,14 @@ def token_logprobs(
     # Token t is scored iff it and its predecessor are real tokens: [b, T - 1] for targets 1..T-1.
     scored = (mask[:, 1:] * mask[:, :-1]).bool()  # [b, T - 1]
 
-    if remove_padding:
+    if remove_padding and share_prefixes and score_mask is not None:
+        assert shares_prefixes(model), (
+            f"share_prefixes needs grpo_varlen attention, the model has {getattr(model.config, '_attn_implementation', None)!r}")
+        shared = pack_shared_prefixes(input_ids, mask, prefix_lengths(score_mask))
+        hidden = _decoder_hidden_states(model, **shared_prefix_forward_kwargs(shared))  # [1, N, hidden]
+        predicting = hidden[0][shared.padded_to_packed[:, :-1][scored]]  # [N_scored, hidden]: a prompt's rows repeat
+        targets = input_ids[:, 1:][scored]  # [N_scored]
+    elif remove_padding:
         packed = pack_sequences(input_ids, mask, num_rows=1 if varlen else num_packed_rows(mask, packed_row_tokens))
         hidden = _decoder_hidden_states(model, **packed_forward_kwargs(packed, varlen=varlen))  # [k, width, hidden]
         # Packed token j is scored iff it is real and does not start a sequence (its predecessor is then the

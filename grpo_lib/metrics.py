@@ -13,7 +13,7 @@ Metric names are namespaced and documented once here:
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
 | `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (weighted by loss tokens, `loss_mask`) |
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
-| `perf/packed`, `perf/real_token_fraction` | update: share of micro-batches packed (`model.use_remove_padding` packs one only when its real tokens are < 90% of its padded block, `logprobs.packing_pays`); real tokens / tokens the forwards computed (1.0: no padding computed) |
+| `perf/packed`, `perf/shared_prefix`, `perf/real_token_fraction` | update: share of micro-batches packed (`model.use_remove_padding` packs one only when that computes < 90% of its padded block, `logprobs.choose_layout`); share packed with every prompt computed once for its rows (grpo_varlen); real tokens / tokens the forwards computed (1.0: no padding computed; above 1.0: shared prompts ran once for their responses) |
 | `actor/skipped_nonfinite_steps` | optimizer updates of the step skipped on every process (non-finite loss or grad norm) |
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |

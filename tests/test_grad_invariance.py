@@ -52,18 +52,30 @@ def assert_same_grads(grads, expected, what: str) -> None:
     case.assert_close_grads(grads, expected, what)  # tolerance derived in grad_case (GRAD_TOL)
 
 
-@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+@pytest.fixture
+def sharing(setup, request):
+    """The actor with rows of one prompt sharing its forward (grpo_varlen's default) or not (plain packing)."""
+    setup["actor"].share_prefixes = request.param
+    yield request.param
+    setup["actor"].share_prefixes = True
+
+
+@pytest.mark.parametrize("remove_padding, sharing", [(False, True), (True, True), (True, False)],
+                         ids=["padded", "packed, prompts shared", "packed"], indirect=["sharing"])
 @pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
-def test_micro_batching_never_changes_the_gradient(setup, loss_agg_mode, remove_padding):
+def test_micro_batching_never_changes_the_gradient(setup, loss_agg_mode, remove_padding, sharing):
     actor, batch = setup["actor"], setup["batch"]
     expected, expected_loss = reference(setup, case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode), loss_agg_mode)
     assert any(g.abs().max() > 0 for g in expected.values())
+    shared_seen = 0.0
     for micro in MICRO_SETTINGS:
         cfg = case.make_config(setup["model_dir"], loss_agg_mode=loss_agg_mode, remove_padding=remove_padding, **micro)
         grads, metrics = actor_grads(actor, cfg, batch)
-        assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} remove_padding={remove_padding}")
+        shared_seen = max(shared_seen, metrics["perf/shared_prefix"])
+        assert_same_grads(grads, expected, f"{loss_agg_mode} {micro} remove_padding={remove_padding} sharing={sharing}")
         assert case.metrics_loss(metrics, cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL)
         assert metrics["actor/pg_clipfrac"] > 0 and metrics["actor/kl_loss"] > 0, "the clip and the KL term are active"
+    assert (shared_seen > 0) == (remove_padding and sharing), "some micro-batch ran its shared prompts once"
 
 
 def dropped_positions_loss(model, batch, cfg) -> torch.Tensor:
@@ -259,14 +271,28 @@ def test_update_steps_from_the_accumulated_gradient(setup):
 def test_packing_decided_per_micro_batch_and_logged(setup):
     """model.use_remove_padding packs a micro-batch only when its real tokens are < 90% of its padded block, and the
     update logs it: one row per micro-batch has no spread (never packed, nothing padded); all 8 rows in one micro-batch
-    hold 227 real tokens of 8 x 60 = 480 (0.47: packed, on the varlen path every computed token is real)."""
-    batch = setup["batch"]
+    hold 227 real tokens of 8 x 60 = 480 (0.47: packed, on the varlen path every computed token is real); the 4
+    groups' 2 rows each share their prompt (3 + 12 + 5 + 8 tokens computed once, not twice, where both rows score)."""
+    batch, actor = setup["batch"], setup["actor"]
     one_each = case.make_config(setup["model_dir"], remove_padding=True, micro_batch_size=1)
-    _, metrics = actor_grads(setup["actor"], one_each, batch)
+    _, metrics = actor_grads(actor, one_each, batch)
     assert metrics["perf/packed"] == 0.0 and metrics["perf/real_token_fraction"] == 1.0
-    together = dict(max_tokens=case.TOTAL_TOKENS)
-    _, metrics = actor_grads(setup["actor"], case.make_config(setup["model_dir"], remove_padding=True, **together), batch)
-    assert metrics["perf/packed"] == 1.0 and metrics["perf/real_token_fraction"] == 1.0
-    _, metrics = actor_grads(setup["actor"], case.make_config(setup["model_dir"], remove_padding=False, **together), batch)
+    together = case.make_config(setup["model_dir"], remove_padding=True, max_tokens=case.TOTAL_TOKENS)
+    _, metrics = actor_grads(actor, together, batch)
+    # A group's two rows share the tokens before their first loss token when those are the same: the prompt, unless a
+    # hole at the start of a response moves that row's first loss token (then nothing is shared), or a row scores nothing.
+    first = [int(row.nonzero()[0]) if row.any() else -1 for row in batch.loss_mask]
+    saved = sum(p for g, (p, _) in enumerate(case.GROUPS) if first[2 * g] == first[2 * g + 1] == p)
+    assert saved > 0
+    assert metrics["perf/packed"] == 1.0 and metrics["perf/shared_prefix"] == 1.0
+    assert metrics["perf/real_token_fraction"] == pytest.approx(case.TOTAL_TOKENS / (case.TOTAL_TOKENS - saved))
+    actor.share_prefixes = False
+    try:
+        _, metrics = actor_grads(actor, together, batch)
+    finally:
+        actor.share_prefixes = True
+    assert metrics["perf/packed"] == 1.0 and metrics["perf/shared_prefix"] == 0.0
+    assert metrics["perf/real_token_fraction"] == 1.0
+    _, metrics = actor_grads(setup["actor"], case.make_config(setup["model_dir"], remove_padding=False, max_tokens=case.TOTAL_TOKENS), batch)
     assert metrics["perf/packed"] == 0.0
     assert metrics["perf/real_token_fraction"] == pytest.approx(sum(batch.seq_lens) / (len(batch) * batch.input_ids.shape[1]))

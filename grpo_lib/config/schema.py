@@ -81,9 +81,11 @@ class ModelConfig:
     always keeps float32 master weights and AdamW state; its compute dtype is actor.fsdp_config.param_dtype."""
     use_remove_padding: bool = may_change_on_resume(False)
     """Pack a micro-batch into one row of whole sequences (restarting position_ids, boundaries passed to a varlen
-    attention: flash_attention_2 where installed on CUDA, else grpo_varlen, grpo_lib/attention.py) when its real tokens
-    are < 90% of its padded [rows, longest] block; a micro-batch without that spread stays padded (perf/packed,
-    perf/real_token_fraction). Checked at start-up to isolate sequences."""
+    attention: flash_attention_2 where installed on CUDA, else grpo_varlen, grpo_lib/attention.py) when that computes
+    < 90% of its padded [rows, longest] block; on grpo_varlen the responses to one prompt share it (the prompt runs
+    through the decoder once per micro-batch, its gradient summed over them), which pays even without length spread;
+    a micro-batch where neither pays stays padded (perf/packed, perf/shared_prefix, perf/real_token_fraction). Checked
+    at start-up to isolate sequences."""
     enable_gradient_checkpointing: bool = may_change_on_resume(False)
     """Activation checkpointing in the actor's decoder layers (memory for compute)."""
     trust_remote_code: bool = False
