@@ -136,7 +136,8 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
         with autocast() if autocast is not None else contextlib.nullcontext():
             lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
                            remove_padding=layout != "padded", share_prefixes=layout == "shared_prefix",
-                           score_mask=None if score_mask is None else score_mask.to(device), score_unmasked=True)  # [b, t]
+                           score_mask=None if score_mask is None else score_mask.to(device), score_unmasked=True,
+                           checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)  # [b, t]: the update's chunks
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
 

@@ -13,8 +13,9 @@ How it works:
    that predict a scored token, e.g. the response), in chunks of `chunk_size` tokens under
    `torch.utils.checkpoint` (use_reentrant=False): at most one float32 [chunk_size, vocab] block is alive at a
    time, and the backward recomputes it chunk by chunk. Where the micro-batch's logits are small (at most
-   `checkpoint_min_bytes`), checkpointing saves no memory worth its recompute: the chunks then keep their
-   activations for the backward. The values are the same either way (same chunks, same ops).
+   `checkpoint_min_bytes`), checkpointing saves no memory worth its recompute: the head then runs as one chunk
+   that keeps its activations for the backward (fewer, larger matmuls), in the no-grad passes given the same bound
+   too, so the old-logprob pass and the update score in the same chunks.
 3. Entropy is only logged unless it carries a coefficient: `entropy_grad=False` computes it from the same logits
    without building its graph (no softmax saved for the backward).
 
@@ -85,9 +86,13 @@ def _chunked_head(
     checkpoint_min_bytes: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """`_head_logprobs` over [N, hidden] in chunks, each recomputed in backward when grads are on and the float32
-    logits of all N tokens would exceed `checkpoint_min_bytes`."""
+    logits of all N tokens would exceed `checkpoint_min_bytes`; within it, one chunk of all N (with or without grad,
+    so a no-grad pass given the same bound scores in the same chunks as the update)."""
     vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1 << 20])[0]  # peft wraps Linear
-    recompute = torch.is_grad_enabled() and (checkpoint_min_bytes <= 0 or hidden.shape[0] * vocab * 4 > checkpoint_min_bytes)
+    small = 0 < hidden.shape[0] * vocab * 4 <= checkpoint_min_bytes  # float32 logits of all N tokens under the bound
+    recompute = torch.is_grad_enabled() and not small
+    if small:  # one chunk: with grad every chunk's logits would be kept for the backward anyway (fewer, larger calls)
+        chunk_size = max(chunk_size, hidden.shape[0])
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         args = (head, hidden[start : start + chunk_size], targets[start : start + chunk_size])  # [c, hidden], [c]
@@ -217,7 +222,8 @@ def token_logprobs(
     (`batching.pack_shared_prefixes`): the decoder runs over each prompt once, its hidden states serve every row of
     the group and their gradients add up. The same values as the padded path up to float rounding.
     entropy_grad=False: entropy without grad (logged only). checkpoint_min_bytes: recompute the head in the backward
-    only when the scored tokens' float32 logits exceed this size (0: always, the most memory-frugal).
+    only when the scored tokens' float32 logits exceed this size (0: always, the most memory-frugal); under it the
+    head runs in one chunk.
     Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
