@@ -11,7 +11,8 @@ prompt's sample k would get), so both engines run exactly the same work.
 
 1. engines: `VLLMEngine.generate` and `HFEngine.generate` on the same requests in ONE process, alternated per round
    (vLLM sets the process to one torch thread when it starts: both engines run on it). Reported: seconds per call,
-   response tokens, hf / vLLM.
+   response tokens, hf / vLLM; with `--hf-compile` also the hf engine with `rollout.hf_use_torch_compile` (its
+   warm-up call, the compile, reported apart).
 2. reward: whole training steps (generation -> rewards -> advantages -> update -> push, as bench_step.py) of one
    trainer process (train_grpo.GRPOTrainer.setup, vLLM engine, reward.num_workers=1) with three reward set-ups alternated per
    round: a free reward; a CPU-bound reward (a busy loop) costing 30% of the generation time in all, scored while
@@ -27,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,17 +74,21 @@ def requests(work: Path) -> tuple[list[list[int]], list[int], list[int]]:
     return ids, long_tail_limits(len(ids)), seeds
 
 
-def bench_engines(work: Path, rounds: int) -> list[dict]:
+def bench_engines(work: Path, rounds: int, *, hf_compile: bool = False, warm_up: dict | None = None) -> list[dict]:
     from grpo_lib.config import RolloutConfig
     from grpo_lib.engines.hf import HFEngine
     from grpo_lib.engines.vllm import VLLMEngine
 
     ids, limits, seeds = requests(work)
+    warm_up = {} if warm_up is None else warm_up
     max_len = max(len(p) for p in ids) + MAX_RESPONSE
     cfg = RolloutConfig(kv_cache_memory_bytes=len(ids) * (max_len + 128) * 4096, max_num_seqs=256)
     engines = {"vllm": VLLMEngine(model_path=str(work / "model"), cfg=cfg, max_model_len=max_len, seed=0, on_cpu=True,
                                   world_size=1),
                "hf": HFEngine(model_path=str(work / "model"), cfg=cfg, on_cpu=True)}
+    if hf_compile:
+        engines["hf_compiled"] = HFEngine(model_path=str(work / "model"), cfg=replace(cfg, hf_use_torch_compile=True),
+                                          on_cpu=True)
     rows = []
     for rnd in range(rounds + 1):
         row = {}
@@ -91,23 +97,32 @@ def bench_engines(work: Path, rounds: int) -> list[dict]:
             out = engine.generate(ids, n=1, temperature=1.0, max_tokens=limits, seeds=seeds, logprobs=False)
             row[name] = time.perf_counter() - start
             row[f"{name}_tokens"] = sum(len(g[0].token_ids) for g in out)
-        print(f"round {rnd}: vllm {row['vllm']:.2f}s ({row['vllm_tokens']} tokens), hf {row['hf']:.2f}s "
-              f"({row['hf_tokens']} tokens), hf/vllm {row['hf'] / row['vllm']:.2f}x, load {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"round {rnd}: " + ", ".join(f"{name} {row[name]:.2f}s ({row[f'{name}_tokens']} tokens)" for name in engines)
+              + f", hf/vllm {row['hf'] / row['vllm']:.2f}x, load {os.getloadavg()[0]:.2f}", flush=True)
         if rnd > 0:
             rows.append(row)
+        else:
+            warm_up.update({name: row[name] for name in engines})
     return rows
 
 
-def engine_table(rows: list[dict], limits: list[int]) -> list[str]:
+def engine_table(rows: list[dict], limits: list[int], warm: dict | None = None) -> list[str]:
     ordered = sorted(limits)
     lines = [f"Limits: {len(limits)} responses, mean {sum(limits) / len(limits):.0f}, p90 {ordered[int(0.9 * len(ordered))]}, "
              f"max {ordered[-1]} tokens.", "",
              "| engine | s per call, median (best) | response tokens |", "|---|---|---|"]
-    for name in ("vllm", "hf"):
+    names = [n for n in ("vllm", "hf", "hf_compiled") if n in rows[0]]
+    for name in names:
         t = [r[name] for r in rows]
         lines.append(f"| {name} | {median(t):.2f} ({min(t):.2f}) | {rows[-1][f'{name}_tokens']} |")
-    ratio = [r["hf"] / r["vllm"] for r in rows]
-    lines += ["", f"hf / vLLM: median {median(ratio):.2f}x (best {min(ratio):.2f}x, worst {max(ratio):.2f}x)"]
+    for name in names[1:]:
+        ratio = [r[name] / r["vllm"] for r in rows]
+        lines += ["", f"{name} / vLLM: median {median(ratio):.2f}x (best {min(ratio):.2f}x, worst {max(ratio):.2f}x)"]
+    if "hf_compiled" in names:
+        ratio = [r["hf_compiled"] / r["hf"] for r in rows]
+        lines += ["", f"hf_compiled / hf (rollout.hf_use_torch_compile): median {median(ratio):.2f}x; its first call "
+                      f"(the compile) {(warm or {}).get('hf_compiled', float('nan')):.1f} s against hf's "
+                      f"{(warm or {}).get('hf', float('nan')):.1f} s"]
     return lines
 
 
@@ -232,6 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", default="engines,reward", help="comma-separated: engines, reward")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--hf-compile", action="store_true", help="engines: also the hf engine with rollout.hf_use_torch_compile")
     parser.add_argument("--work-dir", default=None, help="model/data folder (reused across runs; default: a temp folder)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results_generate_cpu.md"))
     args = parser.parse_args()
@@ -241,11 +257,12 @@ def main() -> None:
     info = machine()
     print(info, flush=True)
     lines = ["# Generation benchmark (CPU)", "", f"Produced by `python bench/bench_generate.py --what {args.what} "
-             f"--rounds {args.rounds}` (see its docstring for the shape and method).", "", "## Machine", "", "```", info]
+             f"--rounds {args.rounds}{' --hf-compile' if args.hf_compile else ''}` (see its docstring for the shape and method).", "", "## Machine", "", "```", info]
     sections = []
     if "engines" in args.what:
-        rows = bench_engines(work, args.rounds)
-        sections += ["## hf engine vs vLLM, long-tail lengths", "", *engine_table(rows, requests(work)[1]), "",
+        warm: dict = {}
+        rows = bench_engines(work, args.rounds, hf_compile=args.hf_compile, warm_up=warm)
+        sections += ["## hf engine vs vLLM, long-tail lengths", "", *engine_table(rows, requests(work)[1], warm), "",
                      "Raw rows (seconds):", "", "```", *[json.dumps(r) for r in rows], "```", ""]
     if "reward" in args.what:
         rows = bench_reward(work, args.rounds)

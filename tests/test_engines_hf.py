@@ -75,3 +75,33 @@ def test_greedy_batched_equals_each_row_alone(engine):
     for i, prompt in enumerate(PROMPTS):
         [[alone]] = engine.generate([prompt], n=1, temperature=0.0, max_tokens=LIMITS[i])
         assert alone.token_ids == batched[i][0].token_ids and alone.finish_reason == batched[i][0].finish_reason
+
+
+@pytest.mark.slow
+def test_compiled_engine_gives_the_eager_tokens(engine, tiny_model_dir):
+    """rollout.hf_use_torch_compile: the compiled decode forward samples the same tokens and logprobs as eager, greedy
+    and seeded, through rows leaving the batch (dynamic shapes), and reads pushed weights without a rebuild."""
+    from grpo_lib.config import RolloutConfig
+    from grpo_lib.engines.hf import HFEngine
+
+    compiled = HFEngine(model_path=str(tiny_model_dir), cfg=RolloutConfig(max_num_seqs=16, hf_use_torch_compile=True),
+                        on_cpu=True)
+    assert compiled.forward is not compiled.model, "the decode forward is the compiled module"
+    for temperature in (0.0, 1.0):
+        want = engine.generate(PROMPTS, n=2, temperature=temperature, max_tokens=LIMITS, seeds=SEEDS)
+        got = compiled.generate(PROMPTS, n=2, temperature=temperature, max_tokens=LIMITS, seeds=SEEDS)
+        assert [[g.token_ids for g in group] for group in got] == [[g.token_ids for g in group] for group in want]
+        for group_got, group_want in zip(got, want):
+            for g, w in zip(group_got, group_want):
+                torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
+    with torch.no_grad():  # a push: new weights (the embedding scaled), read by the compiled forward at the next call
+        scaled = [(name, p * 0.5 if "embed" in name else p) for name, p in engine.model.named_parameters()]
+        compiled.push_weights(scaled)
+        engine.push_weights(scaled)
+    try:
+        want = engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=LIMITS)
+        got = compiled.generate(PROMPTS, n=1, temperature=0.0, max_tokens=LIMITS)
+        assert [g[0].token_ids for g in got] == [g[0].token_ids for g in want]
+    finally:  # the module-scoped engine back to its weights
+        with torch.no_grad():
+            engine.push_weights([(name, p * 2.0 if "embed" in name else p) for name, p in engine.model.named_parameters()])

@@ -102,3 +102,10 @@ def test_budget_below_one_sequence_without_chunking_and_hf_engine_kwargs_refused
     with pytest.raises(ConfigError) as error:
         load_config(RECIPE, ["rollout.name=hf", "rollout.engine_kwargs.swap_space=4"])
     assert "rollout.name='hf'" in str(error.value)
+
+
+def test_hf_compile_key_refused_for_vllm_and_accepted_for_hf():
+    with pytest.raises(ConfigError) as error:
+        load_config(RECIPE, ["rollout.hf_use_torch_compile=true"])
+    assert "rollout.hf_use_torch_compile=true" in str(error.value) and "rollout.name='vllm'" in str(error.value)
+    assert load_config(RECIPE, ["rollout.name=hf", "rollout.hf_use_torch_compile=true"]).rollout.hf_use_torch_compile

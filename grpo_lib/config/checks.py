@@ -217,6 +217,9 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if r.name == "hf" and r.tensor_model_parallel_size != 1:
         p.append(f"rollout.name=hf with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: the transformers engine "
                  "has no tensor parallelism; set rollout.tensor_model_parallel_size=1 or rollout.name=vllm")
+    if r.hf_use_torch_compile and r.name != "hf":
+        p.append(f"rollout.hf_use_torch_compile=true compiles the transformers engine, but rollout.name={r.name!r}: drop it "
+                 "(vLLM compiles unless rollout.enforce_eager) or use rollout.name=hf")
     p += _value_ranges(cfg)
     p += _multi_turn_problems(cfg)
     p += _engine_kwargs_problems(cfg)

@@ -13,7 +13,7 @@ generation config's eos ids (the eos token is kept in `token_ids`, finish reason
 ("length"). Text is decoded without special tokens.
 
 Rows (prompt x sample) run in batches of rollout.max_num_seqs, left padded, with a KV cache (transformers'
-DynamicCache). Each decode step is one forward and one sampling call for the whole batch (`sample`: inverse transform
+DynamicCache), the forward compiled with `rollout.hf_use_torch_compile`. Each decode step is one forward and one sampling call for the whole batch (`sample`: inverse transform
 sampling, one uniform draw per row); a row's draws come from its own seeded generator, drawn up front, draw t for its
 token t, so a sample does not depend on the batch (the rows beside it, their number, when they finish). A row that
 finishes (eos or its own max tokens) leaves the batch at once, its KV cache rows with it
@@ -92,6 +92,9 @@ class HFEngine(EngineGlue):
         dtype = torch_dtype(cfg.dtype, self.device)  # auto: float32 on CPU, bfloat16 on GPU
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
+        # The decode step's forward, compiled once for dynamic shapes with rollout.hf_use_torch_compile (weights are
+        # read at call time, so pushes need no recompile).
+        self.forward = torch.compile(self.model, dynamic=True) if cfg.hf_use_torch_compile else self.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (self.tokenizer.eos_token_id or 0)
         eos = set()
@@ -200,8 +203,8 @@ class HFEngine(EngineGlue):
         active_limits = limits.to(self.device)  # [a]
         cache, step_ids = None, input_ids
         for t in range(steps):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)  # only the last position is sampled: no [a, P, V] logits
+            out = self.forward(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                               use_cache=True, logits_to_keep=1)  # only the last position is sampled: no [a, P, V] logits
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # [a, V]
             if greedy:
