@@ -260,7 +260,7 @@ HAND_LIST_BEFORE_METADATA = (
     "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", "trainer.n_gpus_per_node", "trainer.nnodes",
     "trainer.val_only", "trainer.val_generations_to_log", "reward.max_error_fraction",
-    "trainer.tune_allocator", "actor.use_torch_compile",
+    "trainer.tune_allocator", "actor.use_torch_compile", "rollout.hf_use_torch_compile",
     "ignored.",
     "rollout.enable_chunked_prefill", "rollout.max_num_batched_tokens", "rollout.engine_kwargs.",  # vLLM's scheduling / LLM() args
 )
