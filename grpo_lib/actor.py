@@ -68,9 +68,11 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_rem
     return model.to(device)
 
 
-def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_size: int | None) -> list[list[int]]:
-    """Row indices per micro-batch (token budget if `max_tokens`, else fixed size); the count is agreed by all processes."""
-    budget = {"max_tokens": max_tokens} if max_tokens is not None else {"micro_batch_size": micro_batch_size}
+def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_size: int | None,
+                  groups: list | None = None) -> list[list[int]]:
+    """Row indices per micro-batch (token budget if `max_tokens`, else fixed size); the count is agreed by all processes.
+    `groups` (shared-prompt packing): under a token budget a group's rows stay together where they fit."""
+    budget = {"max_tokens": max_tokens, "groups": groups} if max_tokens is not None else {"micro_batch_size": micro_batch_size}
     local = micro_batch_indices(seq_lens, **budget)
     agreed = agree_num_micro_batches(len(local))
     return local if agreed == len(local) else micro_batch_indices(seq_lens, **budget, min_num_micro_batches=agreed)
@@ -125,9 +127,10 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
     An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
     """
     width = batch.input_ids.shape[1]
-    index_lists = micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size)
-    chunks = []
     share = attention.shares_prefixes(policy.model)
+    index_lists = micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+                                groups=batch.group_ids if remove_padding and share else None)
+    chunks = []
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
         score_mask = response_scores(mb)
@@ -415,7 +418,8 @@ class Actor:
         weighted: dict[str, float] = defaultdict(float)
         perf_counts: dict[str, float] = defaultdict(float)
         idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu)
+                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+                                  groups=mini.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None)
         fc = a.fsdp_config  # which all-gathers / reduce-scatters the micro-batches share (fsdp.mini_batch_collectives)
         with fsdp.mini_batch_collectives(self.policy, keep_root_gathered=fc.keep_root_gathered,
                                          reshard_after_forward=fc.reshard_after_forward,

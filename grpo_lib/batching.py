@@ -120,6 +120,7 @@ def micro_batch_indices(
     max_tokens: int | None = None,
     micro_batch_size: int | None = None,
     min_num_micro_batches: int = 1,
+    groups: list | None = None,
 ) -> list[list[int]]:
     """Cut sequences (lengths in tokens, prompt + response) into micro-batches; returns row indices per part.
 
@@ -130,6 +131,11 @@ def micro_batch_indices(
       first, so an OOM shows at the first micro-batch), ties by smallest index.
     - micro_batch_size (sequences per micro-batch): consecutive slices in the original order, as even as
       possible (10 rows, size 4 -> sizes [4, 3, 3]); no token balancing (use max_tokens for that).
+
+    - groups (with max_tokens: one id per row, e.g. the prompt's; for shared-prompt packing): a group's rows stay
+      together where they fit the budget (a larger group is cut into consecutive runs that do), so rows that share a
+      prompt share a micro-batch; the same partition as above over those units. Falls back to rows when more parts
+      are asked for than there are units.
 
     The result has exactly max(own need, min_num_micro_batches) parts, each sorted ascending. When that exceeds
     the number of sequences, the trailing parts are EMPTY lists: the caller must still run a forward (a dummy
@@ -165,6 +171,14 @@ def micro_batch_indices(
                 f"(raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu to at least {length})"
             )
 
+    if groups is not None:
+        assert len(groups) == n, f"{len(groups)} group ids for {n} sequences"
+        units = _group_units(seq_lens, groups, max_tokens)
+        if min_num_micro_batches <= len(units):
+            unit_parts = micro_batch_indices([sum(seq_lens[i] for i in u) for u in units], max_tokens=max_tokens,
+                                             min_num_micro_batches=min_num_micro_batches)
+            return [sorted(i for u in part for i in units[u]) for part in unit_parts]
+
     def fits(parts: list[list[int]]) -> bool:
         return all(sum(seq_lens[i] for i in part) <= max_tokens for part in parts)
 
@@ -181,6 +195,25 @@ def micro_batch_indices(
         parts = candidate if fits(candidate) else _split_to(parts, seq_lens, num_parts)
     assert len(parts) == num_parts and fits(parts), f"internal: {len(parts)} parts for {num_parts} or over budget"
     return sorted(parts, key=lambda part: (not part, -sum(seq_lens[i] for i in part), part[0] if part else 0))
+
+
+def _group_units(seq_lens: list[int], groups: list, max_tokens: int) -> list[list[int]]:
+    """Rows of each group (in order of first row) in consecutive runs of at most max_tokens tokens.
+    Example: lengths [3, 3, 3, 2], groups [a, a, a, b], max_tokens 6 -> [[0, 1], [2], [3]]."""
+    rows_of: dict = {}
+    for i, g in enumerate(groups):
+        rows_of.setdefault(g, []).append(i)
+    units = []
+    for rows in rows_of.values():
+        run, tokens = [], 0
+        for i in rows:
+            if run and tokens + seq_lens[i] > max_tokens:
+                units.append(run)
+                run, tokens = [], 0
+            run.append(i)
+            tokens += seq_lens[i]
+        units.append(run)
+    return units
 
 
 def _inverse_order(index_lists: list[list[int]]) -> list[int]:

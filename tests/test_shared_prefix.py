@@ -145,3 +145,23 @@ def test_start_up_check_catches_a_continuation_that_ignores_its_prompt(monkeypat
     monkeypatch.setattr(attention, "_shared_prefix_attention", forgetful)
     with pytest.raises(RuntimeError, match="shared-prompt"):
         check_packing_isolated(model)
+
+
+def test_token_budget_keeps_a_groups_rows_together():
+    """With group ids, a token-budgeted partition keeps each group's rows in one micro-batch where they fit (rows that
+    share a prompt then share its forward), cuts a group over the budget into consecutive runs that fit, keeps every
+    micro-batch within the budget, and still gives the count asked for."""
+    from grpo_lib.batching import micro_batch_indices
+
+    lens = [40, 50, 30, 60, 20, 25, 70, 80, 90]
+    groups = ["a", "a", "a", "b", "b", "c", "d", "d", "d"]
+    parts = micro_batch_indices(lens, max_tokens=160, groups=groups)
+    assert sorted(i for p in parts for i in p) == list(range(len(lens)))
+    assert all(sum(lens[i] for i in p) <= 160 for p in parts)
+    where = {i: k for k, p in enumerate(parts) for i in p}
+    assert where[0] == where[1] == where[2] and where[3] == where[4], parts  # groups a, b whole
+    assert where[6] == where[7] != where[8], parts  # d (240 tokens) cut into [6, 7] and [8]
+    five = micro_batch_indices(lens, max_tokens=160, groups=groups, min_num_micro_batches=5)
+    assert len(five) == 5 and all(sum(lens[i] for i in p) <= 160 for p in five)
+    many = micro_batch_indices(lens, max_tokens=160, groups=groups, min_num_micro_batches=8)  # more parts than units
+    assert len(many) == 8 and sorted(i for p in many for i in p) == list(range(len(lens)))

@@ -317,8 +317,9 @@ class RolloutConfig:
     seed, ...) is refused naming both (config.checks.VLLM_OWN_KWARGS)."""
     hf_use_torch_compile: bool = may_change_on_resume(False)
     """rollout.name=hf only: torch.compile the engine model's forward (dynamic shapes: the batch shrinks as rows
-    finish and the KV cache grows every step), the same tokens as eager. Off by default: on CPU it measured no faster
-    than eager after a ~50 s compile (bench/results_generate_cpu.md); for GPUs without vLLM, untried."""
+    finish and the KV cache grows every step), the same tokens as eager. Off by default: on CPU it measured 0.90x of
+    eager's time after a 52 s compile at the first call (bench/results_generate_hf_compile_cpu.md), worth it only for
+    long runs; on GPUs without vLLM, untried."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
