@@ -127,7 +127,7 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
 
 
 def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor,
-                             continues: tuple[int, ...], *, dropout: float, scaling: float | None,
+                             continues: Tensor | tuple[int, ...], *, dropout: float, scaling: float | None,
                              sliding_window: int | None) -> tuple[Tensor, None]:
     """Attention of one packed row whose segments may continue an earlier segment (a prompt computed once for the
     responses that share it): segment i attends causally to itself, after all of segment continues[i] when that is
@@ -144,6 +144,7 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
         "grpo_varlen: shared prompts with sliding-window attention are not supported; set model.use_remove_padding: false")
     assert query.shape[0] == 1, f"a shared-prefix pack is one row, got {query.shape[0]}"
     seg_lens = cu_seq_lens.diff().tolist()
+    continues = continues.tolist() if isinstance(continues, Tensor) else list(continues)
     assert len(seg_lens) == len(continues), f"{len(seg_lens)} segments but {len(continues)} continuation entries"
     enable_gqa = key.shape[1] != query.shape[1]
     dropout_p = dropout if module.training else 0.0

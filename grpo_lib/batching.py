@@ -539,7 +539,9 @@ def shared_prefix_forward_kwargs(packed: SharedPrefixPack) -> dict:
     boundaries, and per segment the prefix it continues (read by grpo_varlen, `attention.CONTINUES_KWARG`)."""
     return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
                 cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
-                max_length_k=packed.max_seqlen, **{CONTINUES_KWARG: packed.continues})
+                max_length_k=packed.max_seqlen,
+                # a tensor, not a tuple: compiled decoder layers (actor.use_torch_compile) guard on a tuple's values
+                **{CONTINUES_KWARG: torch.tensor(packed.continues, dtype=torch.int32)})
 
 
 @torch.no_grad()
