@@ -99,7 +99,8 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
 
 
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
-# recompute costs time and saves little memory (bench/results_cpu.md). Real vocabularies (152k) are always above it.
+# recompute costs time and saves little memory (bench/results_cpu.md); under it the head also runs as one chunk. A 152k
+# vocabulary is above it from ~220 loss tokens per micro-batch on.
 HEAD_CHECKPOINT_MIN_BYTES = 128 * 2**20
 
 

@@ -460,7 +460,7 @@ class SharedPrefixPack:
 
     input_ids: Tensor  # [1, N]
     position_ids: Tensor  # [1, N]
-    cu_seqlens: Tensor  # [segments + 1] int32, segment boundaries in the packed row
+    cu_seqlens: Tensor  # [segments + 1] int32 on the HOST (read by grpo_varlen's loop: no device sync per layer)
     continues: tuple[int, ...]  # per segment, the index of the prefix segment it continues, -1 for a prefix / whole row
     max_seqlen: int  # longest segment, tokens
     padded_to_packed: Tensor  # [b, T] long, packed index of each real padded position, -1 at pads
@@ -472,10 +472,11 @@ def shared_prefix_rows(input_ids: Tensor, attention_mask: Tensor, prefix_lens: l
     its first scored token); rows share when those lengths and tokens are equal.
     Example: prompts [5, 6], [5, 6], [7] (prefix lengths 2, 2, 1) -> [(2, [0, 1]), (0, [2])]."""
     lens = attention_mask.sum(dim=1).tolist()  # [b]
+    ids = input_ids.cpu()  # one device-to-host copy, not one per row
     keys: dict[tuple, list[int]] = {}
     for r, (p, n) in enumerate(zip(prefix_lens, lens)):
         p = min(int(p), n)
-        key = (p, *input_ids[r, :p].tolist()) if p > 0 else ("alone", r)
+        key = (p, *ids[r, :p].tolist()) if p > 0 else ("alone", r)
         keys.setdefault(key, []).append(r)
     return [(key[0], rows) if len(rows) > 1 else (0, rows) for key, rows in keys.items()]
 
@@ -527,7 +528,7 @@ def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens:
         input_ids=input_ids.flatten()[flat.to(device)].view(1, -1),  # [1, N]
         position_ids=positions.to(device).view(1, -1),  # [1, N]
         cu_seqlens=torch.tensor([0, *torch.tensor(seg_lens, dtype=torch.long).cumsum(0).tolist()] if seg_lens else [0],
-                                dtype=torch.int32, device=device),
+                                dtype=torch.int32),
         continues=tuple(continues),
         max_seqlen=max(seg_lens, default=0),
         padded_to_packed=to_packed.to(device),

@@ -158,8 +158,9 @@ def choose_layout(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor 
     """How `token_logprobs` runs a right-padded micro-batch, and the tokens its decoder then computes.
 
     - "shared_prefix" (`remove_padding` and `share_prefixes`, i.e. grpo_varlen): rows that begin with the same prompt
-      share one copy of it (`batching.pack_shared_prefixes`) when that saves tokens and computes under
-      PACK_BELOW_REAL_FRACTION of the padded block: GRPO's n responses per prompt then pay for the prompt once.
+      share one copy of it (`batching.pack_shared_prefixes`) when that computes under PACK_BELOW_REAL_FRACTION of
+      what the next choice would (the real tokens where packing pays, else the padded block): GRPO's n responses per
+      prompt then pay for the prompt once.
     - "packed" (`remove_padding`): `packing_pays`, the real tokens alone.
     - "padded": rows x longest row.
     A function of the micro-batch alone: the old-logprob pass and the update decide alike (first ratio bitwise 1).
@@ -169,12 +170,16 @@ def choose_layout(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor 
     padded = int(lens.max()) * lens.shape[0] if lens.numel() else 0
     if not remove_padding:
         return "padded", padded
+    real = int(lens.sum())
+    packs = packing_pays(attention_mask)
     if share_prefixes and score_mask is not None:
         shared = shared_prefix_tokens(input_ids, attention_mask, prefix_lengths(score_mask))
-        if shared < int(lens.sum()) and shared < PACK_BELOW_REAL_FRACTION * padded:
+        # Against packing, sharing must save a tenth of the tokens too: its rows run one attention call per prompt
+        # group member, where plain packing may have one varlen kernel call (CUDA).
+        if shared < PACK_BELOW_REAL_FRACTION * (real if packs else padded):
             return "shared_prefix", shared
-    if packing_pays(attention_mask):
-        return "packed", int(lens.sum())
+    if packs:
+        return "packed", real
     return "padded", padded
 
 

@@ -191,12 +191,12 @@ def test_head_checkpointed_only_above_the_size_threshold(model):
     # The same single chunk, recomputed in the backward: the same ops, so the same gradients up to float32 round-off.
     _, rows_one = head_rows(model, lambda: token_logprobs(model, ids, mask, chunk_size=64)[0].sum().backward())
     assert rows_one == [1, 41, 41]
-    grads_ckpt = [p.grad.clone() for p in model.parameters()]
+    grads_one_recomputed = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     forward = [1, 10, 10, 10, 10, 1]  # logits_to_keep=1, then 41 scored tokens in chunks of 10
     assert rows_small == [1, 41], f"below the threshold one chunk, not recomputed: {rows_small}"
     assert sorted(rows_ckpt) == sorted(forward * 2)[1:], f"each chunk recomputed in the backward: {rows_ckpt}"
-    for a, b in zip(grads_small, grads_ckpt):
+    for a, b in zip(grads_small, grads_one_recomputed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
