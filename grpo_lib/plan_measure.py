@@ -216,7 +216,7 @@ def _batch(lengths: list[int], prompt_share: float, vocab: int, kl: bool):
 
 def _actor(cfg, model, device):
     """An `Actor` around an already-built `model` (Actor.__init__ loads from model.path): the same update methods."""
-    from grpo_lib import fsdp
+    from grpo_lib import attention, fsdp
     from grpo_lib.actor import Actor
     from grpo_lib.dtypes import torch_dtype
 
@@ -229,6 +229,7 @@ def _actor(cfg, model, device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     actor.model = model
+    actor.share_prefixes = attention.shares_prefixes(model)  # as Actor.__init__: from the model's attention
     actor.policy = fsdp.shard(model, device=device, param_dtype=actor.param_dtype, reduce_dtype=getattr(torch, a.fsdp_config.reduce_dtype),
                               fill=False)  # fake tensors: no values to broadcast from process 0
     actor.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr,
