@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import grpo_lib.actor as actor_module  # noqa: E402
 from grpo_lib.actor import Actor, micro_batches  # noqa: E402
-from grpo_lib.batching import pack_sequences  # noqa: E402
+from grpo_lib.packing import pack_sequences  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
 from grpo_lib.logprobs import num_packed_rows, token_logprobs  # noqa: E402
 from grpo_lib.types import RolloutBatch  # noqa: E402

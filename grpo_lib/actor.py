@@ -32,10 +32,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
-from grpo_lib.batching import agree_num_micro_batches, check_packing_isolated, micro_batch_indices, restore_order
+from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices, restore_order
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
-from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout
+from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout, layout_kwargs
+from grpo_lib.packing import check_packing_isolated
 from grpo_lib.types import RolloutBatch
 from grpo_lib.weights import weights_for
 
@@ -139,8 +140,7 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
                                   share_prefixes=share)
         with autocast() if autocast is not None else contextlib.nullcontext():
             lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                           remove_padding=layout != "padded", share_prefixes=layout == "shared_prefix",
-                           score_mask=None if score_mask is None else score_mask.to(device), score_unmasked=True,
+                           **layout_kwargs(layout), score_mask=None if score_mask is None else score_mask.to(device), score_unmasked=True,
                            checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)  # [b, t]: the update's chunks
         chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
     return restore_order(chunks, index_lists)  # [B, T]
@@ -164,7 +164,6 @@ class Actor:
         # host memory ever holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
         self.attn_implementation = attention.select_attn_implementation(device, self.param_dtype)
-        self.share_prefixes = self.attn_implementation == attention.VARLEN_NAME  # rows sharing a prompt compute it once
         reads = fsdp.reads_weights()
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation,
@@ -173,6 +172,7 @@ class Actor:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         self.master_dtype = next(self.model.parameters()).dtype
+        self.share_prefixes = attention.shares_prefixes(self.model)  # rows sharing a prompt compute it once
         self.compute_dtype = dtypes.torch_dtype(cfg.actor.fsdp_config.param_dtype, device, cpu_auto=self.master_dtype)
         if device.type == "cpu" and self.compute_dtype != self.master_dtype and not perf.native_bf16_cpu():
             warnings.warn(f"actor.fsdp_config.param_dtype={cfg.actor.fsdp_config.param_dtype} on a CPU without native bf16 "
@@ -282,8 +282,7 @@ class Actor:
                                          remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
         with self.autocast():
             lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                      temperature=self.cfg.rollout.temperature, remove_padding=layout != "padded",
-                                      share_prefixes=layout == "shared_prefix",
+                                      temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
                                       compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
                                       score_mask=None if score_mask is None else score_mask.to(self.device),
                                       score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)

@@ -1,6 +1,6 @@
 """Attention for packed rows: a variable-length kernel where one exists, chosen once and named at start-up.
 
-A packed row (`batching.pack_sequences`) holds several whole sequences back to back, position_ids restarting at 0 for
+A packed row (`packing.pack_sequences`) holds several whole sequences back to back, position_ids restarting at 0 for
 each. Dense attention over it (sdpa with the block-diagonal mask transformers builds from those position_ids) computes
 the whole [row, row] problem and throws most of it away; a variable-length ("varlen") kernel computes each sequence's
 own causal block only, so one row of every sequence costs the sum of their squared lengths.
@@ -18,7 +18,7 @@ Implementations (`attn_implementation` names of transformers' `AttentionInterfac
 - `sdpa`: the dense block-diagonal mask, the fallback (any model whose attention does not go through
   transformers' `AttentionInterface`).
 
-Shared-prompt rows (`batching.pack_shared_prefixes`, grpo_varlen only, `shares_prefixes`): GRPO's n responses to one
+Shared-prompt rows (`packing.pack_shared_prefixes`, grpo_varlen only, `shares_prefixes`): GRPO's n responses to one
 prompt go into one row as [prompt | response 1 | response 2 | ...]; each response segment attends to the prompt's
 keys and values and causally to itself (the `CONTINUES_KWARG` forward kwarg names the segment it continues), so the
 decoder runs over the prompt once for all n and its gradient is their sum: the saving works without length spread.
@@ -41,7 +41,7 @@ from torch import Tensor
 VARLEN_NAME = "grpo_varlen"
 # Implementations that take packed rows as cu_seq_lens kwargs (one row, no pad segment needed).
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", VARLEN_NAME)
-# Forward kwarg of a shared-prefix row (`batching.pack_shared_prefixes`): per segment, the index of the segment it
+# Forward kwarg of a shared-prefix row (`packing.pack_shared_prefixes`): per segment, the index of the segment it
 # continues, or -1. Only grpo_varlen reads it (`shares_prefixes`).
 CONTINUES_KWARG = "grpo_segment_continues"
 
@@ -93,7 +93,7 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     position_ids = kwargs.get("position_ids")
     batch_size, num_heads, width, head_dim = query.shape
     continues = kwargs.get(CONTINUES_KWARG)
-    if continues is not None:  # a shared-prefix row (batching.pack_shared_prefixes)
+    if continues is not None:  # a shared-prefix row (packing.pack_shared_prefixes)
         return _shared_prefix_attention(module, query, key, value, cu_seq_lens, continues, dropout=dropout,
                                         scaling=scaling, sliding_window=kwargs.get("sliding_window"))
     packed = attention_mask is None and key.shape[2] == width and (
@@ -210,11 +210,15 @@ def describe(implementation: str, device: torch.device, compute_dtype: torch.dty
     return f"{implementation} (dense block-diagonal mask)"
 
 
+def _implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def is_varlen(model: torch.nn.Module) -> bool:
     """Does `model`'s attention take packed rows as cu_seq_lens (one packed row, no dense mask)?"""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) in VARLEN_IMPLEMENTATIONS
+    return _implementation(model) in VARLEN_IMPLEMENTATIONS
 
 
 def shares_prefixes(model: torch.nn.Module) -> bool:
     """Can `model`'s attention run shared-prefix rows (segments continuing a prompt computed once)? grpo_varlen only."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_NAME
+    return _implementation(model) == VARLEN_NAME

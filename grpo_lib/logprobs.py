@@ -31,8 +31,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from grpo_lib.attention import is_varlen, shares_prefixes
-from grpo_lib.batching import (pack_sequences, pack_shared_prefixes, packed_forward_kwargs, shared_prefix_forward_kwargs,
-                               shared_prefix_tokens)
+from grpo_lib.packing import (pack_sequences, pack_shared_prefixes, packed_forward_kwargs, shared_prefix_forward_kwargs,
+                              shared_prefix_tokens)
 
 
 def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
@@ -150,15 +150,12 @@ def prefix_lengths(score_mask: Tensor) -> list[int]:
     return torch.where(scored.any(dim=1), first, torch.zeros_like(first)).tolist()
 
 
-LAYOUTS = ("padded", "packed", "shared_prefix")
-
-
 def choose_layout(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None, *, remove_padding: bool,
                   share_prefixes: bool) -> tuple[str, int]:
     """How `token_logprobs` runs a right-padded micro-batch, and the tokens its decoder then computes.
 
     - "shared_prefix" (`remove_padding` and `share_prefixes`, i.e. grpo_varlen): rows that begin with the same prompt
-      share one copy of it (`batching.pack_shared_prefixes`) when that computes under PACK_BELOW_REAL_FRACTION of
+      share one copy of it (`packing.pack_shared_prefixes`) when that computes under PACK_BELOW_REAL_FRACTION of
       what the next choice would (the real tokens where packing pays, else the padded block): GRPO's n responses per
       prompt then pay for the prompt once.
     - "packed" (`remove_padding`): `packing_pays`, the real tokens alone.
@@ -181,6 +178,12 @@ def choose_layout(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor 
     if packs:
         return "packed", real
     return "padded", padded
+
+
+def layout_kwargs(layout: str) -> dict:
+    """`token_logprobs` keywords of a `choose_layout` layout. Example: "shared_prefix" -> remove_padding and
+    share_prefixes True."""
+    return dict(remove_padding=layout != "padded", share_prefixes=layout == "shared_prefix")
 
 
 def token_logprobs(
@@ -207,13 +210,13 @@ def token_logprobs(
 
     remove_padding=True packs the rows (they must be right-padded) into k rows of whole sequences and calls the
     model with attention_mask=None, restarting position_ids and use_cache=False: only exact when the attention
-    backend isolates packed sequences (`batching.check_packing_isolated`). k = ceil(real tokens /
+    backend isolates packed sequences (`packing.check_packing_isolated`). k = ceil(real tokens /
     max(packed_row_tokens, longest sequence)), balanced by `batching.partition_balanced`; packed_row_tokens=None
     packs everything into one row. Why several rows: sdpa and eager compute the dense [row, row] attention of a
     packed row, so k rows cost ~1/k of one row's attention, for a little padding (rows are right-padded to the
     longest; bench/results_cpu.md). With a varlen implementation (`attention.is_varlen`: flash_attention_2,
     grpo_varlen) everything goes into ONE row, no pad segment, and the boundaries travel as cu_seq_lens kwargs
-    (`batching.packed_forward_kwargs`). Whether packing pays is the caller's call (`packing_pays`).
+    (`packing.packed_forward_kwargs`). Whether packing pays is the caller's call (`packing_pays`).
     remove_padding=False runs the padded batch: right-padded rows with no mask at all (plain causal attention is exact
     for every real token; no [b, T, T] mask is built), other paddings with the attention_mask and position_ids =
     cumsum(mask) - 1.
@@ -224,7 +227,7 @@ def token_logprobs(
     masked tokens' values are then bit-identical to a score_mask-only call, and every position has its value.
     share_prefixes=True (with remove_padding and a score_mask; grpo_varlen only): one packed row in which rows beginning
     with the same prompt (the tokens before their first scored token) share one copy of it
-    (`batching.pack_shared_prefixes`): the decoder runs over each prompt once, its hidden states serve every row of
+    (`packing.pack_shared_prefixes`): the decoder runs over each prompt once, its hidden states serve every row of
     the group and their gradients add up. The same values as the padded path up to float rounding.
     entropy_grad=False: entropy without grad (logged only). checkpoint_min_bytes: recompute the head in the backward
     only when the scored tokens' float32 logits exceed this size (0: always, the most memory-frugal); under it the

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_lib import attention
-from grpo_lib.batching import check_packing_isolated, pack_sequences
+from grpo_lib.packing import check_packing_isolated, pack_sequences
 from grpo_lib.logprobs import packing_pays, real_token_fraction, token_logprobs
 from tests.test_logprobs import make_batch, tiny_qwen3
 

@@ -1,4 +1,4 @@
-"""Tests for grpo_lib.batching: budgets, permutations, balance, packing, and the packing-isolation check."""
+"""Tests for grpo_lib.batching (budgets, permutations, balance) and grpo_lib.packing (packing, the packing-isolation check)."""
 
 import math
 import multiprocessing
@@ -11,13 +11,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from grpo_lib.batching import (
     agree_num_micro_batches,
-    check_packing_isolated,
     micro_batch_indices,
-    pack_sequences,
     partition_balanced,
     restore_order,
     restore_order_list,
 )
+from grpo_lib.packing import check_packing_isolated, pack_sequences
 
 FAST = settings(max_examples=150, deadline=None)
 # A trajectory row holds at least one token (its prompt's first): zero-length rows never reach the batcher, and with

@@ -1,5 +1,5 @@
 """Tests for shared-prompt packing: GRPO's n responses to one prompt run that prompt through the decoder once
-(`batching.pack_shared_prefixes`, grpo_varlen's continuation segments, `logprobs.choose_layout`).
+(`packing.pack_shared_prefixes`, grpo_varlen's continuation segments, `logprobs.choose_layout`).
 
 Run: `.venv/bin/python -m pytest tests/test_shared_prefix.py`.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_lib import attention
-from grpo_lib.batching import check_packing_isolated, pack_shared_prefixes, shared_prefix_rows, shared_prefix_tokens
+from grpo_lib.packing import check_packing_isolated, pack_shared_prefixes, shared_prefix_rows, shared_prefix_tokens
 from grpo_lib.logprobs import choose_layout, prefix_lengths, token_logprobs
 from tests.test_logprobs import tiny_qwen3
 

@@ -13,8 +13,8 @@ generation config's eos ids (the eos token is kept in `token_ids`, finish reason
 ("length"). Text is decoded without special tokens.
 
 Rows (prompt x sample) run in batches of rollout.max_num_seqs, left padded, with a KV cache (transformers'
-DynamicCache), the forward compiled with `rollout.hf_use_torch_compile`. Each decode step is one forward and one sampling call for the whole batch (`sample`: inverse transform
-sampling, one uniform draw per row); a row's draws come from its own seeded generator, drawn up front, draw t for its
+DynamicCache), the forward compiled with `rollout.hf_use_torch_compile`. Each decode step is one forward and one
+sampling call for the whole batch (`sample`: inverse transform sampling, one uniform draw per row); a row's draws come from its own seeded generator, drawn up front, draw t for its
 token t, so a sample does not depend on the batch (the rows beside it, their number, when they finish). A row that
 finishes (eos or its own max tokens) leaves the batch at once, its KV cache rows with it
 (`DynamicCache.batch_select_indices`), so a long-tail batch costs its tokens, not rows x the longest response; it is

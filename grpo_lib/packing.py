@@ -1,0 +1,280 @@
+"""Packing a right-padded micro-batch into rows without padding, and the check that packed sequences stay apart.
+
+Like micro-batching (`grpo_lib.batching`), packing is a memory and speed knob only (docs/DESIGN.md invariant 1): the
+values are the padded path's up to float rounding.
+
+- `pack_sequences`: right-padded rows -> k rows of whole sequences (balanced token counts), position_ids
+  restarting at 0 per sequence, each row right-padded by a dummy segment whose position_ids also restart. In
+  transformers 5.19, eager / sdpa / flex_attention build a block-diagonal causal mask from such position_ids,
+  but ONLY when the model is called with `attention_mask=None` AND `use_cache=False` (a KV cache, or any
+  2D mask, silently disables the detection and sequences attend to each other); the mask is built per row, so
+  several rows work alike (measured). A varlen implementation (`grpo_lib.attention`: flash_attention_2, grpo_varlen)
+  gets one row and the segment boundaries as kwargs instead (`packed_forward_kwargs`), and computes no dense mask.
+  `check_packing_isolated` verifies this once at start-up for the model actually in use, with the kwargs
+  token_logprobs sends it (one and two packed rows for a dense implementation, one row for a varlen one).
+- `pack_shared_prefixes`: rows that begin with the same prompt go into one row as [prompt | continuation 1 |
+  continuation 2 | ...], each continuation attending to its prompt (grpo_varlen's `attention.CONTINUES_KWARG`), so
+  GRPO's n responses run their prompt through the decoder once; `shared_prefix_rows` / `shared_prefix_tokens` say
+  which rows share and what the row costs.
+
+Example: pack_sequences(ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]]) -> one row [[5, 6, 7]], position_ids
+[[0, 1, 0]].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_lib.attention import CONTINUES_KWARG, is_varlen, shares_prefixes
+from grpo_lib.batching import partition_balanced
+
+
+@dataclass
+class PackedBatch:
+    """b right-padded rows packed into k rows of whole sequences (`total` real tokens), each right-padded to `width`.
+
+    The padding of a packed row is one dummy segment whose position_ids restart at 0: it is a sequence of its own,
+    attends only to itself, and its outputs are ignored (`real` is False there).
+    """
+
+    input_ids: Tensor  # [k, width], pad segments hold token 0
+    position_ids: Tensor  # [k, width], restarts at 0 for every sequence and every pad segment
+    real: Tensor  # [k, width] bool, True on the tokens of the b sequences
+    cu_seqlens: Tensor  # [segments + 1] int32, segment (pad segments too) boundaries in the flattened [k * width] rows
+    max_seqlen: int  # longest segment, tokens
+    flat_index: Tensor  # [total] long, index in the flattened [b * T] padded layout of each real packed token
+    batch_size: int  # b
+    seq_len: int  # T, padded length
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """[k, width, ...] or [total, ...] per-token values -> [b, T, ...] with zeros at pads (differentiable).
+
+        Values whose two leading dimensions are [k, width] are read as the packed rows (pad segments dropped).
+        """
+        total = self.flat_index.shape[0]
+        if values.dim() >= 2 and tuple(values.shape[:2]) == tuple(self.real.shape):
+            values = values[self.real]  # [total, ...]
+        assert values.shape[0] == total, f"unpack expects {total} packed tokens, got shape {tuple(values.shape)}"
+        padded = values.new_zeros((self.batch_size * self.seq_len, *values.shape[1:]))  # [b * T, ...]
+        padded = padded.index_copy(0, self.flat_index, values)  # [b * T, ...]
+        return padded.view(self.batch_size, self.seq_len, *values.shape[1:])  # [b, T, ...]
+
+
+def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int = 1) -> PackedBatch:
+    """Pack RIGHT-padded rows (mask 1...1 0...0, asserted) into num_rows rows with restarting position_ids.
+
+    Sequences go to rows by `partition_balanced` of their lengths (each row's sequences in ascending index order);
+    rows are right-padded to the longest with a pad segment (token 0, position_ids 0, 1, ...). num_rows is capped at
+    the number of sequences (at least 1). Call the model with attention_mask=None, position_ids=packed.position_ids,
+    use_cache=False.
+    Example: ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]] -> input_ids [[5, 6, 7]],
+    position_ids [[0, 1, 0]], cu_seqlens [0, 2, 3], max_seqlen 2; with num_rows=2 -> input_ids [[5, 6], [7, 0]],
+    position_ids [[0, 1], [0, 0]], real [[1, 1], [1, 0]], cu_seqlens [0, 2, 3, 4].
+    """
+    assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
+        f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]"
+    )
+    assert num_rows >= 1, f"num_rows must be >= 1, got {num_rows}"
+    mask = attention_mask.to(torch.long)  # [b, T]
+    assert bool(((mask == 0) | (mask == 1)).all()), "attention_mask must hold only 0 and 1"
+    assert bool((mask[:, 1:] <= mask[:, :-1]).all()), (
+        "pack_sequences assumes right padding (each mask row is 1s then 0s); left-padded rows must be shifted first"
+    )
+    batch_size, seq_len = mask.shape
+    lens = mask.sum(dim=1).tolist()  # [b] python ints
+    rows = [row for row in partition_balanced(lens, min(num_rows, max(batch_size, 1))) if row] or [[]]
+    width = max(sum(lens[i] for i in row) for row in rows)
+    # Per packed row, the segments as (source row or -1 for the pad segment, length).
+    segments = [[(i, lens[i]) for i in row if lens[i] > 0] for row in rows]
+    for row in segments:
+        used = sum(n for _, n in row)
+        if used < width:
+            row.append((-1, width - used))
+    device = input_ids.device
+    seg_lens = torch.tensor([n for row in segments for _, n in row], dtype=torch.long)  # [segments]
+    cu_seqlens = torch.nn.functional.pad(seg_lens.cumsum(dim=0), (1, 0))  # [segments + 1]
+    seg_source = torch.tensor([i for row in segments for i, _ in row], dtype=torch.long)  # [segments], -1: pad segment
+    source_row = seg_source.repeat_interleave(seg_lens)  # [k * width]
+    position_ids = torch.arange(len(rows) * width) - cu_seqlens[:-1].repeat_interleave(seg_lens)  # [k * width]
+    real = source_row >= 0  # [k * width]
+    flat_index = (source_row * seq_len + position_ids)[real].to(device)  # [total]
+    packed_ids = torch.zeros(len(rows) * width, dtype=input_ids.dtype, device=device)  # [k * width]
+    packed_ids[real.to(device)] = input_ids.flatten()[flat_index]
+    return PackedBatch(
+        input_ids=packed_ids.view(len(rows), width),  # [k, width]
+        position_ids=position_ids.to(device).view(len(rows), width),  # [k, width]
+        real=real.to(device).view(len(rows), width),  # [k, width]
+        cu_seqlens=cu_seqlens.to(device=device, dtype=torch.int32),
+        max_seqlen=int(seg_lens.max()) if seg_lens.numel() else 0,
+        flat_index=flat_index,
+        batch_size=batch_size,
+        seq_len=seq_len,
+    )
+
+
+def packed_forward_kwargs(packed: PackedBatch, *, varlen: bool) -> dict:
+    """Model kwargs for packed rows: restarting position_ids, no attention mask, no cache (transformers then isolates the
+    sequences), and with a varlen implementation (`attention.is_varlen`) the segment boundaries as transformers'
+    FlashAttentionKwargs (`cu_seq_lens_q/k`, `max_length_q/k`), which its varlen kernels read instead of a mask.
+    Example: one row [5, 6 | 7] -> position_ids [[0, 1, 0]], cu_seq_lens_q [0, 2, 3], max_length_q 2."""
+    kwargs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False)
+    if varlen:
+        kwargs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
+                      max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+    return kwargs
+
+
+@dataclass
+class SharedPrefixPack:
+    """b right-padded rows packed into ONE row in which rows that begin with the same prefix (their prompt) share one
+    copy of it: [prefix | continuation of row i | continuation of row j | ... | next prefix | ...].
+
+    Every position of the padded [b, T] layout maps to one packed token (`padded_to_packed`); the prefix's tokens
+    stand for the same positions of every row that shares them, so their hidden states (and gradients, summed)
+    serve all those rows. Position ids run on from the prefix (the continuation of a p-token prefix starts at p).
+    """
+
+    input_ids: Tensor  # [1, N]
+    position_ids: Tensor  # [1, N]
+    cu_seqlens: Tensor  # [segments + 1] int32 on the HOST (read by grpo_varlen's loop: no device sync per layer)
+    continues: tuple[int, ...]  # per segment, the index of the prefix segment it continues, -1 for a prefix / whole row
+    max_seqlen: int  # longest segment, tokens
+    padded_to_packed: Tensor  # [b, T] long, packed index of each real padded position, -1 at pads
+
+
+def shared_prefix_rows(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> list[tuple[int, list[int]]]:
+    """Rows grouped by an identical prefix: [(prefix length, rows)] in order of first row, groups of one row with
+    prefix length 0 (nothing shared). A row's prefix is its first prefix_lens[r] tokens (its prompt: the tokens before
+    its first scored token); rows share when those lengths and tokens are equal.
+    Example: prompts [5, 6], [5, 6], [7] (prefix lengths 2, 2, 1) -> [(2, [0, 1]), (0, [2])]."""
+    lens = attention_mask.sum(dim=1).tolist()  # [b]
+    ids = input_ids.cpu()  # one device-to-host copy, not one per row
+    keys: dict[tuple, list[int]] = {}
+    for r, (p, n) in enumerate(zip(prefix_lens, lens)):
+        p = min(int(p), n)
+        key = (p, *ids[r, :p].tolist()) if p > 0 else ("alone", r)
+        keys.setdefault(key, []).append(r)
+    return [(key[0], rows) if len(rows) > 1 else (0, rows) for key, rows in keys.items()]
+
+
+def shared_prefix_tokens(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> int:
+    """Tokens of the `pack_shared_prefixes` row: the real tokens less every shared prefix's extra copies.
+    Example: two 10-token rows sharing a 4-token prompt -> 20 - 4 = 16."""
+    saved = sum(p * (len(rows) - 1) for p, rows in shared_prefix_rows(input_ids, attention_mask, prefix_lens))
+    return int(attention_mask.sum()) - saved
+
+
+def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> SharedPrefixPack:
+    """Pack RIGHT-padded rows into one row, each group of `shared_prefix_rows` as its prefix once followed by every
+    row's continuation (rows sharing nothing go whole). Call the model with `shared_prefix_forward_kwargs`.
+    Example: ids [[5, 6, 8], [5, 6, 9]], mask all 1, prefix_lens [2, 2] -> input_ids [[5, 6, 8, 9]],
+    position_ids [[0, 1, 2, 2]], cu_seqlens [0, 2, 3, 4], continues (-1, 0, 0), padded_to_packed [[0, 1, 2], [0, 1, 3]].
+    """
+    assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
+        f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]")
+    mask = attention_mask.to(torch.long)  # [b, T]
+    assert bool((mask[:, 1:] <= mask[:, :-1]).all()), "pack_shared_prefixes assumes right padding (1s then 0s per row)"
+    batch_size, seq_len = mask.shape
+    lens = mask.sum(dim=1).tolist()  # [b]
+    sources: list[tuple[int, int, int]] = []  # per segment: (row, start, end) of the padded tokens it holds
+    continues: list[int] = []
+    to_packed = torch.full((batch_size, seq_len), -1, dtype=torch.long)  # [b, T]
+    offset = 0
+    for p, rows in shared_prefix_rows(input_ids, attention_mask, prefix_lens):
+        prefix_segment = -1
+        if p > 0:
+            prefix_segment = len(sources)
+            sources.append((rows[0], 0, p))
+            continues.append(-1)
+            to_packed[rows, :p] = torch.arange(offset, offset + p)
+            offset += p
+        for r in rows:
+            if lens[r] > p:
+                sources.append((r, p, lens[r]))
+                continues.append(prefix_segment)
+                to_packed[r, p : lens[r]] = torch.arange(offset, offset + lens[r] - p)
+                offset += lens[r] - p
+    device = input_ids.device
+    seg_lens = [end - start for _, start, end in sources]
+    flat = torch.cat([torch.arange(r * seq_len + start, r * seq_len + end) for r, start, end in sources]) if sources \
+        else torch.zeros(0, dtype=torch.long)  # [N] index into the flattened padded layout
+    positions = torch.cat([torch.arange(start, end) for _, start, end in sources]) if sources \
+        else torch.zeros(0, dtype=torch.long)  # [N]
+    return SharedPrefixPack(
+        input_ids=input_ids.flatten()[flat.to(device)].view(1, -1),  # [1, N]
+        position_ids=positions.to(device).view(1, -1),  # [1, N]
+        cu_seqlens=torch.tensor([0, *torch.tensor(seg_lens, dtype=torch.long).cumsum(0).tolist()] if seg_lens else [0],
+                                dtype=torch.int32),
+        continues=tuple(continues),
+        max_seqlen=max(seg_lens, default=0),
+        padded_to_packed=to_packed.to(device),
+    )
+
+
+def shared_prefix_forward_kwargs(packed: SharedPrefixPack) -> dict:
+    """Model kwargs for a shared-prefix row: position ids running on from each prefix, no mask, no cache, the segment
+    boundaries, and per segment the prefix it continues (read by grpo_varlen, `attention.CONTINUES_KWARG`)."""
+    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
+                cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
+                max_length_k=packed.max_seqlen,
+                # a tensor, not a tuple: compiled decoder layers (actor.use_torch_compile) guard on a tuple's values
+                **{CONTINUES_KWARG: torch.tensor(packed.continues, dtype=torch.int32)})
+
+
+@torch.no_grad()
+def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None, seed: int = 0) -> None:
+    """Start-up check that packed sequences do not attend to each other with the model's attention backend.
+
+    Packs three random sequences (3, 9 and 4 tokens) as `pack_sequences` does (restarting position_ids,
+    attention_mask=None, use_cache=False) into one row, and into two rows ([3 + 4 + a 2-token pad segment] and
+    [9]: two sequences in a row, a pad segment, a row without one), with grpo_varlen also two rows sharing a 4-token
+    prompt in one `pack_shared_prefixes` row, and runs each sequence alone; raises
+    RuntimeError if the log-probabilities differ by more than atol (default 1e-4 for float32, 1e-1 for half
+    precision: a leak changes them by O(1) in a trained model).
+    """
+    param = next(model.parameters())
+    if atol is None:
+        atol = 1e-4 if param.dtype == torch.float32 else 1e-1
+    generator = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([3, 9, 4])  # [3]
+    mask = (torch.arange(int(lens.max()))[None, :] < lens[:, None]).long().to(param.device)  # [3, 9]
+    input_ids = torch.randint(0, model.config.vocab_size, tuple(mask.shape), generator=generator)  # [3, 9]
+    input_ids = input_ids.to(param.device) * mask  # [3, 9], pads 0
+    was_training = model.training
+    model.eval()
+    try:
+        alone = [
+            model(input_ids=input_ids[i : i + 1, :n], position_ids=torch.arange(n, device=param.device)[None],
+                  use_cache=False).logits.float().log_softmax(-1)[0]
+            for i, n in enumerate(lens.tolist())
+        ]  # each [n, V]
+        diffs = {}
+        # A varlen implementation gets one packed row with its boundaries (what token_logprobs sends it); dense ones
+        # get one and two rows, boundaries from position_ids only.
+        for num_rows in ((1,) if is_varlen(model) else (1, 2)):
+            packed = pack_sequences(input_ids, mask, num_rows=num_rows)
+            logits = model(**packed_forward_kwargs(packed, varlen=is_varlen(model))).logits  # [k, width, V]
+            unpacked = packed.unpack(logits.float().log_softmax(-1))  # [3, 9, V]
+            diffs[num_rows] = max((unpacked[i, :n] - alone[i]).abs().max().item() for i, n in enumerate(lens.tolist()))
+        if shares_prefixes(model):  # and rows sharing a prompt: the 9-token row's first 4 tokens + 3 of the 4-token row
+            ids = torch.stack([input_ids[1], torch.cat([input_ids[1, :4], input_ids[2, :3], input_ids[2, :2]])])  # [2, 9]
+            ids_mask = torch.tensor([[1] * 9, [1] * 7 + [0] * 2], device=param.device)  # [2, 9]
+            shared = pack_shared_prefixes(ids, ids_mask, [4, 4])
+            logits = model(**shared_prefix_forward_kwargs(shared)).logits[0].float().log_softmax(-1)  # [N, V]
+            own = [alone[1], model(input_ids=ids[1:, :7], position_ids=torch.arange(7, device=param.device)[None],
+                                   use_cache=False).logits.float().log_softmax(-1)[0]]  # [9, V], [7, V]
+            diffs["shared-prompt"] = max((logits[shared.padded_to_packed[i, :n]] - own[i]).abs().max().item()
+                                         for i, n in enumerate((9, 7)))
+    finally:
+        model.train(was_training)
+    if not all(diff <= atol for diff in diffs.values()):
+        impl = getattr(model.config, "_attn_implementation", "unknown")
+        raise RuntimeError(
+            f"Packed sequences are not isolated with attn_implementation={impl!r}: log-probs differ by "
+            f"{', '.join(f'{d:.3g} ({k} packed rows)' for k, d in diffs.items())} (> {atol:g}) between packed and "
+            f"separate forwards. Set `model.use_remove_padding: false`, or use attn_implementation sdpa / eager / "
+            f"flash_attention_2."
+        )
