@@ -258,16 +258,9 @@ class GRPOTrainer:
         with timed(timings, "step"):
             memory.begin("gen")
             # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is ready
-            gen_metrics = {}
+            gen_metrics: dict[str, float] = {}
             try:
-                try:
-                    batch, gen_metrics = S.collect_rollouts(cfg, engine, p.scorer, p.train, p.sampler, step=step,
-                                                            world_size=self.world_size, rank=self.rank, timings=timings,
-                                                            episodes=p.episodes)
-                except S.RunAborted:  # collecting gave up (DAPO found no usable group): were the weights the cause?
-                    self.probe_rollouts(step, timings, into=gen_metrics)
-                    raise
-                self.probe_rollouts(step, timings, into=gen_metrics)
+                batch = self.collect_rollouts(step, timings, into=gen_metrics)
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
                 if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
@@ -315,6 +308,23 @@ class GRPOTrainer:
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
         return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/"),
                 **memory.metrics()}
+
+    def collect_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]):
+        """The step's rollouts (step.collect_rollouts; their metrics go `into`), then `probe_rollouts`: also when
+        collecting gives up (DAPO found no usable group), where the weights may be the cause."""
+        from grpo_lib import step as S
+
+        p = self.parts
+        try:
+            batch, metrics = S.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
+                                                world_size=self.world_size, rank=self.rank, timings=timings,
+                                                episodes=p.episodes)
+        except S.RunAborted:
+            self.probe_rollouts(step, timings, into=into)
+            raise
+        into.update(metrics)
+        self.probe_rollouts(step, timings, into=into)
+        return batch
 
     def probe_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]) -> None:
         """Did this step's rollouts come from the actor's weights? The weight probe, scored inside the step's first
