@@ -133,13 +133,14 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
     responses that share it): segment i attends causally to itself, after all of segment continues[i] when that is
     >= 0. query [1, Hq, N, D], key / value [1, Hkv, N, D] -> ([1, N, Hq, D], None).
 
-    A continuation's queries are put after its prefix's queries, so each call is the square causal problem of the
-    whole sequence (prefix + continuation) that the padded path computes, on the same kernel; the prefix's part of
-    the output is dropped (its queries were answered in the prefix's own call). The extra work is the prefix's
-    attention per continuation, small next to the decoder work saved on its tokens.
+    A continuation's queries attend to its prefix's keys / values followed by its own, under a lower-right causal
+    mask (query j of an L-token continuation of a P-token prefix sees keys 0 .. P + j): the attention the padded path
+    computes for those positions, without re-running the prefix's queries (answered in the prefix's own call).
     Example: segments [0, 3) prompt, [3, 5) and [5, 7) two responses, continues (-1, 0, 0): outputs of 3..4 equal
     positions 3..4 of the 5-token sequence prompt + response 1 run alone.
     """
+    from torch.nn.attention.bias import causal_lower_right
+
     assert sliding_window is None, (
         "grpo_varlen: shared prompts with sliding-window attention are not supported; set model.use_remove_padding: false")
     assert query.shape[0] == 1, f"a shared-prefix pack is one row, got {query.shape[0]}"
@@ -153,12 +154,13 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
     qs, ks, vs = (x.split(seg_lens, dim=2) for x in (query, key, value))  # per segment [1, H, L, D]
     parts = []
     for i, prefix in enumerate(continues):
-        q, k, v = qs[i], ks[i], vs[i]
-        if prefix >= 0:
-            q, k, v = (torch.cat([xs[prefix], x], dim=2) for xs, x in ((qs, q), (ks, k), (vs, v)))  # [1, H, P + L, D]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling,
-                                             enable_gqa=enable_gqa)  # [1, Hq, P + L, D]
-        parts.append(out[:, :, out.shape[2] - seg_lens[i]:])  # [1, Hq, L, D]
+        if prefix < 0:  # a prefix, or a row sharing nothing: plain causal
+            parts.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout_p, is_causal=True,
+                                                        scale=scaling, enable_gqa=enable_gqa))  # [1, Hq, L, D]
+            continue
+        k, v = (torch.cat([xs[prefix], xs[i]], dim=2) for xs in (ks, vs))  # [1, Hkv, P + L, D]
+        parts.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=causal_lower_right(seg_lens[i], k.shape[2]),
+                                                    dropout_p=dropout_p, scale=scaling, enable_gqa=enable_gqa))  # [1, Hq, L, D]
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, Hq, N, D]
     return out.transpose(1, 2).contiguous(), None  # [1, N, Hq, D]
 

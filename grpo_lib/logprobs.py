@@ -35,6 +35,11 @@ from grpo_lib.packing import (pack_sequences, pack_shared_prefixes, packed_forwa
                               shared_prefix_tokens)
 
 
+def _flat_positions(shape: tuple[int, int], device: torch.device | None = None) -> Tensor:
+    """[rows, width] indices of each position in the flattened rows. Example: (2, 2) -> [[0, 1], [2, 3]]."""
+    return torch.arange(shape[0] * shape[1], device=device).view(shape)  # [rows, width]
+
+
 def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
     """Run the root model and return the decoder's last hidden states [b, T, hidden] (captured by a hook)."""
     captured: list[Tensor] = []
@@ -52,6 +57,35 @@ def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
     return captured[0]  # [b, T, hidden]
 
 
+class _TargetLogprobs(torch.autograd.Function):
+    """log softmax(logits)[target] per row (and, when asked, the entropy, without grad) in few passes over the [c, V]
+    block: max, exp, sum, normalise, one gather (and one dot product). The backward is log-softmax's closed form,
+    -softmax * g with g added at the target, from the probabilities kept by the forward (the [c, V] block autograd
+    would keep anyway): one pass where autograd's logsumexp + gather take five (a zero fill, a scatter, exp, product,
+    sum), and on a small model the head's element-wise work is several percent of the update.
+    Example: logits [[0, 0]], target [1] -> log p = log 0.5; its gradient with g = 1: [[-0.5, 0.5]]."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, compute_entropy: bool) -> tuple[Tensor, Tensor]:
+        top = logits.amax(dim=-1, keepdim=True)  # [c, 1]
+        probs = torch.sub(logits, top).exp_()  # [c, V], unnormalised
+        total = probs.sum(dim=-1, keepdim=True)  # [c, 1]
+        log_norm = (top + total.log()).squeeze(-1)  # [c]: logsumexp
+        logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
+        probs = probs.div_(total)  # [c, V]: softmax
+        # entropy = logsumexp(z) - sum(softmax(z) * z); [0] when not asked (an output must be a tensor)
+        entropy = log_norm - torch.linalg.vecdot(probs, logits) if compute_entropy else logits.new_zeros(0)  # [c]
+        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(probs, targets)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _entropy_grad: Tensor | None) -> tuple[Tensor, None, None]:
+        probs, targets = ctx.saved_tensors
+        grad_logits = probs * grad.neg().unsqueeze(-1)  # [c, V]
+        return grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1)), None, None
+
+
 def _head_logprobs(
     head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool,
     entropy_grad: bool = True,
@@ -59,19 +93,18 @@ def _head_logprobs(
     """log p(target) and entropy for one chunk, log-softmax in float32.
 
     Written for few passes over the [c, V] block (the head is a large share of a small model's step): no division
-    when temperature == 1 (x / 1.0 == x exactly), fused softmax, and a dot product instead of a [c, V] product.
+    when temperature == 1 (x / 1.0 == x exactly), and `_TargetLogprobs`' fused forward and closed-form backward. The
+    log-probabilities come from the same function with grad or without (the first ratio stays bitwise 1); an entropy
+    that carries a gradient (entropy_coeff != 0) is built by autograd beside them.
     """
     logits = head(hidden).float()  # [c, V]
     if temperature != 1.0:
         logits = logits / temperature  # [c, V]
-    log_norm = torch.logsumexp(logits, dim=-1)  # [c]
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
-    if not compute_entropy:
-        return logprobs, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        probs = torch.softmax(logits, dim=-1)  # [c, V]
-        entropy = log_norm - torch.linalg.vecdot(probs, logits)  # [c]: logsumexp(z) - sum(softmax(z) * z)
-    return logprobs, entropy
+    entropy_with_grad = compute_entropy and entropy_grad and torch.is_grad_enabled()
+    logprobs, entropy = _TargetLogprobs.apply(logits, targets, compute_entropy and not entropy_with_grad)  # [c], [c]
+    if entropy_with_grad:
+        entropy = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(torch.softmax(logits, dim=-1), logits)  # [c]
+    return logprobs, (entropy if compute_entropy else None)
 
 
 def _chunked_head(
@@ -253,7 +286,7 @@ def token_logprobs(
             f"share_prefixes needs grpo_varlen attention, the model has {getattr(model.config, '_attn_implementation', None)!r}")
         shared = pack_shared_prefixes(input_ids, mask, prefix_lengths(score_mask))
         hidden = _decoder_hidden_states(model, **shared_prefix_forward_kwargs(shared))  # [1, N, hidden]
-        predicting = hidden[0][shared.padded_to_packed[:, :-1][scored]]  # [N_scored, hidden]: a prompt's rows repeat
+        source = shared.padded_to_packed[:, :-1][scored]  # [N_scored]: a prompt's last token repeats per row
         targets = input_ids[:, 1:][scored]  # [N_scored]
     elif remove_padding:
         packed = pack_sequences(input_ids, mask, num_rows=1 if varlen else num_packed_rows(mask, packed_row_tokens))
@@ -265,7 +298,8 @@ def token_logprobs(
         padded_index = torch.full_like(packed.position_ids, -1)  # [k, width]
         padded_index[packed.real] = packed.flat_index
         order = padded_index[:, 1:][packed_scored].argsort()  # [N]
-        predicting = hidden[:, :-1][packed_scored][order]  # [N, hidden]
+        positions = _flat_positions(tuple(packed.input_ids.shape), device=input_ids.device)  # [k, width]
+        source = positions[:, :-1][packed_scored][order]  # [N]
         targets = packed.input_ids[:, 1:][packed_scored][order]  # [N]
     elif bool((mask[:, 1:] <= mask[:, :-1]).all()):
         # Right padding: a real token's causal past holds only real tokens, so plain causal attention (no mask, no
@@ -283,8 +317,11 @@ def token_logprobs(
             use_cache=False,
         )  # [b, T, hidden]
     if not remove_padding:
-        predicting = hidden[:, :-1][scored]  # [N, hidden]
+        source = _flat_positions((batch_size, seq_len), device=input_ids.device)[:, :-1][scored]  # [N]
         targets = input_ids[:, 1:][scored]  # [N]
+    # Each scored token's predicting hidden state by its index in the flattened rows: index_select's backward is an
+    # index_add, several times faster on CPU than the index_put of a mask or gather index's backward.
+    predicting = hidden.reshape(-1, hidden.shape[-1])  # [rows * width, hidden]
     assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"
     head = model.get_output_embeddings()
     head_kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_size=chunk_size,
@@ -306,7 +343,7 @@ def token_logprobs(
 
     logprobs, entropy = None, None
     for i, (where, sel) in enumerate(zip(groups, selections)):
-        group_hidden = predicting if sel is None else predicting[sel]  # [n, hidden]
+        group_hidden = predicting.index_select(0, source if sel is None else source[sel])  # [n, hidden]
         group_targets = targets if sel is None else targets[sel]  # [n]
         with torch.set_grad_enabled(torch.is_grad_enabled() and i == 0):  # unmasked tokens: values only, no graph
             lp, ent = _chunked_head(head, group_hidden, group_targets, **head_kwargs)  # [n], [n] or None
