@@ -32,6 +32,7 @@ Run: `python -m pytest tests/test_attention.py`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -126,6 +127,18 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     return out.transpose(1, 2).contiguous(), None  # [b, T, Hq, D]
 
 
+@functools.lru_cache(maxsize=256)
+def _lower_right_causal(queries: int, keys: int, device: torch.device):
+    """Mask of `queries` queries that are the last of `keys` positions: query j sees keys 0 .. keys - queries + j. On
+    CUDA torch's lower-right causal bias (its flash / efficient kernels take it without a mask); elsewhere a cached
+    boolean mask (on CPU cheaper than the bias, which builds one per call). Example: (2, 3) -> [[1, 1, 0], [1, 1, 1]]."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(queries, keys)
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(diagonal=keys - queries)  # [queries, keys]
+
+
 def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor,
                              continues: Tensor | tuple[int, ...], *, dropout: float, scaling: float | None,
                              sliding_window: int | None) -> tuple[Tensor, None]:
@@ -139,8 +152,6 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
     Example: segments [0, 3) prompt, [3, 5) and [5, 7) two responses, continues (-1, 0, 0): outputs of 3..4 equal
     positions 3..4 of the 5-token sequence prompt + response 1 run alone.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     assert sliding_window is None, (
         "grpo_varlen: shared prompts with sliding-window attention are not supported; set model.use_remove_padding: false")
     assert query.shape[0] == 1, f"a shared-prefix pack is one row, got {query.shape[0]}"
@@ -159,7 +170,7 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
                                                         scale=scaling, enable_gqa=enable_gqa))  # [1, Hq, L, D]
             continue
         k, v = (torch.cat([xs[prefix], xs[i]], dim=2) for xs in (ks, vs))  # [1, Hkv, P + L, D]
-        parts.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=causal_lower_right(seg_lens[i], k.shape[2]),
+        parts.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=_lower_right_causal(seg_lens[i], k.shape[2], query.device),
                                                     dropout_p=dropout_p, scale=scaling, enable_gqa=enable_gqa))  # [1, Hq, L, D]
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, Hq, N, D]
     return out.transpose(1, 2).contiguous(), None  # [1, N, Hq, D]

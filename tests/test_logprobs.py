@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from grpo_lib.logprobs import token_logprobs
+from grpo_lib.logprobs import _TargetLogprobs, token_logprobs
 
 LENGTHS = [3, 40, 17, 64]  # very different lengths, right-padded to 64
 
@@ -119,6 +119,36 @@ def test_gradients_match_naive(model, remove_padding):
     grads = _grads(model)
     assert grads.keys() == expected_grads.keys() and len(grads) == len(list(model.parameters()))
     for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+
+
+def test_head_function_values_and_gradient_are_log_softmax():
+    """The head's fused function: log-probabilities and entropy equal log_softmax's, its closed-form backward passes
+    gradcheck (float64: the tolerances are float64 rounding, far below any real difference)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 11, generator=generator, dtype=torch.float64) * 5).requires_grad_()  # [c, V]
+    targets = torch.randint(0, 11, (6,), generator=generator)  # [c]
+    logprobs, entropy = _TargetLogprobs.apply(logits, targets, True)
+    reference = torch.log_softmax(logits, dim=-1)  # [c, V]
+    torch.testing.assert_close(logprobs, reference.gather(-1, targets[:, None]).squeeze(-1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1), rtol=0, atol=1e-12)
+    assert not entropy.requires_grad, "the fused function's entropy is a metric: no graph"
+    assert torch.autograd.gradcheck(lambda z: _TargetLogprobs.apply(z, targets, False)[0], (logits,))
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_gradients_match_naive_without_entropy_grad(model, remove_padding):
+    """The update's usual case (entropy logged, no bonus): log-probability gradients through the fused head function
+    equal autograd's through log_softmax."""
+    ids, mask = make_batch()
+    expected, _ = naive(model, ids, mask)
+    (expected * mask).sum().backward()
+    expected_grads = _grads(model)
+    logprobs, entropy = token_logprobs(model, ids, mask, remove_padding=remove_padding, compute_entropy=True,
+                                       entropy_grad=False, chunk_size=50)
+    assert not entropy.requires_grad
+    (logprobs * mask).sum().backward()
+    for name, grad in _grads(model).items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
 
 
