@@ -16,8 +16,9 @@ How it works:
    `checkpoint_min_bytes`), checkpointing saves no memory worth its recompute: the head then runs as one chunk
    that keeps its activations for the backward (fewer, larger matmuls), in the no-grad passes given the same bound
    too, so the old-logprob pass and the update score in the same chunks.
-3. Entropy is only logged unless it carries a coefficient: `entropy_grad=False` computes it from the same logits
-   without building its graph (no softmax saved for the backward).
+3. The log-probabilities go through one autograd function (`_TargetLogprobs`: fused forward, closed-form backward
+   from the softmax it keeps). Entropy is only logged unless it carries a coefficient: `entropy_grad=False` computes
+   it inside the same function from that softmax, without a graph.
 
 Alignment (verl's `logprobs_from_logits` shifted to token positions):
     logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]
