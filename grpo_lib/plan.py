@@ -26,8 +26,10 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
     reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU) or LoRA
     activations            tokens x per-token bytes of the update's micro-batch bound (checkpointing: one layer
                            input per layer kept, one layer recomputed; without: every layer's saved tensors)
-    output head chunk      20 x 1024 x V  one chunk's recomputed backward: bf16 + fp32 logits (2 + 4), log-sum-exp's
-                           softmax (4), the gather's gradient (4), their sum (4), the bf16 gradient (2) per logit
+    output head chunk      12 x 1024 x V  one chunk recomputed in the backward, per logit: the fp32 logits (4), the
+                           softmax the log-probability function keeps for its backward (4), the entropy's product
+                           temporary (4) (the bf16 logits are freed at the cast); its backward holds less (the
+                           softmax, the fp32 and bf16 gradients: 4 + 4 + 2)
     head weight gradient   c x V x H     accumulated over the chunks until the root's backward
     embedding gradient     2 c V H (tied: the embedding's gradient and the sum, three V x H alive), c V H untied
     root reduce-scatter    4 x root / W  the root's fp32 reduce-scatter output
@@ -241,7 +243,7 @@ def lora_params(sizes: ModelSizes, rank: int) -> int:
     return sizes.layers * per_layer
 
 
-HEAD_BYTES_PER_LOGIT = 20  # the output head's backward, per logit of one chunk (see the module docstring)
+HEAD_BYTES_PER_LOGIT = 12  # the output head's recompute, per logit of one chunk (see the module docstring)
 CUDA_CONTEXT_BYTES = 1.5 * GIB  # CUDA context + cuBLAS workspace + NCCL buffers per process, outside vLLM's share (estimate)
 FIT_FRACTION = 0.9  # a token budget "fits" when its training phase uses at most this share of the GPU (allocator slack)
 BUDGET_STEP = 1024  # `auto` token budgets are multiples of this

@@ -122,14 +122,14 @@ def test_memory_plan_arithmetic_qwen3_4b():
     V, H = 151936, 2560
     E = V * H
     root = E + 2560  # the FSDP2 root: embedding (= head) + final norm
-    assert parts["output head chunk"] == 20 * 1024 * V  # bf16 2 + fp32 4 logits, lse softmax 4, gather grad 4, sum 4, bf16 grad 2
+    assert parts["output head chunk"] == 12 * 1024 * V  # fp32 logits 4, the kept softmax 4, the entropy's product 4
     assert parts["head weight gradient"] == 2 * E  # bf16, accumulated over the chunks
     assert parts["embedding gradient"] == 2 * 2 * E  # embedding's bf16 gradient and the sum: 3 x V x H with the head's
     assert parts["root reduce-scatter"] == 4 * root / 4  # float32 reduce-scatter output of the root unit
     assert parts["AdamW step temporary"] == 2 * 4 * E / 4  # foreach step: two fp32 temporaries of the largest local tensor
     assert parts["gathered units"] == 2 * (root + sizes.layer_params)  # root + one layer in bf16
     held = 4 * P / 4 + 4 * P / 4 + 8 * P / 4 + ctx
-    assert parts["layers' backward"] == held + 2 * (root + sizes.layer_params) + parts["activations"] + 20 * 1024 * V + 2 * E
+    assert parts["layers' backward"] == held + 2 * (root + sizes.layer_params) + parts["activations"] + 12 * 1024 * V + 2 * E
     assert parts["root's backward"] == held + 2 * root + 2 * E + 4 * E + root
     assert parts["optimizer step"] == held + 2 * E
     assert parts["training phase"] == parts["layers' backward"]
