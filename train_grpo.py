@@ -94,7 +94,7 @@ class GRPOTrainer:
         from grpo_lib.lora import check_lora_setup
         from grpo_lib.metrics import MetricLogger
         from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
-        from grpo_lib.plan import auto_budget_notes
+        from grpo_lib.plan_memory import auto_budget_notes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
         from grpo_lib.weight_probe import WeightProbe

@@ -314,7 +314,7 @@ def _kinds(snapshot) -> dict[str, int]:
 
 def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict, gpu_bytes: float) -> list[str]:
     """The measured training phase's lines, beside the analytic plan's (`parts`, grpo_lib.plan.memory_plan)."""
-    from grpo_lib.plan import GIB, fitting_budget
+    from grpo_lib.plan_memory import GIB, fitting_budget
 
     m = measure_update(cfg, model_config, world_size=world_size)
     analytic = parts["training phase"] - parts["CUDA context + NCCL"]

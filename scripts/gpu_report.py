@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-# The plan is an upper bound of the training phase (docs: grpo_lib/plan.py); measured above it by more than this
+# The plan is an upper bound of the training phase (docs: grpo_lib/plan_memory.py); measured above it by more than this
 # fraction, the plan under-states what a GPU needs and the check fails (issue 19: measured within 10% of the plan).
 PLAN_TOLERANCE = 0.10
 # Dense bf16 tensor-core peak, FLOP/s, by a name fragment of torch.cuda.get_device_name(); PEAK_TFLOPS overrides.

@@ -285,11 +285,11 @@ def test_plan_prints_the_collectives_of_each_choice():
     import re
     from pathlib import Path
 
-    from grpo_lib import plan
+    from grpo_lib import plan, plan_memory
     from grpo_lib.config import load_config
 
     repo = Path(__file__).resolve().parents[1]
-    sizes = plan.model_sizes(json.loads((repo / "tests" / "data" / "qwen3_4b_config.json").read_text()))
+    sizes = plan_memory.model_sizes(json.loads((repo / "tests" / "data" / "qwen3_4b_config.json").read_text()))
     assert sizes.params == 4_022_468_096
 
     def total_gib(*overrides):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from grpo_lib.config import load_config
-from grpo_lib.plan import memory_plan, model_sizes, print_plan
+from grpo_lib.plan import print_plan
+from grpo_lib.plan_memory import memory_plan, model_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

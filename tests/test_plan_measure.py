@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from grpo_lib.config import ConfigError, load_config
-from grpo_lib.plan import (
+from grpo_lib.plan import print_plan
+from grpo_lib.plan_memory import (
     GIB,
     all_gathers_per_mini_batch,
     auto_budget_notes,
@@ -17,7 +18,6 @@ from grpo_lib.plan import (
     host_memory,
     memory_plan,
     model_sizes,
-    print_plan,
 )
 
 REPO = Path(__file__).resolve().parents[1]

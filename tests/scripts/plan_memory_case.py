@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.plan import memory_plan, model_sizes  # noqa: E402
+from grpo_lib.plan_memory import memory_plan, model_sizes  # noqa: E402
 from grpo_lib.types import RolloutBatch  # noqa: E402
 
 
