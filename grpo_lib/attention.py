@@ -127,15 +127,20 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     return out.transpose(1, 2).contiguous(), None  # [b, T, Hq, D]
 
 
-@functools.lru_cache(maxsize=256)
 def _lower_right_causal(queries: int, keys: int, device: torch.device):
     """Mask of `queries` queries that are the last of `keys` positions: query j sees keys 0 .. keys - queries + j. On
-    CUDA torch's lower-right causal bias (its flash / efficient kernels take it without a mask); elsewhere a cached
-    boolean mask (on CPU cheaper than the bias, which builds one per call). Example: (2, 3) -> [[1, 1, 0], [1, 1, 1]]."""
+    CUDA torch's lower-right causal bias (built per call, it holds no mask; its flash kernel takes it without one in
+    half precision, other dtypes fall back to a mask inside sdpa); elsewhere a boolean mask cached per shape (on CPU
+    cheaper than the bias, which builds one per call). Example: (2, 3) -> [[1, 1, 0], [1, 1, 1]]."""
     if device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
 
         return causal_lower_right(queries, keys)
+    return _cached_lower_right_mask(queries, keys, device)
+
+
+@functools.lru_cache(maxsize=16)  # a micro-batch's continuation lengths; at most 16 masks of queries x keys bytes kept
+def _cached_lower_right_mask(queries: int, keys: int, device: torch.device) -> Tensor:
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(diagonal=keys - queries)  # [queries, keys]
 
 

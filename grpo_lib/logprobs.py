@@ -75,12 +75,14 @@ class _TargetLogprobs(torch.autograd.Function):
         logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
         probs = probs.div_(total)  # [c, V]: softmax
         # entropy = logsumexp(z) - sum(softmax(z) * z); [0] when not asked (an output must be a tensor)
-        entropy = log_norm - torch.linalg.vecdot(probs, logits) if compute_entropy else logits.new_zeros(0)  # [c]
+        # (a product and a sum, not linalg.vecdot: CPU autocast would run that in bf16)
+        entropy = log_norm - (probs * logits).sum(dim=-1) if compute_entropy else logits.new_zeros(0)  # [c]
         ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(probs, targets)
         return logprobs, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward treats the kept softmax as a constant
     def backward(ctx, grad: Tensor, _entropy_grad: Tensor | None) -> tuple[Tensor, None, None]:
         probs, targets = ctx.saved_tensors
         grad_logits = probs * grad.neg().unsqueeze(-1)  # [c, V]
@@ -104,7 +106,7 @@ def _head_logprobs(
     entropy_with_grad = compute_entropy and entropy_grad and torch.is_grad_enabled()
     logprobs, entropy = _TargetLogprobs.apply(logits, targets, compute_entropy and not entropy_with_grad)  # [c], [c]
     if entropy_with_grad:
-        entropy = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(torch.softmax(logits, dim=-1), logits)  # [c]
+        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)  # [c]
     return logprobs, (entropy if compute_entropy else None)
 
 
@@ -321,7 +323,9 @@ def token_logprobs(
         source = _flat_positions((batch_size, seq_len), device=input_ids.device)[:, :-1][scored]  # [N]
         targets = input_ids[:, 1:][scored]  # [N]
     # Each scored token's predicting hidden state by its index in the flattened rows: index_select's backward is an
-    # index_add, several times faster on CPU than the index_put of a mask or gather index's backward.
+    # index_add, several times faster on CPU than the index_put of a mask or gather index's backward. (On CUDA that
+    # index_add adds a shared prompt's repeated last state with atomics: its gradient is reproducible to rounding, as
+    # flash attention's backward is, not bitwise.)
     predicting = hidden.reshape(-1, hidden.shape[-1])  # [rows * width, hidden]
     assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"
     head = model.get_output_embeddings()

@@ -16,7 +16,9 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
     output head chunk      12 x 1024 x V  one chunk recomputed in the backward, per logit: the fp32 logits (4), the
                            softmax the log-probability function keeps for its backward (4), the entropy's product
                            temporary (4) (the bf16 logits are freed at the cast); its backward holds less (the
-                           softmax, the fp32 and bf16 gradients: 4 + 4 + 2)
+                           softmax, the fp32 and bf16 gradients: 4 + 4 + 2); 24 x 1024 x V with an entropy bonus
+                           (actor.entropy_coeff != 0: autograd's entropy graph keeps the fp32 logits and its own
+                           softmax beside the function's; both measured by plan_measure)
     head weight gradient   c x V x H     accumulated over the chunks until the root's backward
     embedding gradient     2 c V H (tied: the embedding's gradient and the sum, three V x H alive), c V H untied
     root reduce-scatter    4 x root / W  the root's fp32 reduce-scatter output
@@ -121,6 +123,7 @@ def lora_params(sizes: ModelSizes, rank: int) -> int:
 
 
 HEAD_BYTES_PER_LOGIT = 12  # the output head's recompute, per logit of one chunk (see the module docstring)
+HEAD_BYTES_PER_LOGIT_ENTROPY_GRAD = 24  # the same with an entropy bonus (actor.entropy_coeff != 0)
 CUDA_CONTEXT_BYTES = 1.5 * GIB  # CUDA context + cuBLAS workspace + NCCL buffers per process, outside vLLM's share (estimate)
 FIT_FRACTION = 0.9  # a token budget "fits" when its training phase uses at most this share of the GPU (allocator slack)
 BUDGET_STEP = 1024  # `auto` token budgets are multiples of this
@@ -179,7 +182,8 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "gathered units": float(compute_bytes * (root + sizes.layer_params)) if sharded else 0.0,
         "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else gpu_dtype_bytes(cfg.model.dtype) * P / W,
         "activations": float(tokens * activation_bytes_per_token(cfg, sizes, compute_bytes)),
-        "output head chunk": float(HEAD_BYTES_PER_LOGIT * head_tokens * sizes.vocab),
+        "output head chunk": float((HEAD_BYTES_PER_LOGIT if a.entropy_coeff == 0 else HEAD_BYTES_PER_LOGIT_ENTROPY_GRAD)
+                                   * head_tokens * sizes.vocab),
         "head weight gradient": float(compute_bytes * vh) if full else 0.0,
         "embedding gradient": float((2 if tied else 1) * compute_bytes * vh) if full else 0.0,
         "root reduce-scatter": master_bytes * root / W if (sharded and full) else 0.0,

@@ -134,6 +134,11 @@ def test_head_function_values_and_gradient_are_log_softmax():
     torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1), rtol=0, atol=1e-12)
     assert not entropy.requires_grad, "the fused function's entropy is a metric: no graph"
     assert torch.autograd.gradcheck(lambda z: _TargetLogprobs.apply(z, targets, False)[0], (logits,))
+    weights = torch.ones(6, dtype=torch.float64, requires_grad=True)  # [c]
+    (grad,) = torch.autograd.grad(_TargetLogprobs.apply(logits, targets, False)[0], logits, grad_outputs=weights,
+                                  create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # an error, not a second derivative missing a term
+        grad.sum().backward()
 
 
 @pytest.mark.parametrize("remove_padding", [False, True])

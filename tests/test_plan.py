@@ -124,6 +124,9 @@ def test_memory_plan_arithmetic_qwen3_4b():
     E = V * H
     root = E + 2560  # the FSDP2 root: embedding (= head) + final norm
     assert parts["output head chunk"] == 12 * 1024 * V  # fp32 logits 4, the kept softmax 4, the entropy's product 4
+    bonus = memory_plan(load_config(REPO / "recipes/qwen3_4b_gsm8k.yaml", ["actor.entropy_coeff=0.001"], world_size=4),
+                        sizes, world_size=4, gpu_bytes=80 * 2**30)
+    assert bonus["output head chunk"] == 24 * 1024 * V  # + autograd's entropy graph: the fp32 logits and its softmax
     assert parts["head weight gradient"] == 2 * E  # bf16, accumulated over the chunks
     assert parts["embedding gradient"] == 2 * 2 * E  # embedding's bf16 gradient and the sum: 3 x V x H with the head's
     assert parts["root reduce-scatter"] == 4 * root / 4  # float32 reduce-scatter output of the root unit
