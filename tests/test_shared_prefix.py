@@ -165,3 +165,18 @@ def test_token_budget_keeps_a_groups_rows_together():
     assert len(five) == 5 and all(sum(lens[i] for i in p) <= 160 for p in five)
     many = micro_batch_indices(lens, max_tokens=160, groups=groups, min_num_micro_batches=8)  # more parts than units
     assert len(many) == 8 and sorted(i for p in many for i in p) == list(range(len(lens)))
+
+
+def test_lower_right_mask_of_each_device_gives_the_same_attention():
+    """A continuation's mask: the CPU's cached boolean mask and the bias the CUDA branch returns (torch's
+    causal_lower_right, evaluated here on CPU tensors) give the attention of the last queries of a causal sequence."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 16, generator=generator)  # [1, Hq, T, D]: a 4-token prompt + a 5-token response
+    k, v = (torch.randn(1, 2, 9, 16, generator=generator) for _ in range(2))  # [1, Hkv, T, D]
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, 4:]
+    for device in ("cpu", "cuda"):  # the CUDA branch builds no CUDA tensor: its bias is evaluated on the CPU here
+        mask = attention._lower_right_causal(5, 9, torch.device(device))
+        got = torch.nn.functional.scaled_dot_product_attention(q[:, :, 4:], k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-6, msg=f"the {device} branch's mask")
+    cpu = torch.device("cpu")
+    assert attention._lower_right_causal(5, 9, cpu) is attention._lower_right_causal(5, 9, cpu), "cached per shape"
