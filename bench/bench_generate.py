@@ -234,7 +234,6 @@ def reward_table(rows: list[dict]) -> list[str]:
              f"responses end at the model's eos (mean {rows[-1]['free']['response/length_mean']:.0f}, max "
              f"{rows[-1]['free']['response/length_max']:.0f} tokens, cap {MAX_RESPONSE}).", "",
              "| reward | step s, median (best) | gen s | reward exposed s | step / free step |", "|---|---|---|---|---|"]
-    free = [r["free"]["timing_s/step"] for r in rows]
     for name, label in (("free", "free"), ("streamed", "30%, scored while generating"), ("after", "30%, scored after generation")):
         step_s = [r[name]["timing_s/step"] for r in rows]
         ratio = [r[name]["timing_s/step"] / r["free"]["timing_s/step"] for r in rows]

@@ -64,7 +64,7 @@ SETTINGS["fast_pack"] = ["model.use_remove_padding=true"]  # + packing where it 
 SETTING_ENV = {"fast_omp2": {"OMP_NUM_THREADS": "2"}}
 # Issue 21's works (--work): response lengths forced by the bench (ignore_eos, one max_tokens per prompt, the same for
 # the trainer's engine and the bare one). none: the model's own lengths (issue 13's runs). no_spread: every response at
-# the 128-token cap. long_tail: a 512 cap, per-prompt lengths from bench_update.work_lengths (lognormal, median 50).
+# the 128-token cap. long_tail: a 512 cap, per-prompt lengths from bench_works.work_lengths (lognormal, median 50).
 WORKS = ("none", "no_spread", "long_tail")
 
 
@@ -74,7 +74,7 @@ def forced_lengths(work: str) -> list[int] | None:
         return None
     if work == "no_spread":
         return [RESPONSE_TOKENS] * PROMPTS
-    from bench.bench_update import work_lengths
+    from bench.bench_works import work_lengths
 
     drawn = sorted(work_lengths("long_tail", PROMPTS * GROUP))  # 128 draws: mean ~83, p90 ~200, max ~480
     return [drawn[GROUP * i + GROUP // 2] for i in range(PROMPTS - 1)] + [drawn[-1]]  # bin medians + the longest

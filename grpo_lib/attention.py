@@ -175,8 +175,9 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
                                                         scale=scaling, enable_gqa=enable_gqa))  # [1, Hq, L, D]
             continue
         k, v = (torch.cat([xs[prefix], xs[i]], dim=2) for xs in (ks, vs))  # [1, Hkv, P + L, D]
-        parts.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=_lower_right_causal(seg_lens[i], k.shape[2], query.device),
-                                                    dropout_p=dropout_p, scale=scaling, enable_gqa=enable_gqa))  # [1, Hq, L, D]
+        mask = _lower_right_causal(seg_lens[i], k.shape[2], query.device)  # query j sees keys 0 .. P + j
+        parts.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=mask, dropout_p=dropout_p, scale=scaling,
+                                                    enable_gqa=enable_gqa))  # [1, Hq, L, D]
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, Hq, N, D]
     return out.transpose(1, 2).contiguous(), None  # [1, N, Hq, D]
 

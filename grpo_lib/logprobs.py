@@ -60,10 +60,10 @@ def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
 
 class _TargetLogprobs(torch.autograd.Function):
     """log softmax(logits)[target] per row (and, when asked, the entropy, without grad) in few passes over the [c, V]
-    block: max, exp, sum, normalise, one gather (and one dot product). The backward is log-softmax's closed form,
-    -softmax * g with g added at the target, from the probabilities kept by the forward (the [c, V] block autograd
-    would keep anyway): one pass where autograd's logsumexp + gather take five (a zero fill, a scatter, exp, product,
-    sum), and on a small model the head's element-wise work is several percent of the update.
+    block: max, exp, sum, normalise, one gather (and, for the entropy, one product and its sum). The backward is
+    log-softmax's closed form, -softmax * g with g added at the target, from the probabilities kept by the forward (the
+    [c, V] block autograd would keep anyway): one pass where autograd's logsumexp + gather take five (a zero fill, a
+    scatter, exp, product, sum), and on a small model the head's element-wise work is several percent of the update.
     Example: logits [[0, 0]], target [1] -> log p = log 0.5; its gradient with g = 1: [[-0.5, 0.5]]."""
 
     @staticmethod
