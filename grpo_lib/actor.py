@@ -163,7 +163,8 @@ class Actor:
         # unit and broadcasts process 0's weights into every process's shards: neither the device nor another process's
         # host memory ever holds it whole.
         self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
-        self.attn_implementation = attention.select_attn_implementation(device, self.param_dtype)
+        self.attn_implementation, self.attn_reason = attention.choose_attn_implementation(
+            device, self.param_dtype, remove_padding=cfg.model.use_remove_padding)
         reads = fsdp.reads_weights()
         self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation,
@@ -180,20 +181,13 @@ class Actor:
         if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
-        if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
-            problem = None
-            if reads:  # on the process that holds the weights; the backend is the same on every process
-                try:
-                    check_packing_isolated(self.model)
-                except RuntimeError as exc:
-                    problem = exc
-            if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that checked
-                raise problem or RuntimeError("the packed-sequence isolation check failed on process 0 (its error says why)")
         self.weights = weights_for(cfg)
         with warnings.catch_warnings():  # on the meta build, loading model.lora_adapter_path is a no-op (process 0's counts)
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
             self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
         self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
+        if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
+            self.check_packing()
         a = cfg.actor
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
@@ -204,10 +198,25 @@ class Actor:
         self.offload_device = torch.device("cpu")
         self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
         print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
-        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)}; "
+        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)} "
+              f"({self.attn_reason}); "
               + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block"
                  + ("; responses to one prompt share its forward (one copy per micro-batch)" if self.share_prefixes else "")
                  if cfg.model.use_remove_padding else "packing off (model.use_remove_padding)"), flush=True)
+
+    def check_packing(self) -> None:
+        """The start-up packing isolation check where the run runs: on the sharded policy (its root's parameters
+        gathered, every process at once), on the device, in the compute dtype, with the dtype's tolerance; so the
+        kernels checked are the run's (on CUDA torch's varlen_attn and the shared-prompt call, flash-attn's). Every
+        process stops when one finds a leak."""
+        problem = None
+        try:
+            with fsdp.root_unsharded(self.policy), self.autocast():
+                check_packing_isolated(self.model, dtype=self.compute_dtype)
+        except RuntimeError as exc:
+            problem = exc
+        if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that found it
+            raise problem or RuntimeError("the packed-sequence isolation check failed on another process (its error says why)")
 
     # -- offload (actor.fsdp_config.param_offload / optimizer_offload; no-ops on CPU) -----------------------
 
@@ -494,7 +503,8 @@ class Reference:
         offload = cfg.ref.fsdp_config.param_offload
         self.model = load_model(cfg.model.path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code,
-                                attn_implementation=attention.select_attn_implementation(device, param_dtype),
+                                attn_implementation=attention.select_attn_implementation(
+                                    device, param_dtype, remove_padding=cfg.model.use_remove_padding),
                                 empty=not fsdp.reads_weights())  # as the actor
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),

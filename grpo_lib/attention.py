@@ -23,17 +23,28 @@ prompt go into one row as [prompt | response 1 | response 2 | ...]; each respons
 keys and values and causally to itself (the `CONTINUES_KWARG` forward kwarg names the segment it continues), so the
 decoder runs over the prompt once for all n and its gradient is their sum: the saving works without length spread.
 
-`select_attn_implementation(device)` picks the first available; `available_implementations(device)` says for each
-whether it runs here and why not (the tests run packing equivalence on every available one and skip the others with
-that reason). `is_varlen(model)` tells `logprobs.token_logprobs` to pack into one row with the varlen kwargs instead
-of several rows for a dense mask.
+`choose_attn_implementation(device, dtype, remove_padding=...)` picks one and says why (the start-up line prints it):
+with `model.use_remove_padding` grpo_varlen (it shares a prompt's forward among its responses, which flash-attn's
+integration cannot, and on CUDA in half precision it runs torch's own flash kernel), without it flash_attention_2
+where transformers can run it, else grpo_varlen. `available_implementations(device)` says for each whether it runs
+here and why not, flash-attn detected as transformers detects it (`is_flash_attn_2_available`: the distribution, its
+version, a CUDA torch; a bare `find_spec` also found CPU-only builds and namesakes). `is_varlen(model)` tells
+`logprobs.token_logprobs` to pack into one row with the varlen kwargs instead of several rows for a dense mask.
+
+No host reads per layer: a row is packed exactly when the caller passes `cu_seq_lens_q` (decided once per
+micro-batch by `packing.packed_forward_kwargs`); the per-sequence loop reads the boundaries from their host copy
+(`HOST_CU_KWARG`), the CUDA kernels take the device copy. (transformers itself reads restarting position_ids once per
+forward to build a mask; grpo_varlen does not look at them.) torch's `varlen_attn` is used only when the call it makes
+binds its signature (`torch_varlen_attn`): another torch (the lent GPU's 2.11) falls back to per-sequence sdpa and the
+start-up line says why.
 Run: `python -m pytest tests/test_attention.py`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,15 +56,40 @@ VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", VARLEN_NAME)
 # Forward kwarg of a shared-prefix row (`packing.pack_shared_prefixes`): per segment, the index of the segment it
 # continues, or -1. Only grpo_varlen reads it (`shares_prefixes`).
 CONTINUES_KWARG = "grpo_segment_continues"
+# Forward kwarg of a packed row: its cu_seq_lens on the HOST (the per-sequence loop's boundaries; reading the device
+# copy would sync the device in every layer).
+HOST_CU_KWARG = "grpo_cu_seq_lens_host"
+# Forward kwargs of a shared-prefix row for the one-call kernel path (`shared_prefix_kv_plan`, on the device): per
+# continuation the key / value positions it attends to (its prefix's, then its own), and their cumulative lengths.
+SHARED_KV_INDEX_KWARG, SHARED_CU_K_KWARG, SHARED_CU_Q_KWARG = "grpo_shared_kv_index", "grpo_shared_cu_k", "grpo_shared_cu_q"
+SHARED_MAX_K_KWARG = "grpo_shared_max_k"
 
 
-def _torch_varlen_attn():
-    """torch.nn.attention.varlen.varlen_attn, or None when this torch has none."""
+@functools.lru_cache(maxsize=1)
+def torch_varlen_attn() -> tuple[Callable | None, str | None]:
+    """(torch.nn.attention.varlen.varlen_attn, None) when this torch has it and it takes the call grpo_varlen makes
+    (positional q, k, v, cu_q, cu_k, max_q, max_k and the keywords scale, window_size, enable_gqa), else (None, why).
+    Checked once by binding the real signature: a torch without `enable_gqa` (older releases) falls back to
+    per-sequence sdpa with this reason in the start-up line instead of a TypeError in the first forward."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn
+        return None, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    try:
+        inspect.signature(varlen_attn).bind(*([None] * 7), scale=1.0, window_size=(-1, 0), enable_gqa=False)
+    except (TypeError, ValueError) as exc:
+        return None, f"torch {torch.__version__}'s varlen_attn does not take grpo_varlen's call ({exc})"
+    return varlen_attn, None
+
+
+def _torch_varlen_attn():
+    """torch's varlen_attn where grpo_varlen can call it, else None (`torch_varlen_attn` says why)."""
+    return torch_varlen_attn()[0]
+
+
+def _fast_kernel(query: Tensor):
+    """The varlen kernel for these tensors (CUDA, fp16 / bf16, a torch whose varlen_attn binds), else None."""
+    return _torch_varlen_attn() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
 
 
 def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
@@ -85,37 +121,35 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
                              **kwargs) -> tuple[Tensor, None]:
     """transformers attention function of `grpo_varlen`: query [b, Hq, T, D], key / value [b, Hkv, T, D] -> ([b, T, Hq, D], None).
 
-    Packed (cu_seq_lens_q given, or position_ids that restart, and no 2D mask): every sequence attends causally to
-    itself only. Otherwise transformers' sdpa with its mask, unchanged.
+    Packed (cu_seq_lens_q given and no 2D mask: `packing.packed_forward_kwargs`): every sequence attends causally to
+    itself only. Otherwise transformers' sdpa with its mask, unchanged. Nothing here reads a device tensor on the host:
+    the decision is the caller's (the kwargs), the loop's boundaries come from `HOST_CU_KWARG`.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    position_ids = kwargs.get("position_ids")
     batch_size, num_heads, width, head_dim = query.shape
     continues = kwargs.get(CONTINUES_KWARG)
     if continues is not None:  # a shared-prefix row (packing.pack_shared_prefixes)
         return _shared_prefix_attention(module, query, key, value, cu_seq_lens, continues, dropout=dropout,
-                                        scaling=scaling, sliding_window=kwargs.get("sliding_window"))
-    packed = attention_mask is None and key.shape[2] == width and (
-        cu_seq_lens is not None or (position_ids is not None and bool((position_ids.diff(dim=-1) != 1).any())))
+                                        scaling=scaling, sliding_window=kwargs.get("sliding_window"), plan=kwargs)
+    packed = attention_mask is None and key.shape[2] == width and cu_seq_lens is not None
     if not packed:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     assert kwargs.get("sliding_window") is None, (
         "grpo_varlen: packed sequences with sliding-window attention are not supported; set model.use_remove_padding: false")
     enable_gqa = key.shape[1] != num_heads
-    varlen_attn = _torch_varlen_attn()
-    if varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        if cu_seq_lens is None:  # from position_ids: sequence starts over the flattened rows
-            starts = [r * width + s for r, row in enumerate(_segments(position_ids)) for s, _ in row]
-            cu_seq_lens = torch.tensor(starts + [batch_size * width], dtype=torch.int32, device=query.device)
-        cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)  # [segments + 1]
-        max_len = int(kwargs.get("max_length_q") or int(cu.diff().max()))
+    varlen_attn = _fast_kernel(query)
+    if varlen_attn is not None:
+        cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)  # [segments + 1], already there from packing
+        max_len = kwargs.get("max_length_q")
+        max_len = int(max_len) if max_len is not None else int(cu.diff().max())  # packing always passes it
         flat = [x.transpose(1, 2).reshape(batch_size * width, x.shape[1], head_dim) for x in (query, key, value)]  # [b*T, H, D]
         out = varlen_attn(*flat, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=enable_gqa)  # [b*T, Hq, D]
         return out.view(batch_size, width, num_heads, head_dim), None
-    rows = _segments_from_cu(cu_seq_lens, batch_size, width) if cu_seq_lens is not None else _segments(position_ids)
+    host_cu = kwargs.get(HOST_CU_KWARG)
+    rows = _segments_from_cu(host_cu if host_cu is not None else cu_seq_lens, batch_size, width)
     dropout_p = dropout if module.training else 0.0
     out_rows = []
     for r, row in enumerate(rows):
@@ -144,9 +178,43 @@ def _cached_lower_right_mask(queries: int, keys: int, device: torch.device) -> T
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(diagonal=keys - queries)  # [queries, keys]
 
 
+def shared_prefix_kv_plan(seg_lens: list[int], continues: list[int]) -> tuple[Tensor, Tensor, int]:
+    """The one-call layout of a shared-prefix row (host tensors, built once per micro-batch by packing): per segment
+    its keys / values are its prefix's followed by its own (a prefix, or a row sharing nothing: its own only), so one
+    varlen call with these key sequences and the row's own query sequences (cu_seq_q = the row's cu_seq_lens) under
+    bottom-right causal masking (`window_size=(-1, 0)`) is every segment's attention. Returns (kv_index [M] long:
+    positions of the row's keys to gather, cu_seq_k [S + 1] int32, max_k). The price: each continuation copies its
+    prompt's keys and values (M - N extra rows of K and V per layer) to save 2 sdpa calls and 2 cats per continuation.
+    Example: seg_lens [3, 2, 2], continues [-1, 0, 0] -> kv_index [0 1 2 | 0 1 2 3 4 | 0 1 2 5 6], cu_seq_k [0 3 8 13], 5.
+    """
+    starts = [0]
+    for n in seg_lens:
+        starts.append(starts[-1] + n)
+    index: list[int] = []
+    cu_k = [0]
+    for i, prefix in enumerate(continues):
+        own = list(range(starts[i], starts[i + 1]))
+        keys = (list(range(starts[prefix], starts[prefix + 1])) if prefix >= 0 else []) + own
+        index.extend(keys)
+        cu_k.append(cu_k[-1] + len(keys))
+    lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return torch.tensor(index, dtype=torch.long), torch.tensor(cu_k, dtype=torch.int32), max(lens_k, default=0)
+
+
+def _shared_prefix_one_call(query: Tensor, key: Tensor, value: Tensor, *, kv_index: Tensor, cu_q: Tensor, cu_k: Tensor,
+                            max_q: int, max_k: int, scaling: float | None, kernel: Callable) -> Tensor:
+    """Every segment of a shared-prefix row in ONE varlen call (`shared_prefix_kv_plan`): query [1, Hq, N, D], key /
+    value [1, Hkv, N, D] -> [1, N, Hq, D]. `kernel` is torch's varlen_attn (CUDA); the tests pass a CPU twin."""
+    q = query[0].transpose(0, 1)  # [N, Hq, D]
+    k, v = (x[0].transpose(0, 1).index_select(0, kv_index) for x in (key, value))  # [M, Hkv, D]
+    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
+                 enable_gqa=key.shape[1] != query.shape[1])  # [N, Hq, D]
+    return out.unsqueeze(0)  # [1, N, Hq, D]
+
+
 def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor,
                              continues: Tensor | tuple[int, ...], *, dropout: float, scaling: float | None,
-                             sliding_window: int | None) -> tuple[Tensor, None]:
+                             sliding_window: int | None, plan: dict | None = None) -> tuple[Tensor, None]:
     """Attention of one packed row whose segments may continue an earlier segment (a prompt computed once for the
     responses that share it): segment i attends causally to itself, after all of segment continues[i] when that is
     >= 0. query [1, Hq, N, D], key / value [1, Hkv, N, D] -> ([1, N, Hq, D], None).
@@ -156,10 +224,20 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
     computes for those positions, without re-running the prefix's queries (answered in the prefix's own call).
     Example: segments [0, 3) prompt, [3, 5) and [5, 7) two responses, continues (-1, 0, 0): outputs of 3..4 equal
     positions 3..4 of the 5-token sequence prompt + response 1 run alone.
+    On CUDA in half precision, with the one-call plan in `plan` (the forward kwargs: `shared_prefix_forward_kwargs`
+    sends it), all segments run in one varlen_attn call instead (`_shared_prefix_one_call`).
     """
     assert sliding_window is None, (
         "grpo_varlen: shared prompts with sliding-window attention are not supported; set model.use_remove_padding: false")
     assert query.shape[0] == 1, f"a shared-prefix pack is one row, got {query.shape[0]}"
+    kernel = _fast_kernel(query)
+    if kernel is not None and plan is not None and plan.get(SHARED_KV_INDEX_KWARG) is not None and not (
+            dropout and module.training):
+        out = _shared_prefix_one_call(
+            query, key, value, kv_index=plan[SHARED_KV_INDEX_KWARG], cu_q=plan[SHARED_CU_Q_KWARG],
+            cu_k=plan[SHARED_CU_K_KWARG], max_q=int(plan["max_length_q"]), max_k=int(plan[SHARED_MAX_K_KWARG]),
+            scaling=scaling, kernel=kernel)
+        return out, None
     seg_lens = cu_seq_lens.diff().tolist()
     continues = continues.tolist() if isinstance(continues, Tensor) else list(continues)
     assert len(seg_lens) == len(continues), f"{len(seg_lens)} segments but {len(continues)} continuation entries"
@@ -199,31 +277,57 @@ def register() -> None:
     AttentionMaskInterface.register(VARLEN_NAME, _varlen_mask)
 
 
+def flash_attention_2_reason(device: torch.device) -> str | None:
+    """None when transformers can run flash_attention_2 for a model on `device`, else why not. Detected as transformers
+    detects it (`is_flash_attn_2_available`: the flash-attn distribution, version >= 2.3.3, a CUDA torch), not by
+    `find_spec` alone, which also finds a build for another CUDA or a namesake module."""
+    if device.type != "cuda":
+        return "flash-attn runs on CUDA only"
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return "transformers finds no usable flash-attn (the flash-attn distribution >= 2.3.3 and a CUDA torch)"
+    return None
+
+
 def available_implementations(device: torch.device) -> dict[str, str | None]:
     """Every packed-attention implementation -> None when it trains here, else the reason it does not."""
-    cuda = device.type == "cuda"
-    flash = None
-    if importlib.util.find_spec("flash_attn") is None:
-        flash = "the flash_attn package is not installed"
-    elif not cuda:
-        flash = "flash-attn runs on CUDA only"
-    flex = None if cuda else "torch's CPU flex_attention has no backward (training needs one)"
-    return {"flash_attention_2": flash, VARLEN_NAME: None, "flex_attention": flex, "sdpa": None}
+    flex = None if device.type == "cuda" else "torch's CPU flex_attention has no backward (training needs one)"
+    return {"flash_attention_2": flash_attention_2_reason(device), VARLEN_NAME: None, "flex_attention": flex, "sdpa": None}
 
 
-def select_attn_implementation(device: torch.device, compute_dtype: torch.dtype) -> str:
-    """flash_attention_2 where it runs (CUDA, flash_attn installed, fp16 / bf16 compute), else grpo_varlen (which runs
-    everywhere); registers grpo_varlen with transformers either way."""
+def choose_attn_implementation(device: torch.device, compute_dtype: torch.dtype, *,
+                               remove_padding: bool = True) -> tuple[str, str]:
+    """(implementation, why) for a model computing on `device` in `compute_dtype`; registers grpo_varlen either way.
+
+    model.use_remove_padding on: grpo_varlen, whose shared-prompt rows run a prompt once for its n responses (the
+    flash-attn integration has no such rows) and whose packed rows run torch's flash kernel on CUDA in half precision.
+    Off (padded batches): flash_attention_2 where transformers can run it in fp16 / bf16, else grpo_varlen (sdpa).
+    """
     register()
-    flash = available_implementations(device)["flash_attention_2"] is None and compute_dtype in (torch.float16, torch.bfloat16)
-    return "flash_attention_2" if flash else VARLEN_NAME
+    if remove_padding:
+        return VARLEN_NAME, "model.use_remove_padding: packed rows and shared prompts (one prompt forward for its responses)"
+    flash = flash_attention_2_reason(device)
+    if flash is None and compute_dtype in (torch.float16, torch.bfloat16):
+        return "flash_attention_2", "padded batches (model.use_remove_padding off) on flash-attn"
+    why = flash or f"flash-attn has no {compute_dtype} kernel"
+    return VARLEN_NAME, f"padded batches run transformers' sdpa ({why})"
+
+
+def select_attn_implementation(device: torch.device, compute_dtype: torch.dtype, *, remove_padding: bool = True) -> str:
+    """The implementation `choose_attn_implementation` picks (without its reason)."""
+    return choose_attn_implementation(device, compute_dtype, remove_padding=remove_padding)[0]
 
 
 def describe(implementation: str, device: torch.device, compute_dtype: torch.dtype) -> str:
     """What packed rows run on, for the start-up line. Example: 'grpo_varlen (one causal sdpa call per sequence)'."""
     if implementation == VARLEN_NAME:
-        fast = (_torch_varlen_attn() is not None and device.type == "cuda" and compute_dtype in (torch.float16, torch.bfloat16))
-        return f"{VARLEN_NAME} ({'torch varlen_attn flash kernel' if fast else 'one causal sdpa call per sequence'})"
+        if device.type != "cuda" or compute_dtype not in (torch.float16, torch.bfloat16):
+            return f"{VARLEN_NAME} (one causal sdpa call per sequence)"
+        kernel, why = torch_varlen_attn()
+        if kernel is None:
+            return f"{VARLEN_NAME} (one causal sdpa call per sequence: {why})"
+        return f"{VARLEN_NAME} (torch varlen_attn flash kernel; shared prompts in one call per layer)"
     if implementation in VARLEN_IMPLEMENTATIONS:
         return f"{implementation} (varlen kernel)"
     return f"{implementation} (dense block-diagonal mask)"

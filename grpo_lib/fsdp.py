@@ -70,6 +70,23 @@ class LogprobModel(nn.Module):
         return logprobs.clone(), (entropy.clone() if entropy is not None else None)
 
 
+@contextlib.contextmanager
+def root_unsharded(policy: nn.Module):
+    """The FSDP2 root's own parameters (embeddings, final norm, head) gathered while the body calls the model around
+    the root's forward (the start-up packing check calls the Hugging Face model itself); the decoder layers gather
+    themselves as usual. Without FSDP2 (one CPU process) nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(policy, FSDPModule):
+        yield
+        return
+    policy.unshard()
+    try:
+        yield
+    finally:
+        policy.reshard()
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks (classes named in `model._no_split_modules`), each one FSDP unit."""
     names = set(getattr(model, "_no_split_modules", None) or [])

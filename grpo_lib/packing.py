@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_lib.attention import CONTINUES_KWARG, is_varlen, shares_prefixes
+from grpo_lib.attention import (CONTINUES_KWARG, HOST_CU_KWARG, SHARED_CU_K_KWARG, SHARED_CU_Q_KWARG, SHARED_KV_INDEX_KWARG,
+                                SHARED_MAX_K_KWARG, is_varlen, shared_prefix_kv_plan, shares_prefixes)
 from grpo_lib.batching import partition_balanced
 
 
@@ -48,6 +49,7 @@ class PackedBatch:
     flat_index: Tensor  # [total] long, index in the flattened [b * T] padded layout of each real packed token
     batch_size: int  # b
     seq_len: int  # T, padded length
+    cu_seqlens_host: Tensor | None = None  # cu_seqlens on the host (grpo_varlen's per-sequence loop reads it)
 
     def unpack(self, values: Tensor) -> Tensor:
         """[k, width, ...] or [total, ...] per-token values -> [b, T, ...] with zeros at pads (differentiable).
@@ -112,6 +114,7 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int =
         flat_index=flat_index,
         batch_size=batch_size,
         seq_len=seq_len,
+        cu_seqlens_host=cu_seqlens.to(dtype=torch.int32),
     )
 
 
@@ -124,6 +127,8 @@ def packed_forward_kwargs(packed: PackedBatch, *, varlen: bool) -> dict:
     if varlen:
         kwargs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
                       max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+        if packed.cu_seqlens_host is not None:  # grpo_varlen's loop reads the boundaries here, not from the device
+            kwargs[HOST_CU_KWARG] = packed.cu_seqlens_host
     return kwargs
 
 
@@ -214,30 +219,49 @@ def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens:
     )
 
 
-def shared_prefix_forward_kwargs(packed: SharedPrefixPack) -> dict:
+def shared_prefix_forward_kwargs(packed: SharedPrefixPack, *, one_call: bool | None = None) -> dict:
     """Model kwargs for a shared-prefix row: position ids running on from each prefix, no mask, no cache, the segment
-    boundaries, and per segment the prefix it continues (read by grpo_varlen, `attention.CONTINUES_KWARG`)."""
-    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
-                cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
-                max_length_k=packed.max_seqlen,
-                # a tensor, not a tuple: compiled decoder layers (actor.use_torch_compile) guard on a tuple's values
-                **{CONTINUES_KWARG: torch.tensor(packed.continues, dtype=torch.int32)})
+    boundaries, and per segment the prefix it continues (read by grpo_varlen, `attention.CONTINUES_KWARG`).
+    `one_call` (default: the row is on CUDA) adds the one-call kernel plan (`attention.shared_prefix_kv_plan`), built
+    here once per micro-batch and moved to the device once, not per layer."""
+    kwargs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
+                  cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
+                  max_length_k=packed.max_seqlen,
+                  # a tensor, not a tuple: compiled decoder layers (actor.use_torch_compile) guard on a tuple's values
+                  **{CONTINUES_KWARG: torch.tensor(packed.continues, dtype=torch.int32)})
+    if one_call if one_call is not None else packed.input_ids.is_cuda:
+        device = packed.input_ids.device
+        kv_index, cu_k, max_k = shared_prefix_kv_plan(packed.cu_seqlens.diff().tolist(), list(packed.continues))
+        kwargs.update({SHARED_KV_INDEX_KWARG: kv_index.to(device), SHARED_CU_K_KWARG: cu_k.to(device),
+                       SHARED_CU_Q_KWARG: packed.cu_seqlens.to(device), SHARED_MAX_K_KWARG: max_k})
+    return kwargs
+
+
+def isolation_tolerance(dtype: torch.dtype) -> float:
+    """Largest |packed - alone| log-probability of `check_packing_isolated` in compute dtype `dtype`: 16 roundings of the
+    dtype's epsilon (each of a few layers adds a few roundings of values of size O(1) in both forwards, which run their
+    matmuls and attention over different shapes), at least 1e-4 (float32 kernels over other shapes differ by ~1e-6).
+    A leak moves log-probabilities by O(0.1-1) nats. Example: bfloat16 16 x 2**-7 = 0.125, float16 0.0156,
+    float32 1e-4."""
+    return max(1e-4, 16 * torch.finfo(dtype).eps)
 
 
 @torch.no_grad()
-def check_packing_isolated(model: torch.nn.Module, *, atol: float | None = None, seed: int = 0) -> None:
+def check_packing_isolated(model: torch.nn.Module, *, dtype: torch.dtype | None = None, atol: float | None = None,
+                           seed: int = 0) -> None:
     """Start-up check that packed sequences do not attend to each other with the model's attention backend.
 
     Packs three random sequences (3, 9 and 4 tokens) as `pack_sequences` does (restarting position_ids,
     attention_mask=None, use_cache=False) into one row, and into two rows ([3 + 4 + a 2-token pad segment] and
     [9]: two sequences in a row, a pad segment, a row without one), with grpo_varlen also two rows sharing a 4-token
     prompt in one `pack_shared_prefixes` row, and runs each sequence alone; raises
-    RuntimeError if the log-probabilities differ by more than atol (default 1e-4 for float32, 1e-1 for half
-    precision: a leak changes them by O(1) in a trained model).
+    RuntimeError if the log-probabilities differ by more than atol (default `isolation_tolerance(dtype)`, `dtype` the
+    compute dtype, default the parameters'). The actor calls it on its sharded model, on its device, in its compute
+    dtype (`Actor.check_packing`), so the kernels checked are the ones the run uses; under FSDP2 every process calls it.
     """
     param = next(model.parameters())
     if atol is None:
-        atol = 1e-4 if param.dtype == torch.float32 else 1e-1
+        atol = isolation_tolerance(dtype or param.dtype)
     generator = torch.Generator().manual_seed(seed)
     lens = torch.tensor([3, 9, 4])  # [3]
     mask = (torch.arange(int(lens.max()))[None, :] < lens[:, None]).long().to(param.device)  # [3, 9]

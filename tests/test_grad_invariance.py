@@ -253,11 +253,11 @@ def test_logprob_passes_return_original_order(setup, remove_padding):
 
 def test_packing_check_runs_at_start_up(setup, monkeypatch):
     calls = []
-    monkeypatch.setattr(actor_module, "check_packing_isolated", lambda model: calls.append(model))
+    monkeypatch.setattr(actor_module, "check_packing_isolated", lambda model, **kw: calls.append((model, kw)))
     Actor(case.make_config(setup["model_dir"], remove_padding=False), device=torch.device("cpu"))
     assert calls == []
     actor = Actor(case.make_config(setup["model_dir"], remove_padding=True), device=torch.device("cpu"))
-    assert calls == [actor.model]
+    assert calls == [(actor.model, {"dtype": actor.compute_dtype})]  # the model the run trains, in its compute dtype
 
 
 def test_update_steps_from_the_accumulated_gradient(setup):
