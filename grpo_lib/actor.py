@@ -146,6 +146,18 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
     return restore_order(chunks, index_lists)  # [B, T]
 
 
+def make_optimizer(params: list[torch.nn.Parameter], actor_cfg, *, device_type: str) -> torch.optim.AdamW:
+    """The actor's AdamW (float32 state), in the implementation whose memory the plan counts (grpo_lib/plan_memory.py):
+    on CUDA the fused kernel (one launch over every shard, updated in place: no temporary; torch's default there,
+    foreach, allocates a float32 temporary the size of all local shards at once: 4 P / W bytes, 3.75 GiB for Qwen3-4B
+    on 4 GPUs), elsewhere the per-tensor loop (CPU's default; its temporaries are the size of one tensor). Also what
+    `--print-plan --measure` measures (`device_type="cuda"`: the GPU run's path, CPU's fused kernel on fake tensors
+    allocates as CUDA's does)."""
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(params, lr=actor_cfg.lr, weight_decay=actor_cfg.weight_decay, betas=(0.9, 0.999),
+                             fused=fused, foreach=False if not fused else None)
+
+
 class Actor:
     """Owns the policy model (sharded with FSDP2 when a process group exists), its optimizer and LR schedule.
 
@@ -189,8 +201,7 @@ class Actor:
         if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
             self.check_packing()
         a = cfg.actor
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.999))
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], a, device_type=device.type)
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = _world_size()

@@ -217,7 +217,7 @@ def _batch(lengths: list[int], prompt_share: float, vocab: int, kl: bool):
 def _actor(cfg, model, device):
     """An `Actor` around an already-built `model` (Actor.__init__ loads from model.path): the same update methods."""
     from grpo_lib import attention, fsdp
-    from grpo_lib.actor import Actor
+    from grpo_lib.actor import Actor, make_optimizer
     from grpo_lib.dtypes import torch_dtype
 
     a = cfg.actor
@@ -232,8 +232,7 @@ def _actor(cfg, model, device):
     actor.share_prefixes = attention.shares_prefixes(model)  # as Actor.__init__: from the model's attention
     actor.policy = fsdp.shard(model, device=device, param_dtype=actor.param_dtype, reduce_dtype=getattr(torch, a.fsdp_config.reduce_dtype),
                               fill=False)  # fake tensors: no values to broadcast from process 0
-    actor.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr,
-                                        weight_decay=a.weight_decay, betas=(0.9, 0.999))
+    actor.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], a, device_type="cuda")  # the GPU's path
     actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda s: 1.0)
     actor.world_size = torch.distributed.get_world_size()
     actor.steps_done = 0

@@ -8,7 +8,9 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
     actor master weights   4 P / W       fp32 (model.dtype auto on GPU: fp32 master, bf16 compute)
     gradients              4 P / W       fp32, sharded (LoRA: adapter parameters only)
     AdamW state            8 P / W       fp32 exp_avg + exp_avg_sq (LoRA: adapter parameters only)
-    AdamW step temporary   2 x 4 E / W   foreach AdamW: two fp32 temporaries of the largest local tensor (the embedding)
+    AdamW step temporary   0 on GPU      fused AdamW (`actor.make_optimizer`) updates in place (torch's default on CUDA,
+                                         foreach, would hold 4 P / W); the CPU twin's per-tensor loop: 2 x 4 E / W, two
+                                         fp32 temporaries of the largest local tensor (the embedding)
     gathered units         c x (root + one layer)   the bf16 all-gathered root and decoder layer
     reference              2 P / W       bf16 sharded; 0 when ref.fsdp_config.param_offload (resident between uses on CPU) or LoRA
     activations            tokens x per-token bytes of the update's micro-batch bound (checkpointing: one layer
@@ -177,8 +179,8 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "actor master weights": master_bytes * P / W,
         "gradients": master_bytes * trained / W,
         "AdamW state": 2 * master_bytes * trained / W,
-        # foreach AdamW's step: a float32 temporary of the largest local tensor and its square root's sibling
-        "AdamW step temporary": 2 * master_bytes * (sizes.embed_params if full else 0) / W,
+        # fused AdamW on GPU: in place; the CPU twin's per-tensor loop: two float32 temporaries of the largest local tensor
+        "AdamW step temporary": 0.0 if with_engine else 2 * master_bytes * (sizes.embed_params if full else 0) / W,
         "gathered units": float(compute_bytes * (root + sizes.layer_params)) if sharded else 0.0,
         "reference": 0.0 if (not kl or cfg.model.lora_rank > 0 or cfg.ref.fsdp_config.param_offload) else gpu_dtype_bytes(cfg.model.dtype) * P / W,
         "activations": float(tokens * activation_bytes_per_token(cfg, sizes, compute_bytes)),
