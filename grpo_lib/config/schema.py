@@ -201,7 +201,7 @@ class ActorConfig:
     tau_neg: float = 1.05
     """sapo: temperature of the soft gate on the other tokens (must be > 0)."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (docs/ALGORITHMS.md).
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (docs/ALGORITHMS.md).
     token-sum: the mini-batch's plain sum over loss tokens, no denominator (verl 0.9)."""
     loss_scale_factor: float | None = None
     """Divisor of seq-mean-token-sum-norm (Dr. GRPO). None: data.max_response_length (resolved at load)."""
