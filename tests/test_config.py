@@ -71,8 +71,8 @@ def test_token_budget_must_hold_one_sequence():
 
 def test_unknown_algorithm_names_listed():
     with pytest.raises(ConfigError) as err:
-        load_config(TINY, ["actor.loss_agg_mode=token-sum", "actor.kl_loss_type=full"])
-    assert "actor.loss_agg_mode='token-sum'" in str(err.value) and "seq-mean-token-mean" in str(err.value)
+        load_config(TINY, ["actor.loss_agg_mode=seq-sum", "actor.kl_loss_type=full"])  # token-sum is verl 0.9's, supported
+    assert "actor.loss_agg_mode='seq-sum'" in str(err.value) and "seq-mean-token-mean" in str(err.value)
     assert "actor.kl_loss_type='full'" in str(err.value)
 
 

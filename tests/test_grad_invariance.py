@@ -196,7 +196,9 @@ OTHER_CASES |= {"rollout-is-token": ("token-mean", ("algorithm.rollout_correctio
                 "rollout-is-seq-k3+": ("token-mean", ("algorithm.rollout_correction.mode=sequence", "actor.kl_loss_type=k3+")),
                 "cispo-token-sum-is": ("token-sum", ("actor.policy_loss.loss_mode=cispo", "algorithm.rollout_correction.mode=token")),
                 "geo_mean-is-seq": ("seq-mean-token-mean", ("actor.policy_loss.loss_mode=geo_mean",
-                                                            "algorithm.rollout_correction.mode=sequence"))}
+                                                            "algorithm.rollout_correction.mode=sequence")),
+                # sapo's own seq-mean-token-mean for its loss, token-mean for the KL and entropy terms (verl's ppo_loss)
+                "sapo-kl-entropy-token-mean": ("token-mean", ("actor.policy_loss.loss_mode=sapo",))}
 
 
 @pytest.mark.parametrize("name", list(OTHER_CASES))
