@@ -114,9 +114,9 @@ class PolicyLossConfig:
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of a micro-batch's loss tokens (at least 1) whose loss and gradient are dropped."""
     clip_cov_lb: float = 1.0
-    """clip_cov: the dropped tokens are picked at random among those with covariance in (clip_cov_lb, clip_cov_ub)."""
+    """clip_cov: lower end of the covariance band (lb, ub) the dropped tokens are picked from, at random."""
     clip_cov_ub: float = 5.0
-    """clip_cov: upper end of that covariance band."""
+    """clip_cov: upper end of that band."""
     kl_cov_ratio: float = 0.0002
     """kl_cov: fraction of a micro-batch's loss tokens (at least 1, the largest covariances) given the KL penalty."""
     ppo_kl_coef: float = 0.1
