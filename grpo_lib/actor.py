@@ -158,6 +158,16 @@ def make_optimizer(params: list[torch.nn.Parameter], actor_cfg, *, device_type: 
                              fused=fused, foreach=False if not fused else None)
 
 
+def policy_loss_kwargs(a) -> dict:
+    """`algorithms.policy_loss`'s loss arguments from the actor config `a`, under verl's names (`actor.*`,
+    `actor.policy_loss.*`): every loss reads the ones it needs (grpo_lib/policy_losses.py)."""
+    pl = a.policy_loss
+    return dict(loss_mode=pl.loss_mode, loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
+                clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
+
+
 class Actor:
     """Owns the policy model (sharded with FSDP2 when a process group exists), its optimizer and LR schedule.
 
@@ -312,10 +322,8 @@ class Actor:
                                                    mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)  # [b, T]
         counts = dict(num_tokens=num_tokens, num_seqs=num_seqs,
                       loss_scale_factor=a.loss_scale_factor)
-        pg_loss, metrics = algorithms.policy_loss(
-            lp, old, mb.advantages.to(self.device), mask, loss_mode=a.policy_loss.loss_mode,
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, is_weights=is_weights, **counts)
+        pg_loss, metrics = algorithms.policy_loss(lp, old, mb.advantages.to(self.device), mask, is_weights=is_weights,
+                                                  **policy_loss_kwargs(a), **counts)
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()

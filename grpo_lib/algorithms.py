@@ -1,4 +1,4 @@
-"""GRPO math as pure tensor functions: advantages, KL estimators, loss aggregation, policy losses.
+"""GRPO math as pure tensor functions: advantages, KL estimators, loss aggregation, the policy-loss entry point.
 
 Everything here is torch-only and stateless; the training loop picks behaviour by *name* through the
 small registries below (``ADV_ESTIMATORS``, ``KL_TYPES``, ``LOSS_AGG_MODES``, ``POLICY_LOSSES``,
@@ -11,9 +11,9 @@ Departures from the papers / verl, on purpose:
 
 * A group of one response gets advantage exactly 0 (verl passes its raw score through). A group whose
   scores are all equal also gets exactly 0 (forced, so float rounding of the mean cannot leak through).
-* GSPO uses the same clipped objective as ``vanilla``, dual clip included (verl's GSPO omits the dual
-  clip). With GSPO's tiny clip ranges and ``clip_ratio_c = 3`` it only binds on wild sequences.
-* The sequence log-ratio in GSPO and in rollout IS weights is clamped to [-20, 20] before ``exp``.
+* The policy losses themselves live in ``grpo_lib/policy_losses.py`` (their departures are listed there);
+  ``policy_loss`` here is their one entry point.
+* The sequence log-ratio in rollout IS weights is clamped to [-20, 20] before ``exp``.
 * Counts used as denominators are clamped to at least 1, so an all-masked batch gives loss 0, not NaN.
 * ``num_seqs`` defaults to the number of rows with at least one valid token (all-padding rows, e.g.
   dummy rows used to even out data-parallel shards, do not count).
@@ -31,8 +31,7 @@ import torch
 from torch import Tensor
 
 from grpo_lib import names
-
-LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp, so exp never overflows
+from grpo_lib.policy_losses import LOG_RATIO_CLAMP, POLICY_LOSSES, PolicyLossParams
 
 
 def _check_name(kind: str, name: str, supported: Sequence[str]) -> None:
@@ -162,7 +161,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_type: str) -> Tensor:
 # --------------------------------------------------------------------------- aggregation
 
 LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
 )
 
 
@@ -183,7 +182,9 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: str, *, num_tokens: Tenso
     loss. Defaults: this tensor's ``mask.sum()`` and its number of rows with any valid token.
     ``loss_scale_factor`` defaults to ``mask.shape[-1]``; pass ``data.max_response_length`` explicitly
     when micro-batches are padded to different lengths, or they will not add up.
-    Example (token weights): rows of 10 and 90 valid tokens -> token-mean 0.01 each;
+    ``token-sum`` is the plain masked sum (no count: it adds up over micro-batches and, times the world size, over
+    processes, as verl's ``masked_sum * dp_size``).
+    Example (token weights): rows of 10 and 90 valid tokens -> token-mean 0.01 each; token-sum 1 each;
     seq-mean-token-mean 0.05 for the short row's tokens and 1/180 for the long row's.
     """
     _check_name("loss_agg_mode", mode, LOSS_AGG_MODES)
@@ -192,6 +193,8 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: str, *, num_tokens: Tenso
     if mode == "token-mean":
         total_tokens = mask.sum() if num_tokens is None else num_tokens
         return masked_values.sum() / _at_least_one(total_tokens)
+    if mode == "token-sum":  # no denominator: micro-batch sums add up to the mini-batch's (verl 0.9)
+        return masked_values.sum()
     row_sums = masked_values.sum(dim=-1)  # [batch]
     total_seqs = (mask.sum(dim=-1) > 0).sum() if num_seqs is None else num_seqs
     if mode == "seq-mean-token-sum":
@@ -209,40 +212,23 @@ def aggregate_loss(values: Tensor, mask: Tensor, mode: str, *, num_tokens: Tenso
 # --------------------------------------------------------------------------- policy losses
 
 
-def _vanilla_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """PPO token ratio exp(clamp(lp - old, -20, 20))."""
-    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [batch, seq_len]
-
-
-def _gspo_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """GSPO: sequence ratio s_i = exp(masked mean_t(lp - old)), applied per token as
-    exp(lp - lp.detach()) * s_i.detach(): value s_i, gradient d s_i / d lp_t summed over the row."""
-    mask = mask.to(logprobs.dtype)  # [batch, seq_len]
-    row_tokens = mask.sum(dim=-1, keepdim=True).clamp(min=1)  # [batch, 1]
-    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(dim=-1, keepdim=True) / row_tokens  # [batch, 1]
-    seq_log_ratio = seq_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [batch, 1]
-    return (logprobs - logprobs.detach() + seq_log_ratio).exp()  # [batch, seq_len]
-
-
-POLICY_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
-    "vanilla": _vanilla_ratio, "gspo": _gspo_ratio,
-}
-
-
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                 loss_mode: str = "vanilla", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
                 num_tokens: Tensor | float | None = None, num_seqs: Tensor | float | None = None,
-                loss_scale_factor: float | None = None,
-                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss with dual clip, ratio chosen by ``loss_mode`` (see POLICY_LOSSES).
+                loss_scale_factor: float | None = None, is_weights: Tensor | None = None,
+                **params) -> tuple[Tensor, dict[str, float]]:
+    """The policy loss ``loss_mode`` (grpo_lib/policy_losses.py, docs/ALGORITHMS.md), aggregated, and its metrics.
 
-    All tensors are [batch, seq_len]; ``advantages`` is already broadcast per token.
-    Per token: L = max(-A*r, -A*clip(r, 1-low, 1+high)); where A < 0, L = min(L, -A*clip_ratio_c).
-    ``is_weights`` (detached) multiply L before ``aggregate_loss``. Metrics (python floats, masked
-    means over this call's valid tokens): ``pg_clipfrac`` (clip branch binding), ``pg_clipfrac_lower``
-    (dual clip binding), ``ppo_kl`` (mean of old - lp).
-    Example: lp == old, token-mean -> r = 1 everywhere and loss = -mean(A over valid tokens).
+    All tensors are [batch, seq_len]; ``advantages`` is already broadcast per token. ``params`` are the other
+    parameters under verl's names and defaults (``tau_pos``, ``tau_neg``, ``clip_cov_ratio``, ``clip_cov_lb``,
+    ``clip_cov_ub``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``; ``generator`` for clip_cov's random pick: see
+    ``policy_losses.PolicyLossParams``). ``vanilla`` per token: L = max(-A*r, -A*clip(r, 1-low, 1+high)); where A < 0,
+    L = min(L, -A*clip_ratio_c). ``is_weights`` (detached) multiply L before ``aggregate_loss``, which uses
+    ``loss_agg_mode`` except for the losses of ``names.FORCED_AGG`` (gspo, sapo, geo_mean: seq-mean-token-mean, as
+    verl). Metrics (python floats, masked means over this call's valid tokens): ``pg_clipfrac`` (the loss's clip
+    binding), ``pg_clipfrac_lower`` (dual clip / the lower side binding), ``ppo_kl`` (mean of old - lp).
+    Example: lp == old, vanilla, token-mean -> r = 1 everywhere and loss = -mean(A over valid tokens).
     """
     _check_name("loss_mode", loss_mode, tuple(POLICY_LOSSES))
     _check_name("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
@@ -254,17 +240,13 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
         raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old {tuple(old_logprobs.shape)}, "
                          f"advantages {tuple(advantages.shape)}, mask {tuple(mask.shape)}")
-    ratio = POLICY_LOSSES[loss_mode](logprobs, old_logprobs, mask)  # [batch, seq_len]
-    unclipped = -advantages * ratio  # [batch, seq_len]
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [batch, seq_len]
-    clip_loss = torch.maximum(unclipped, clipped)  # [batch, seq_len]
-    dual_bound = -advantages * clip_ratio_c  # [batch, seq_len]
-    negative_adv = advantages < 0  # [batch, seq_len]
-    token_loss = torch.where(negative_adv, torch.minimum(clip_loss, dual_bound), clip_loss)  # [batch, seq_len]
-    if is_weights is not None:
-        token_loss = token_loss * is_weights.detach()  # [batch, seq_len]
-    loss = aggregate_loss(token_loss, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                          loss_scale_factor=loss_scale_factor)
+    unknown = sorted(set(params) - set(PolicyLossParams.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"policy_loss got unknown parameters {unknown}; known: {sorted(PolicyLossParams.__dataclass_fields__)}")
+    p = PolicyLossParams(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **params)
+    token_loss, flags = POLICY_LOSSES[loss_mode](logprobs, old_logprobs, advantages, mask, is_weights, p)  # [batch, seq_len]
+    loss = aggregate_loss(token_loss, mask, names.FORCED_AGG.get(loss_mode, loss_agg_mode), num_tokens=num_tokens,
+                          num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         valid = mask.to(logprobs.dtype)  # [batch, seq_len]
         denom = valid.sum().clamp(min=1)
@@ -272,11 +254,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         def masked_mean(x: Tensor) -> float:
             return ((x.to(valid.dtype) * valid).sum() / denom).item()
 
-        metrics = {
-            "pg_clipfrac": masked_mean(clipped > unclipped),
-            "pg_clipfrac_lower": masked_mean(negative_adv & (clip_loss > dual_bound)),
-            "ppo_kl": masked_mean(old_logprobs - logprobs),
-        }
+        metrics = {name: masked_mean(flag) for name, flag in flags.items()}
+        metrics["ppo_kl"] = masked_mean(old_logprobs - logprobs)
     return loss, metrics
 
 

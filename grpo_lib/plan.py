@@ -26,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 
+from grpo_lib import names
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
 from grpo_lib.config.checks import environment_problems, mini_batch_sizes, needs_old_logprobs
 from grpo_lib.dtypes import DTYPE_BYTES
@@ -133,9 +134,35 @@ def check_lines(cfg: Config, world_size: int) -> list[str]:
     return lines
 
 
+# The parameters each policy loss reads (grpo_lib/policy_losses.py), as `--print-plan` shows them.
+LOSS_PARAMS: dict[str, tuple[str, ...]] = {
+    "vanilla": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"), "gspo": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+    "cispo": ("clip_ratio_low", "clip_ratio_high"), "sapo": ("tau_pos", "tau_neg"), "geo_mean": ("clip_ratio_low", "clip_ratio_high"),
+    "clip_cov": ("clip_ratio_low", "clip_ratio_high", "policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub"),
+    "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"),
+    "dppo_tv": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"), "dppo_kl": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+    "gpg": (), "dro": ("policy_loss.dro_beta",),
+}
+
+
+def policy_loss_line(cfg: Config) -> str:
+    """The loss mode, the resolved values it reads and the aggregation of its loss (forced for gspo / sapo / geo_mean)."""
+    a = cfg.actor
+    mode = a.policy_loss.loss_mode
+    values = " ".join(f"actor.{key}={getattr(a.policy_loss if key.startswith('policy_loss.') else a, key.split('.')[-1])}"
+                      for key in LOSS_PARAMS.get(mode, ()))
+    forced = names.FORCED_AGG.get(mode)
+    agg = (f"its loss aggregated {forced} (fixed for {mode}, as verl; actor.loss_agg_mode={a.loss_agg_mode} aggregates the "
+           "KL and entropy terms)" if forced else f"aggregated actor.loss_agg_mode={a.loss_agg_mode}")
+    if mode in ("clip_cov", "kl_cov"):
+        agg += "; its tokens are picked within each micro-batch, as verl: the gradient depends on the micro-batching"
+    return f"actor.policy_loss.loss_mode={mode}: {values + '; ' if values else ''}{agg}"
+
+
 def resolved_lines(cfg: Config) -> list[str]:
     a, r, ref = cfg.actor, cfg.rollout, cfg.ref
     return [
+        policy_loss_line(cfg),
         f"actor.clip_ratio_low={a.clip_ratio_low} actor.clip_ratio_high={a.clip_ratio_high} (default: actor.clip_ratio={a.clip_ratio})",
         f"actor.loss_scale_factor={a.loss_scale_factor} (default: data.max_response_length; used by seq-mean-token-sum-norm)",
         f"rollout.log_prob_use_dynamic_bsz={r.log_prob_use_dynamic_bsz} rollout.log_prob_max_token_len_per_gpu="

@@ -36,8 +36,9 @@ def t(values, **kwargs):
 
 def test_registries_list_expected_names():
     assert set(ADV_ESTIMATORS) == {"grpo", "rloo"}
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo"}
-    assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv",
+                                  "dppo_kl", "gpg", "dro"}  # verl 0.9's registry less bypass_mode (refused in config)
+    assert set(LOSS_AGG_MODES) == {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                                    "seq-mean-token-sum-norm"}
     assert set(ROLLOUT_IS_MODES) == {"none", "token", "sequence"}
     for base in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"):
@@ -193,6 +194,8 @@ MASK = [[1, 1, 0, 0], [1, 1, 1, 0]]
 @pytest.mark.parametrize("mode, kwargs, expected", [
     ("token-mean", {}, 21 / 5),  # (1+2 + 5+6+7) / 5 valid tokens
     ("token-mean", {"num_tokens": 10}, 21 / 10),  # global count from the whole mini-batch
+    ("token-sum", {}, 21),  # 1+2 + 5+6+7, no denominator
+    ("token-sum", {"num_tokens": 10, "num_seqs": 3}, 21),  # counts never enter it
     ("seq-mean-token-sum", {}, (3 + 18) / 2),  # row sums 3 and 18, 2 sequences
     ("seq-mean-token-sum", {"num_seqs": 3}, 21 / 3),
     ("seq-mean-token-mean", {}, (3 / 2 + 18 / 3) / 2),  # row means 1.5 and 6 -> 3.75
@@ -233,6 +236,7 @@ def test_aggregate_seed_example_token_weights():
 # truncation). The positions with mask 0 must act as if they were absent: row 0 keeps [1, 3, 4] (sum 8, 3 tokens),
 # row 1 keeps [6] (sum 6, 1 token), row 2 keeps nothing and is no sequence. Hand values:
 #   token-mean              (8 + 6) / 4 tokens            = 3.5
+#   token-sum               8 + 6                         = 14
 #   seq-mean-token-sum      (8 + 6) / 2 sequences         = 7
 #   seq-mean-token-mean     (8/3 + 6/1) / 2               = 13/3 (row lengths are loss tokens: 3 and 1)
 #   seq-mean-token-sum-norm (8 + 6) / (2 * 4)             = 1.75 (the scale is a constant, 4 = seq_len, not a row length)
@@ -241,7 +245,7 @@ HOLED_MASK = [[1, 0, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]]
 DROPPED_VALUES, DROPPED_MASK = [[1.0, 3.0, 4.0], [6.0, 0.0, 0.0]], [[1, 1, 1], [1, 0, 0]]  # the holes simply left out
 
 
-@pytest.mark.parametrize("mode, expected", [("token-mean", 3.5), ("seq-mean-token-sum", 7.0),
+@pytest.mark.parametrize("mode, expected", [("token-mean", 3.5), ("token-sum", 14.0), ("seq-mean-token-sum", 7.0),
                                             ("seq-mean-token-mean", 13 / 3), ("seq-mean-token-sum-norm", 1.75)])
 def test_aggregate_mask_with_holes_is_the_rows_without_them(mode, expected):
     values = t(HOLED_VALUES).requires_grad_()

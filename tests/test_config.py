@@ -71,8 +71,8 @@ def test_token_budget_must_hold_one_sequence():
 
 def test_unknown_algorithm_names_listed():
     with pytest.raises(ConfigError) as err:
-        load_config(TINY, ["actor.loss_agg_mode=token-sum", "actor.kl_loss_type=full"])
-    assert "actor.loss_agg_mode='token-sum'" in str(err.value) and "seq-mean-token-mean" in str(err.value)
+        load_config(TINY, ["actor.loss_agg_mode=seq-sum", "actor.kl_loss_type=full"])  # token-sum is verl 0.9's, supported
+    assert "actor.loss_agg_mode='seq-sum'" in str(err.value) and "seq-mean-token-mean" in str(err.value)
     assert "actor.kl_loss_type='full'" in str(err.value)
 
 
@@ -231,3 +231,70 @@ def test_an_override_still_replaces_the_recipe_value():
     assert load_config(TINY, ["actor.lr=1e-3"]).actor.lr == 1e-3
     assert load_config(TINY, ["actor_rollout_ref.actor.optim.lr=2e-3"]).actor.lr == 2e-3
     assert load_config(TINY, ["actor.use_kl_loss=True", "actor_rollout_ref.actor.use_kl_loss=true"]).actor.use_kl_loss is True
+
+
+VERL_LOSS_LINES = {  # verl 0.9's spelling of each loss with the parameters it reads (non-default values)
+    "vanilla": ["actor_rollout_ref.actor.clip_ratio_c=4.0"],
+    "gspo": ["actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004"],
+    "cispo": ["actor_rollout_ref.actor.clip_ratio_high=0.28"],
+    "sapo": ["actor_rollout_ref.actor.tau_pos=1.5", "actor_rollout_ref.actor.tau_neg=2.5"],
+    "geo_mean": ["actor_rollout_ref.actor.clip_ratio_low=0.4"],
+    "clip_cov": ["actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.001", "actor_rollout_ref.actor.policy_loss.clip_cov_lb=2.0",
+                 "actor_rollout_ref.actor.policy_loss.clip_cov_ub=6.0"],
+    "kl_cov": ["actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.002", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"],
+    "dppo_tv": ["actor_rollout_ref.actor.clip_ratio_c=20.0"],
+    "dppo_kl": ["actor_rollout_ref.actor.clip_ratio_high=0.05"],
+    "gpg": ["actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+    "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.05"],
+}
+
+
+@pytest.mark.parametrize("loss_mode", list(VERL_LOSS_LINES))
+def test_every_verl_policy_loss_is_accepted_with_its_parameters(loss_mode):
+    from grpo_lib import names
+
+    assert set(VERL_LOSS_LINES) == set(names.POLICY_LOSS_MODES)
+    lines = [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", *VERL_LOSS_LINES[loss_mode]]
+    a = load_config(TINY, lines).actor
+    assert a.policy_loss.loss_mode == loss_mode
+    for line in VERL_LOSS_LINES[loss_mode]:
+        key, value = line.removeprefix("actor_rollout_ref.actor.").split("=")
+        section = a.policy_loss if key.startswith("policy_loss.") else a
+        assert str(getattr(section, key.split(".")[-1])) == value, line
+
+
+def test_verl_loss_defaults():
+    """verl 0.9's defaults (verl/trainer/config/actor/actor.yaml): tau 1.0 / 1.05, clip_cov 0.0002 in (1, 5), kl_cov
+    0.0002 with ppo_kl_coef 0.1, dro_beta unset."""
+    a = load_config(TINY, []).actor
+    pl = a.policy_loss
+    assert (a.tau_pos, a.tau_neg, pl.clip_cov_ratio, pl.clip_cov_lb, pl.clip_cov_ub) == (1.0, 1.05, 0.0002, 1.0, 5.0)
+    assert (pl.kl_cov_ratio, pl.ppo_kl_coef, pl.dro_beta) == (0.0002, 0.1, None)
+
+
+@pytest.mark.parametrize("lines, needles", [
+    (["actor.policy_loss.loss_mode=dro"], ["actor.policy_loss.dro_beta=None", "dro_beta=0.05"]),
+    (["actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=-1"], ["actor.policy_loss.dro_beta=-1"]),
+    (["actor.policy_loss.loss_mode=bypass_mode"], ["bypass_mode", "not implemented", "algorithm.rollout_correction.mode"]),
+    (["actor.policy_loss.loss_mode=ppo2"], ["'ppo2' is not supported", "'cispo', 'clip_cov', 'dppo_kl', 'dppo_tv', 'dro'"]),
+    (["actor.tau_pos=0"], ["actor.tau_pos=0", "> 0"]),
+    (["actor.policy_loss.clip_cov_ratio=0"], ["actor.policy_loss.clip_cov_ratio=0", "(0, 1]"]),
+    (["actor.policy_loss.kl_cov_ratio=2"], ["actor.policy_loss.kl_cov_ratio=2"]),
+    (["actor.policy_loss.clip_cov_lb=5"], ["clip_cov_lb=5", "clip_cov_ub=5.0"]),
+    (["actor.policy_loss.ppo_kl_coef=-0.1"], ["ppo_kl_coef=-0.1"]),
+    (["actor.loss_agg_mode=token_sum"], ["'token_sum' is not supported", "'token-sum'"]),
+    (["algorithm.rollout_correction.rollout_rs=token"], ["rollout_rs", "not implemented"]),
+    (["algorithm.rollout_correction.bypass_mode=true"], ["bypass_mode", "only [False]"]),
+])
+def test_policy_loss_problems_name_the_key_and_the_fix(lines, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, lines)
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {info.value}"
+
+
+def test_rollout_correction_off_values_are_accepted():
+    """verl's rejection / bypass keys at their off values (a verl config dump carries them) load, listed as ignored."""
+    cfg = load_config(TINY, ["algorithm.rollout_correction.rollout_rs=null", "algorithm.rollout_correction.bypass_mode=false",
+                             "algorithm.rollout_correction.loss_type=ppo_clip"])
+    assert any(k.startswith("algorithm.rollout_correction.bypass_mode") for k in cfg.ignored)

@@ -5,7 +5,7 @@ what the trainer builds from them (`step.build_rollout_batch`). The loss mask is
 the engine's own records: every request of every turn is (context, sampled ids), and the sampled ids sit right after
 the context in their row. The Actor's gradient on the episode batch (micro-batched, packed) must equal the gradient of
 the loss written per row with every position outside that hand-built mask simply dropped
-(`tests/test_grad_invariance.dropped_positions_loss`), for all four aggregation modes.
+(`tests/test_grad_invariance.dropped_positions_loss`), for every aggregation mode (LOSS_AGG_MODES).
 """
 
 from __future__ import annotations

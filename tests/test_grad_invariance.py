@@ -87,6 +87,7 @@ def dropped_positions_loss(model, batch, cfg) -> torch.Tensor:
     kept token v_t = L_t + kl_coef * k3_t - entropy_coeff * H_t with r_t = exp(lp_t - old_t),
     L_t = max(-A_i r_t, -A_i clip(r_t, 1 - c, 1 + c)), and L_t = min(L_t, -3 A_i) where A_i < 0 (docs/ALGORITHMS.md):
       token-mean               sum_i sum_{K_i} v_t / sum_i |K_i|
+      token-sum                sum_i sum_{K_i} v_t (no denominator: the mini-batch's sum)
       seq-mean-token-sum       sum_i sum_{K_i} v_t / S
       seq-mean-token-mean      sum_i (sum_{K_i} v_t / |K_i|) / S
       seq-mean-token-sum-norm  sum_i sum_{K_i} v_t / (S * max_response_length)
@@ -108,6 +109,8 @@ def dropped_positions_loss(model, batch, cfg) -> torch.Tensor:
         row_sums.append(v.sum())
         row_lengths.append(int(keep.sum()))
     total, num_seqs = torch.stack(row_sums).sum(), len(row_sums)
+    if a.loss_agg_mode == "token-sum":
+        return total
     if a.loss_agg_mode == "token-mean":
         return total / sum(row_lengths)
     if a.loss_agg_mode == "seq-mean-token-sum":
@@ -188,13 +191,24 @@ def test_sweep_really_splits(setup):
     assert counts == [8, 3, 1, 4, 3, 2, 1], counts
 
 
-@pytest.mark.parametrize("extra", [("actor.policy_loss.loss_mode=gspo",), ("algorithm.rollout_correction.mode=token",),
-                                   ("algorithm.rollout_correction.mode=sequence", "actor.kl_loss_type=k3+")],
-                         ids=["gspo", "rollout-is-token", "rollout-is-seq-k3+"])
-def test_other_losses_invariant(setup, extra):
+OTHER_CASES = {loss: case.loss_case(loss) for loss in case.LOSS_OVERRIDES}
+OTHER_CASES |= {"rollout-is-token": ("token-mean", ("algorithm.rollout_correction.mode=token",)),
+                "rollout-is-seq-k3+": ("token-mean", ("algorithm.rollout_correction.mode=sequence", "actor.kl_loss_type=k3+")),
+                "cispo-token-sum-is": ("token-sum", ("actor.policy_loss.loss_mode=cispo", "algorithm.rollout_correction.mode=token")),
+                "geo_mean-is-seq": ("seq-mean-token-mean", ("actor.policy_loss.loss_mode=geo_mean",
+                                                            "algorithm.rollout_correction.mode=sequence")),
+                # sapo's own seq-mean-token-mean for its loss, token-mean for the KL and entropy terms (verl's ppo_loss)
+                "sapo-kl-entropy-token-mean": ("token-mean", ("actor.policy_loss.loss_mode=sapo",))}
+
+
+@pytest.mark.parametrize("name", list(OTHER_CASES))
+def test_other_losses_invariant(setup, name):
+    """Every policy loss (grad_case.LOSS_OVERRIDES) and rollout correction: micro-batching and packing never change the
+    gradient (reference: the plain full-batch loss through `algorithms.policy_loss` with the config's parameters)."""
     actor, batch = setup["actor"], setup["batch"]
-    mode = "seq-mean-token-mean" if "gspo" in extra[0] else "token-mean"
+    mode, extra = OTHER_CASES[name]
     expected, _ = reference(setup, case.make_config(setup["model_dir"], loss_agg_mode=mode, extra=extra), extra)
+    assert any(g.abs().max() > 0 for g in expected.values())
     for micro in (dict(micro_batch_size=3), dict(max_tokens=case.LONGEST)):
         for remove_padding in (False, True):
             cfg = case.make_config(setup["model_dir"], loss_agg_mode=mode, remove_padding=remove_padding, extra=extra, **micro)

@@ -53,17 +53,18 @@ def load(launched, name: str) -> list[dict]:
     return [torch.load(launched["out"] / f"rank{r}" / f"{name}.pt", weights_only=False) for r in range(2)]
 
 
-def reference(launched, loss_agg_mode: str = "token-mean", holes: bool = False):
-    if (loss_agg_mode, holes) not in launched["refs"]:
-        cfg = case.make_config(launched["model_dir"], loss_agg_mode=loss_agg_mode)
+def reference(launched, loss_agg_mode: str = "token-mean", holes: bool = False, extra: tuple[str, ...] = ()):
+    if (loss_agg_mode, holes, extra) not in launched["refs"]:
+        cfg = case.make_config(launched["model_dir"], loss_agg_mode=loss_agg_mode, extra=extra)
         batch = case.with_holes(launched["batch"]) if holes else launched["batch"]
         grads, loss = case.reference_grads(launched["model"], batch, cfg)
-        launched["refs"][loss_agg_mode, holes] = (grads, loss, cfg)
-    return launched["refs"][loss_agg_mode, holes]
+        launched["refs"][loss_agg_mode, holes, extra] = (grads, loss, cfg)
+    return launched["refs"][loss_agg_mode, holes, extra]
 
 
-def check_against_one_process(launched, records: list[dict], loss_agg_mode: str, what: str, holes: bool = False) -> None:
-    expected, expected_loss, cfg = reference(launched, loss_agg_mode, holes)
+def check_against_one_process(launched, records: list[dict], loss_agg_mode: str, what: str, holes: bool = False,
+                              extra: tuple[str, ...] = ()) -> None:
+    expected, expected_loss, cfg = reference(launched, loss_agg_mode, holes, extra)
     for rank, record in enumerate(records):  # tolerances derived in grad_case (GRAD_TOL, LOSS_REL_TOL)
         case.assert_close_grads(record["grads"], expected, f"{what} rank {rank}")
         assert case.metrics_loss(record["metrics"], cfg) == pytest.approx(expected_loss, rel=case.LOSS_REL_TOL), f"{what} rank {rank}"
@@ -81,6 +82,14 @@ def test_two_processes_give_the_full_batch_gradient(launched, loss_agg_mode, set
     records = load(launched, f"{'holes-' if holes else ''}even-{loss_agg_mode}-{setting}")
     assert [r["rows"] for r in records] == [4, 4]
     check_against_one_process(launched, records, loss_agg_mode, f"{loss_agg_mode} {setting} holes={holes}", holes)
+
+
+@pytest.mark.parametrize("loss", list(case.LOSS_OVERRIDES))
+def test_every_policy_loss_on_two_processes_gives_the_full_batch_gradient(launched, loss):
+    """Each other policy loss (its forced aggregation or token-mean; grad_case.LOSS_OVERRIDES), on the holed batch
+    split over 2 processes and packed under the smallest budget: the 1-process full-batch gradient and loss."""
+    mode, extra = case.loss_case(loss)
+    check_against_one_process(launched, load(launched, f"loss-{loss}"), mode, f"{loss} on 2 processes", True, extra)
 
 
 COLLECTIVE_CHOICES = ["per-micro-batch", "default", "no-reshard-after-forward", "defer-root", "defer-all", "all-three"]

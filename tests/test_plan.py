@@ -265,3 +265,27 @@ def test_untied_head_terms_qwen3_8b():
     assert parts["embedding gradient"] == 2 * E and parts["head weight gradient"] == 2 * E
     assert parts["root reduce-scatter"] == 4 * root / 8
     assert parts["gathered units"] == 2 * (root + sizes.layer_params)
+
+
+@pytest.mark.parametrize("loss_mode, lines, needles", [
+    ("vanilla", [], ["actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.2 actor.clip_ratio_c=3.0; aggregated actor.loss_agg_mode="]),
+    ("gspo", [], ["its loss aggregated seq-mean-token-mean (fixed for gspo, as verl"]),
+    ("cispo", ["actor.clip_ratio_high=0.28", "actor.loss_agg_mode=token-sum"],
+     ["loss_mode=cispo: actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.28; aggregated actor.loss_agg_mode=token-sum"]),
+    ("sapo", [], ["loss_mode=sapo: actor.tau_pos=1.0 actor.tau_neg=1.05; its loss aggregated seq-mean-token-mean (fixed for sapo",
+                  "aggregates the KL and entropy terms"]),
+    ("geo_mean", [], ["loss_mode=geo_mean: actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.2; its loss aggregated seq-mean-token-mean"]),
+    ("clip_cov", [], ["actor.policy_loss.clip_cov_ratio=0.0002 actor.policy_loss.clip_cov_lb=1.0 actor.policy_loss.clip_cov_ub=5.0",
+                      "picked within each micro-batch"]),
+    ("kl_cov", ["actor.policy_loss.ppo_kl_coef=1.0"], ["actor.policy_loss.kl_cov_ratio=0.0002 actor.policy_loss.ppo_kl_coef=1.0"]),
+    ("dppo_tv", [], ["loss_mode=dppo_tv: actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.2 actor.clip_ratio_c=3.0"]),
+    ("dppo_kl", [], ["loss_mode=dppo_kl: actor.clip_ratio_low=0.2"]),
+    ("gpg", [], ["loss_mode=gpg: aggregated actor.loss_agg_mode=token-mean"]),
+    ("dro", ["actor.policy_loss.dro_beta=0.05"], ["loss_mode=dro: actor.policy_loss.dro_beta=0.05; aggregated"]),
+])
+def test_plan_shows_the_policy_loss_and_its_resolved_values(capsys, loss_mode, lines, needles):
+    """Every verl loss line is accepted by --print-plan, which shows what the loss reads and how its loss is aggregated."""
+    code, out = plan(capsys, str(REPO / "recipes/tiny_cpu.yaml"), f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", *lines)
+    assert code == 0, out
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"

@@ -175,8 +175,11 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names.ADV_ESTIMATORS),
         ("rollout.name", r.name, names.ENGINE_NAMES),
     )
+    p += _policy_loss_problems(a)
     for key, value, supported in checks:
-        if value not in supported:
+        if key == "actor.policy_loss.loss_mode" and value in names.REFUSED_POLICY_LOSS_MODES:
+            p.append(f"{key}={value!r} is not supported: {names.REFUSED_POLICY_LOSS_MODES[value]}")
+        elif value not in supported:
             p.append(f"{key}={value!r} is not supported: use one of {sorted(supported)}")
     for i, fn in enumerate(cfg.reward.functions):
         if not isinstance(fn, dict) or "name" not in fn:
@@ -223,6 +226,28 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     p += _value_ranges(cfg)
     p += _multi_turn_problems(cfg)
     p += _engine_kwargs_problems(cfg)
+    return p
+
+
+def _policy_loss_problems(a) -> list[str]:
+    """The parameters the chosen actor.policy_loss.loss_mode reads (grpo_lib/policy_losses.py), each in its range."""
+    p: list[str] = []
+    pl, mode = a.policy_loss, a.policy_loss.loss_mode
+    if mode == "dro" and (pl.dro_beta is None or _outside(pl.dro_beta, 0.0, None, low_open=True)):
+        p.append(f"actor.policy_loss.dro_beta={pl.dro_beta}: loss_mode dro needs its quadratic penalty weight > 0 "
+                 "(no default, as verl): set e.g. actor.policy_loss.dro_beta=0.05")
+    for key, value in (("actor.tau_pos", a.tau_pos), ("actor.tau_neg", a.tau_neg)):
+        if _outside(value, 0.0, None, low_open=True):
+            p.append(f"{key}={value}: SAPO's gate temperature must be > 0 (defaults 1.0 / 1.05)")
+    for key, value, needed_by in (("actor.policy_loss.clip_cov_ratio", pl.clip_cov_ratio, "clip_cov"),
+                                  ("actor.policy_loss.kl_cov_ratio", pl.kl_cov_ratio, "kl_cov")):
+        if _outside(value, 0.0, 1.0, low_open=True):
+            p.append(f"{key}={value}: {needed_by}'s fraction of tokens must lie in (0, 1] (default 0.0002)")
+    if not pl.clip_cov_lb < pl.clip_cov_ub:
+        p.append(f"actor.policy_loss.clip_cov_lb={pl.clip_cov_lb} >= clip_cov_ub={pl.clip_cov_ub}: the covariance band "
+                 "(lb, ub) would be empty (defaults 1.0 / 5.0)")
+    if _outside(pl.ppo_kl_coef, 0.0, None):
+        p.append(f"actor.policy_loss.ppo_kl_coef={pl.ppo_kl_coef}: kl_cov's penalty weight must be >= 0 (default 0.1)")
     return p
 
 

@@ -108,7 +108,21 @@ class ModelConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """vanilla (PPO clip, dual clip) or gspo (sequence-level ratio)."""
+    """vanilla (PPO clip, dual clip), gspo, cispo, sapo, geo_mean (GMPO), clip_cov, kl_cov, dppo_tv, dppo_kl, gpg, dro
+    (docs/ALGORITHMS.md). gspo, sapo and geo_mean aggregate their loss seq-mean-token-mean whatever loss_agg_mode says,
+    as verl. verl's bypass_mode is refused."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of a micro-batch's loss tokens (at least 1) whose loss and gradient are dropped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower end of the covariance band (lb, ub) the dropped tokens are picked from, at random."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper end of that band."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of a micro-batch's loss tokens (at least 1, the largest covariances) given the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of that penalty, ppo_kl_coef x |lp - old|."""
+    dro_beta: float | None = None
+    """dro: weight of the quadratic log-ratio penalty beta / 2 x (lp - old)^2; required (> 0) with loss_mode dro."""
 
 
 @dataclass
@@ -181,9 +195,14 @@ class ActorConfig:
     clip_ratio_high: float | None = None
     """Upper clip epsilon (ratio <= 1 + high); DAPO's clip-higher uses 0.28. None: clip_ratio (resolved at load)."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (must be > 1)."""
+    """Dual-clip bound for negative advantages (must be > 1); dppo_tv / dppo_kl: the cap of their truncated IS ratio."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the soft gate on tokens with a positive advantage (must be > 0)."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the soft gate on the other tokens (must be > 0)."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (docs/ALGORITHMS.md)."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (docs/ALGORITHMS.md).
+    token-sum: the mini-batch's plain sum over loss tokens, no denominator (verl 0.9)."""
     loss_scale_factor: float | None = None
     """Divisor of seq-mean-token-sum-norm (Dr. GRPO). None: data.max_response_length (resolved at load)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)

@@ -78,6 +78,13 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
                                     ("naive", "dapo")),
     "reward.overlong_buffer.log": ("verl's per-response overlong log: reward/overlong_penalty_mean is always logged here", None),
     "actor.optim.warmup_style": ("the schedule here is linear warm-up then constant", ("constant",)),
+    # verl's rollout-correction rejection and bypass modes (not implemented): their off values only
+    "algorithm.rollout_correction.rollout_rs": ("rejection sampling by the engine/trainer ratio (verl's rollout_rs) is not "
+                                                "implemented; algorithm.rollout_correction.mode reweights instead", (None,)),
+    "algorithm.rollout_correction.rollout_rs_threshold": ("the bound of verl's rollout_rs rejection, not implemented", (None,)),
+    "algorithm.rollout_correction.bypass_mode": ("verl's bypass mode (the engine's logprobs as the old ones) is not "
+                                                 "implemented: the old-logprob pass always runs", (False,)),
+    "algorithm.rollout_correction.loss_type": ("the loss of verl's bypass mode, not implemented", ("ppo_clip",)),
 }
 
 # verl keys that would change the math and are not implemented: refused with the reason (never ignored).

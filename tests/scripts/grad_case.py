@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from grpo_lib import algorithms
+from grpo_lib import algorithms, names
+from grpo_lib.actor import policy_loss_kwargs
 from grpo_lib.config import Config, load_config
 from grpo_lib.types import RolloutBatch
 from tests.conftest import merge_overrides
@@ -144,9 +145,8 @@ def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     if cfg.algorithm.rollout_correction.mode != "none":
         is_weights = algorithms.rollout_is_weights(batch.old_logprobs, batch.rollout_logprobs, mask,
                                                    mode=cfg.algorithm.rollout_correction.mode, cap=cfg.algorithm.rollout_correction.cap)
-    pg, _ = algorithms.policy_loss(lp, batch.old_logprobs, batch.advantages, mask, loss_mode=a.policy_loss.loss_mode,
-                                   clip_ratio_low=a.clip_ratio, clip_ratio_high=a.clip_ratio, clip_ratio_c=a.clip_ratio_c,
-                                   loss_agg_mode=a.loss_agg_mode, is_weights=is_weights, **counts)
+    pg, _ = algorithms.policy_loss(lp, batch.old_logprobs, batch.advantages, mask, is_weights=is_weights,
+                                   **policy_loss_kwargs(a), **counts)
     kl = algorithms.aggregate_loss(algorithms.kl_penalty(lp, batch.ref_logprobs, a.kl_loss_type), mask, a.loss_agg_mode, **counts)
     ent = algorithms.aggregate_loss(entropy, mask, a.loss_agg_mode, **counts)
     return pg + a.kl_loss_coef * kl - a.entropy_coeff * ent
@@ -188,6 +188,23 @@ def group_rows(batch: RolloutBatch, groups: list[str]) -> list[int]:
     """Row indices of `groups`, in batch order."""
     wanted = set(groups)
     return [i for i, g in enumerate(batch.group_ids) if g in wanted]
+
+
+# Every policy loss of grpo_lib/policy_losses.py but vanilla (swept with every loss_agg_mode) with the overrides it runs
+# under in the invariance suites. clip_cov and kl_cov pick tokens within each micro-batch (as verl), which no
+# micro-batching can leave unchanged: they run with their pick made empty (no candidate in the covariance band
+# (100, 200): |cov| < 10 on this batch) or weightless (ppo_kl_coef 0), so the suites check the rest of their loss.
+LOSS_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "gspo": (), "cispo": (), "sapo": ("actor.tau_pos=1.5", "actor.tau_neg=2.0"), "geo_mean": (), "dppo_tv": (), "dppo_kl": (),
+    "gpg": (), "dro": ("actor.policy_loss.dro_beta=0.5",),
+    "clip_cov": ("actor.policy_loss.clip_cov_lb=100", "actor.policy_loss.clip_cov_ub=200"),
+    "kl_cov": ("actor.policy_loss.ppo_kl_coef=0",),
+}
+
+
+def loss_case(loss_mode: str) -> tuple[str, tuple[str, ...]]:
+    """(loss_agg_mode, overrides) of `loss_mode` in the invariance suites: its forced aggregation, else token-mean."""
+    return names.FORCED_AGG.get(loss_mode, "token-mean"), (f"actor.policy_loss.loss_mode={loss_mode}", *LOSS_OVERRIDES[loss_mode])
 
 
 # Micro-batch settings the tests sweep: fixed trajectories per micro-batch (1, 3, all 8) and token budgets from

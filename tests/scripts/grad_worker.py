@@ -92,6 +92,9 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
     for choice, extra in COLLECTIVE_CHOICES.items():
         for setting, micro in EVEN_SETTINGS.items():
             run(f"collectives-{choice}-{setting}", mine("even"), extra=extra, **micro)
+    for loss in case.LOSS_OVERRIDES:  # every other policy loss, on the holed batch, packed under the smallest budget
+        mode, extra = case.loss_case(loss)
+        run(f"loss-{loss}", mine("even", holed), loss_agg_mode=mode, extra=extra, **EVEN_SETTINGS["budget60-packed"])
     # Bytes of one all-gather of each unit (FSDPModule.unshard of the unit alone), for the byte counts' formulas.
     unit_bytes = {}
     for unit_name, unit in [("root", actor.policy), *((f"layer{i}", m) for i, m in enumerate(fsdp.decoder_layers(actor.model)))]:
