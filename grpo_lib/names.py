@@ -12,6 +12,9 @@ ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "
 GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline",
                                          "grpo_vectorized", "rloo_vectorized")
 """Estimators whose baseline is the prompt's group (they need rollout.n >= 2)."""
+ADV_ESTIMATOR_KEYS: dict[str, tuple[str, ...]] = {"grpo": ("norm_adv_by_std_in_grpo",), "grpo_vectorized": ("norm_adv_by_std_in_grpo",),
+                                                 "grpo_passk": ("norm_adv_by_std_in_grpo",), "reinforce_plus_plus": ("gamma",)}
+"""The algorithm.* keys an estimator reads besides its name (the plan prints their values)."""
 GREEDY_BASELINE_ESTIMATORS: tuple[str, ...] = ("remax",)
 """Estimators whose baseline is the score of one more, greedy, response per prompt (the trainer generates it)."""
 KL_BASE_TYPES: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
