@@ -9,6 +9,12 @@ ADV_ESTIMATOR_ALIASES: dict[str, str] = {"grpo_vectorized": "grpo", "rloo_vector
 ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus",
                                    "reinforce_plus_plus_baseline", "remax") + tuple(ADV_ESTIMATOR_ALIASES)
 """algorithm.adv_estimator (grpo_lib/advantages.py): the estimators, then the aliases."""
+REFUSED_ADV_ESTIMATORS: dict[str, str] = {
+    "gae": "GAE needs a value model (a critic), which this trainer does not train; use grpo, rloo or reinforce_plus_plus",
+    "optimal_token_baseline": "verl's optimal token baseline is not implemented here; use opo (its per-group optimal baseline) or grpo",
+    "tir_optimal_token_baseline": "verl's multi-turn optimal token baseline is not implemented here; use opo or grpo",
+}
+"""verl's other estimator names, refused with the reason."""
 GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline",
                                          "grpo_vectorized", "rloo_vectorized")
 """Estimators whose baseline is the prompt's group (they need rollout.n >= 2)."""

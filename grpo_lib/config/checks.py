@@ -142,6 +142,9 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if cfg.algorithm.adv_estimator in names.GROUP_ADV_ESTIMATORS and r.n < 2:
         p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
                  "need at least 2 responses per prompt; set rollout.n=5 (or more)")
+    if cfg.algorithm.adv_estimator in names.REFUSED_ADV_ESTIMATORS:
+        p.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: "
+                 f"{names.REFUSED_ADV_ESTIMATORS[cfg.algorithm.adv_estimator]}")
     if not 0.0 <= cfg.algorithm.gamma <= 1.0:
         p.append(f"algorithm.gamma={cfg.algorithm.gamma}: the discount per response token must be in [0, 1] "
                  "(verl's default 1.0; reinforce_plus_plus reads it)")
