@@ -324,3 +324,8 @@ def test_grpo_step_makes_no_greedy_call(tmp_path):
     batch, _ = step.collect_rollouts(cfg, engine, TextScorer(), TwoPrompts(), Sampler(), step=1, world_size=1, rank=0,
                                      timings={}, stream_rewards=False)
     assert len(engine.calls) == 1 and batch.reward_baselines is None
+
+
+def test_verls_lam_is_ignored_with_its_reason(tmp_path):
+    cfg = cfg_with(tmp_path, "algorithm.lam=0.95")
+    assert "no estimator here reads it" in cfg.ignored["algorithm.lam=0.95"]
