@@ -9,13 +9,19 @@ the whitening adds verl's 1e-8 to the variance and to the token count, a relativ
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from grpo_lib import names, step
+from grpo_lib import distributed, names, step
 from grpo_lib.advantages import ADV_ESTIMATORS, compute_advantages, discounted_returns, masked_whiten, token_advantages
 from grpo_lib.config import ConfigError, load_config
 from grpo_lib.plan import print_plan
@@ -329,3 +335,54 @@ def test_grpo_step_makes_no_greedy_call(tmp_path):
 def test_verls_lam_is_ignored_with_its_reason(tmp_path):
     cfg = cfg_with(tmp_path, "algorithm.lam=0.95")
     assert "no estimator here reads it" in cfg.ignored["algorithm.lam=0.95"]
+
+
+# ----------------------------------------------------------------------------- 2 real processes (gloo)
+
+BATCH_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")
+RESPONSES = [[7, 2], [8, 9, 2], [7], [8, 8, 8, 2], [9, 2], [7, 7], [8, 2], [9]]  # 8 responses, 4 groups of 2
+LOSS_MASKS = [None, [1, 0, 1], None, [1, 0, 0, 1], None, None, [0, 1], None]  # tool-output holes in two rows
+SCORES = [1.0, 0.0, 1.0, 1.0, 0.0, 2.0, 1.0, 0.0]
+
+
+def advantages_of_rows(estimator: str, rows: list[int], model_dir) -> torch.Tensor:
+    """`step.compute_advantages` over `rows` (whole groups) of the fixed batch above, KL in the reward on."""
+    cfg = load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2", "rollout.n=2",
+                             f"algorithm.adv_estimator={estimator}", "algorithm.gamma=0.9",
+                             "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1"],
+                      world_size=distributed.world_size())
+    groups = sorted({i // 2 for i in rows})
+    prompt_batch = PromptBatch(prompt_ids=[[5]] * len(groups), group_ids=[f"g{g}" for g in groups],
+                               data_sources=["fake"] * len(groups), ground_truths=["0"] * len(groups),
+                               extra_infos=[{}] * len(groups))
+    generations = [[Generation(token_ids=RESPONSES[i], logprobs=[-0.5] * len(RESPONSES[i]), text="", finish_reason="stop",
+                               loss_mask=LOSS_MASKS[i]) for i in (2 * g, 2 * g + 1)] for g in groups]
+    batch = step.build_rollout_batch(prompt_batch, generations, pad_id=0)
+    batch.scores = torch.tensor([SCORES[i] for i in rows])  # [B]
+    width = batch.input_ids.shape[1]
+    batch.old_logprobs = -torch.arange(1, width + 1, dtype=torch.float32).repeat(len(rows), 1) / 10  # [B, T]
+    batch.ref_logprobs = torch.full_like(batch.old_logprobs, -0.3)  # [B, T]
+    step.compute_advantages(cfg, batch)
+    return torch.nn.functional.pad(batch.advantages, (0, 5 - width))  # [B, 5]: every process's rows as wide
+
+
+@pytest.mark.multiprocess
+def test_two_real_processes_give_the_batch_statistics_of_one(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(repo / "tests" / "scripts" / "advantages_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name in BATCH_ESTIMATORS:
+        two = torch.tensor(records[0][name] + records[1][name])  # [8, 5]
+        one = advantages_of_rows(name, list(range(8)), tmp_path)  # [8, 5]
+        assert one.abs().sum() > 0
+        # float32 advantages; the sums are all-reduced in float64 and the order of additions differs: a few float32 ulps
+        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
