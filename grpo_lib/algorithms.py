@@ -1,7 +1,8 @@
-"""GRPO math as pure tensor functions: advantages, KL estimators, loss aggregation, the policy-loss entry point.
+"""GRPO math as pure tensor functions: KL estimators, loss aggregation, the policy-loss entry point (advantages:
+grpo_lib/advantages.py, losses: grpo_lib/policy_losses.py).
 
 Everything here is torch-only and stateless; the training loop picks behaviour by *name* through the
-small registries below (``ADV_ESTIMATORS``, ``KL_TYPES``, ``LOSS_AGG_MODES``, ``POLICY_LOSSES``,
+small registries below (``ADV_ESTIMATORS``, re-exported from ``grpo_lib.advantages``, ``KL_TYPES``, ``LOSS_AGG_MODES``, ``POLICY_LOSSES``,
 ``ROLLOUT_IS_MODES``) and never branches on a loss name itself. An unknown name raises ``ValueError``
 listing the supported names. Their names are also in ``grpo_lib/names.py`` (torch-free, for config validation); an
 assert at the end of this module keeps the two equal. Formulas follow docs/ALGORITHMS.md (DeepSeekMath GRPO, Dr. GRPO,
@@ -25,12 +26,13 @@ Run the tests with ``.venv/bin/python -m pytest tests/test_algorithms.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from grpo_lib import names
+from grpo_lib.advantages import ADV_ESTIMATORS, compute_advantages, token_advantages  # noqa: F401 (re-exported)
 from grpo_lib.policy_losses import LOG_RATIO_CLAMP, POLICY_LOSSES, PolicyLossParams
 
 
@@ -38,65 +40,6 @@ def _check_name(kind: str, name: str, supported: Sequence[str]) -> None:
     """Raise ValueError naming the supported names if ``name`` is not one of them."""
     if name not in supported:
         raise ValueError(f"unknown {kind} {name!r}; supported: {', '.join(supported)}")
-
-
-# --------------------------------------------------------------------------- advantages
-
-
-def _grpo_advantages(scores: Tensor, count: Tensor, mean: Tensor, std: Tensor, *,
-                     norm_by_std: bool, eps: float) -> Tensor:
-    """GRPO: (s - mean_g) / (std_g + eps); Dr. GRPO (norm_by_std=False): s - mean_g."""
-    centered = scores - mean  # [N]
-    return centered / (std + eps) if norm_by_std else centered
-
-
-def _rloo_advantages(scores: Tensor, count: Tensor, mean: Tensor, std: Tensor, *,
-                     norm_by_std: bool, eps: float) -> Tensor:
-    """RLOO: s_i - mean of the other n-1 scores = n/(n-1) * (s_i - mean_g). Ignores norm_by_std."""
-    return count / (count - 1).clamp(min=1) * (scores - mean)  # [N]
-
-
-ADV_ESTIMATORS: dict[str, Callable[..., Tensor]] = {"grpo": _grpo_advantages, "rloo": _rloo_advantages}
-
-
-def _group_index(group_ids: Sequence[Hashable] | Tensor, device: torch.device) -> tuple[Tensor, int]:
-    """Map arbitrary group labels to dense ints 0..G-1. ['b', 'a', 'b'] -> ([0, 1, 0], 2)."""
-    if isinstance(group_ids, Tensor):
-        _, index = torch.unique(group_ids, return_inverse=True)  # [N]
-        return index.to(device), int(index.max().item()) + 1 if index.numel() else 0
-    label_to_int: dict[Hashable, int] = {}
-    ints = [label_to_int.setdefault(label, len(label_to_int)) for label in group_ids]
-    return torch.tensor(ints, dtype=torch.long, device=device), len(label_to_int)  # [N]
-
-
-def compute_advantages(scores: Tensor | Sequence[float], group_ids: Sequence[Hashable] | Tensor, *,
-                       estimator: str = "grpo", norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """One advantage per response, baselined within its group (the responses of one prompt).
-
-    ``scores`` is 1-D (list or tensor); ``group_ids`` holds any hashable labels or an integer tensor.
-    Singleton groups and groups of equal scores get exactly 0. Std is unbiased (Bessel).
-    Example: scores [1, 0, 0, 1], one group -> mean 0.5, std sqrt(1/3), A = +-0.5 / (0.57735 + eps).
-    """
-    _check_name("adv_estimator", estimator, tuple(ADV_ESTIMATORS))
-    scores = torch.as_tensor(scores)
-    if not scores.is_floating_point():
-        scores = scores.to(torch.get_default_dtype())
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
-    index, num_groups = _group_index(group_ids, scores.device)  # [N]
-    if index.shape != scores.shape:
-        raise ValueError(f"group_ids has {index.numel()} labels but scores has {scores.numel()} entries")
-    zeros = scores.new_zeros(num_groups)  # [G]
-    count_g = zeros.index_add(0, index, torch.ones_like(scores))  # [G]
-    mean_g = zeros.index_add(0, index, scores) / count_g.clamp(min=1)  # [G]
-    sq_dev_g = zeros.index_add(0, index, (scores - mean_g[index]) ** 2)  # [G]
-    std_g = (sq_dev_g / (count_g - 1).clamp(min=1)).sqrt()  # [G]
-    max_g = zeros.scatter_reduce(0, index, scores, reduce="amax", include_self=False)  # [G]
-    min_g = zeros.scatter_reduce(0, index, scores, reduce="amin", include_self=False)  # [G]
-    no_signal_g = (count_g < 2) | (max_g == min_g)  # [G]
-    advantages = ADV_ESTIMATORS[estimator](scores, count_g[index], mean_g[index], std_g[index],
-                                           norm_by_std=norm_by_std, eps=eps)  # [N]
-    return torch.where(no_signal_g[index], torch.zeros_like(advantages), advantages)  # [N]
 
 
 # --------------------------------------------------------------------------- KL estimators
@@ -295,7 +238,6 @@ def rollout_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
 
 
 # The config checks names against grpo_lib/names.py without importing torch: the registries must hold exactly those.
-assert tuple(ADV_ESTIMATORS) == names.ADV_ESTIMATORS, f"ADV_ESTIMATORS {tuple(ADV_ESTIMATORS)} != names.ADV_ESTIMATORS"
 assert KL_TYPES == names.KL_TYPES, f"KL_TYPES {KL_TYPES} != names.KL_TYPES {names.KL_TYPES}"
 assert LOSS_AGG_MODES == names.LOSS_AGG_MODES, f"LOSS_AGG_MODES {LOSS_AGG_MODES} != names.LOSS_AGG_MODES"
 assert tuple(POLICY_LOSSES) == names.POLICY_LOSS_MODES, f"POLICY_LOSSES {tuple(POLICY_LOSSES)} != names.POLICY_LOSS_MODES"

@@ -8,6 +8,9 @@ Metric names are namespaced and documented once here:
 | `reward/accuracy` | fraction of responses whose accuracy reward is > 0 (exact answers) |
 | `reward/errors`, `reward/timeouts` | responses whose reward function raised / timed out (scored 0) |
 | `reward/error_fraction` | fraction of responses with a failed or timed-out reward call (over `reward.max_error_fraction` stops the run, exit 3) |
+| `reward/greedy_baseline_mean` | remax: mean over responses of their prompt's greedy-response score (the baseline) |
+| `critic/advantages_abs_mean` | mean over responses with loss tokens of the mean abs(A) over their loss tokens (a per-response estimator's abs(A_i)) |
+| `critic/kl_in_reward` | with `algorithm.use_kl_in_reward`: mean over loss tokens of the KL estimate subtracted from the token rewards |
 | `data/invalid_rows` | training + validation rows dropped for a missing / None / NaN / empty ground truth |
 | `response/length_mean`, `response/length_max`, `response/clip_ratio` | tokens after the prompt (`response_mask`: a hole of the loss mask, e.g. a tool's output, counts); fraction cut at max_response_length |
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
@@ -24,7 +27,7 @@ Metric names are namespaced and documented once here:
 | `tools/invalid_calls`, `tools/errors`, `tools/timeouts` | multi-turn, counts per step: calls with malformed JSON, an unknown tool or arguments the schema refuses; tool methods that raised (or returned no text / number); tool methods stopped at rollout.multi_turn.tool_timeout_s |
 | `tools/truncated_responses`, `tools/dropped_calls` | multi-turn, counts: responses cut to max_tool_response_length; calls past max_parallel_calls in one turn (not run) |
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
-| `timing_s/<phase>` | seconds of gen, reward, ref, old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
+| `timing_s/<phase>` | seconds of gen, gen_max (remax's greedy generation and its rewards), reward, ref, old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/gen_peak_mb`, `memory/update_peak_mb`, `memory/push_peak_mb` | largest process's peak memory in each phase of the step, measured from the phase's start (gen: generate + reward + release; update: everything while the engine sleeps; push: the weight push and wake): CUDA max allocated since `reset_peak_memory_stats`, less the engine's memory that sleep unmapped, on GPU; peak resident set (VmHWM, reset through /proc/self/clear_refs) on CPU (`grpo_lib/perf.py`) |
 | `memory/peak_mb` | the largest of the step's three phase peaks |

@@ -4,8 +4,25 @@
 these tuples exactly (they cannot drift), as `grpo_lib.engines` does for ENGINE_NAMES; `grpo_lib.config.checks` refuses any other name with the list.
 """
 
-ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
-"""algorithm.adv_estimator."""
+ADV_ESTIMATOR_ALIASES: dict[str, str] = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
+"""verl's other spellings of an estimator here -> its name here (verl's vectorized twins of the same formula)."""
+ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus",
+                                   "reinforce_plus_plus_baseline", "remax") + tuple(ADV_ESTIMATOR_ALIASES)
+"""algorithm.adv_estimator (grpo_lib/advantages.py): the estimators, then the aliases."""
+REFUSED_ADV_ESTIMATORS: dict[str, str] = {
+    "gae": "GAE needs a value model (a critic), which this trainer does not train; use grpo, rloo or reinforce_plus_plus",
+    "optimal_token_baseline": "verl's optimal token baseline is not implemented here; use opo (its per-group optimal baseline) or grpo",
+    "tir_optimal_token_baseline": "verl's multi-turn optimal token baseline is not implemented here; use opo or grpo",
+}
+"""verl's other estimator names, refused with the reason."""
+GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline",
+                                         "grpo_vectorized", "rloo_vectorized")
+"""Estimators whose baseline is the prompt's group (they need rollout.n >= 2)."""
+ADV_ESTIMATOR_KEYS: dict[str, tuple[str, ...]] = {"grpo": ("norm_adv_by_std_in_grpo",), "grpo_vectorized": ("norm_adv_by_std_in_grpo",),
+                                                 "grpo_passk": ("norm_adv_by_std_in_grpo",), "reinforce_plus_plus": ("gamma",)}
+"""The algorithm.* keys an estimator reads besides its name (the plan prints their values)."""
+GREEDY_BASELINE_ESTIMATORS: tuple[str, ...] = ("remax",)
+"""Estimators whose baseline is the score of one more, greedy, response per prompt (the trainer generates it)."""
 KL_BASE_TYPES: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 """KL estimators (k1, abs, k2, k3 and their verl spellings)."""
 KL_TYPES: tuple[str, ...] = KL_BASE_TYPES + tuple(f"{name}+" for name in KL_BASE_TYPES)

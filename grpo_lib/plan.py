@@ -101,6 +101,7 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
         rounds = fg.max_num_gen_batches or "unlimited"
         lines.append(f"dynamic sampling (DAPO): up to {rounds} generate rounds of {d.train_batch_size} prompts per step until "
                      f"{d.train_batch_size} groups have differing scores")
+    lines += advantage_lines(cfg)
     rows = count_rows(d.train_files)
     if rows is None:
         lines.append(f"steps per epoch: unknown (data.train_files {d.train_files} not found); total steps: "
@@ -115,6 +116,20 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
         if per_epoch == 0:
             lines.append(f"  PROBLEM: {rows} rows are fewer than data.train_batch_size={d.train_batch_size}: the run would stop "
                          "at the data loader (exit 2); lower data.train_batch_size or add data")
+    return lines
+
+
+def advantage_lines(cfg: Config) -> list[str]:
+    """algorithm.adv_estimator resolved: verl's alias, the keys it reads, and remax's extra generation."""
+    alg, d = cfg.algorithm, cfg.data
+    name = alg.adv_estimator
+    alias = names.ADV_ESTIMATOR_ALIASES.get(name)
+    keys = " ".join(f"algorithm.{key}={getattr(alg, key)}" for key in names.ADV_ESTIMATOR_KEYS.get(name, ()))
+    lines = [f"advantages: algorithm.adv_estimator={name}" + (f" (verl's spelling of {alias})" if alias else "")
+             + (f"; {keys}" if keys else "")]
+    if name in names.GREEDY_BASELINE_ESTIMATORS:
+        lines.append(f"  greedy baseline: + {d.train_batch_size} greedy generations per step (one per prompt, 1/{cfg.rollout.n} of the "
+                     f"{d.train_batch_size * cfg.rollout.n} sampled) and their rewards, after the sampled ones (timing_s/gen_max)")
     return lines
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 
-SEED_PURPOSES = {"train": 0, "val": 1}
+SEED_PURPOSES = {"train": 0, "val": 1, "greedy": 2}  # greedy: remax's baseline responses (seeds unused by greedy decoding)
 _STEP_BITS, _ROUND_BITS, _SAMPLE_BITS = 21, 10, 28  # 2M steps, 1024 rounds, 268M samples per round
 _SEED_MODULUS = 2**62
 

@@ -11,10 +11,11 @@ import time
 import warnings
 
 import torch
+from torch import Tensor
 
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
-from grpo_lib.config.checks import engine_logprobs_needed
+from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_needed
 from grpo_lib.distributed import all_reduce_min, all_reduce_sum, broadcast_object, is_on
 from grpo_lib.episodes import episode_sums, reward_extra_info
 from grpo_lib.seeds import sample_seed, tp_group_share
@@ -251,6 +252,35 @@ def stream_to(rewards, prompts: PromptBatch, *, local_of: dict[int, int], n: int
     return on_finished
 
 
+def greedy_sampling(cfg) -> dict:
+    """Engine keyword arguments of remax's baseline: one greedy response per prompt (verl's do_sample=False)."""
+    return dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=cfg.data.max_response_length, logprobs=False)
+
+
+def attach_greedy_baselines(cfg, engine, scorer, dataset, global_idx: list[int], batch: RolloutBatch, *,
+                            rows_per_prompt: list[int], world_size: int, rank: int, step: int, round: int, episodes=None,
+                            timings: dict) -> float:
+    """remax's baseline: one greedy response (or episode) per prompt of this process's share of `global_idx`, scored as
+    the sampled ones are (the overlong penalty included); each prompt's score lands on its `rows_per_prompt` rows in
+    batch.reward_baselines [B]. Returns the baselines' sum over the rows (`reward/greedy_baseline_mean` per response).
+
+    Cost: one more generation per prompt (train_batch_size per step, 1/rollout.n of the sampled sequences), run after
+    the sampled ones (`timing_s/gen_max`, verl's name), and its reward calls. Example: n 2, prompts scoring 0.5 and 1
+    greedily -> reward_baselines [0.5, 0.5, 1, 1]."""
+    start = time.perf_counter()
+    prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank,
+                                          purpose="greedy", step=step, round=round, sampling=greedy_sampling(cfg),
+                                          episodes=episodes, timings=timings)
+    greedy = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
+    score(scorer, greedy, overlong_buffer=cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length)
+    timings["timing_s/gen_max"] = timings.get("timing_s/gen_max", 0.0) + time.perf_counter() - start
+    assert len(rows_per_prompt) == len(greedy) and sum(rows_per_prompt) == len(batch), (
+        f"{len(greedy)} greedy responses for {len(rows_per_prompt)} prompts of {len(batch)} rows: the greedy pass must "
+        "see the prompts of the batch")
+    batch.reward_baselines = torch.repeat_interleave(greedy.scores, torch.tensor(rows_per_prompt))  # [B]
+    return float(batch.reward_baselines.sum())
+
+
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
                      episodes=None, stream_rewards: bool = True):
     """Prompts -> generation (engine ready; the caller releases it afterwards) -> rewards; with filter_groups, repeat
@@ -308,6 +338,10 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
             sums["response/length_max"] = max(sums.get("response/length_max", 0.0), float(batch.response_lengths.max()))
             sums["response/clipped"] = sums.get("response/clipped", 0.0) + float(batch.truncated.sum())
             timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+        if greedy_baseline_needed(cfg):  # remax: the score of one greedy response per prompt is each row's baseline
+            sums["reward/greedy_baseline_mean"] = sums.get("reward/greedy_baseline_mean", 0.0) + attach_greedy_baselines(
+                cfg, engine, scorer, dataset, global_idx, batch, rows_per_prompt=[len(g) for g in generations],
+                world_size=world_size, rank=rank, step=step, round=rounds, episodes=episodes, timings=timings)
         if not fg.enable:
             kept.append(batch)
             break
@@ -391,9 +425,15 @@ def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step:
                              "raise rollout.multi_turn.tool_timeout_s if it is only slow")
 
 
+def _process_sum(x: Tensor) -> Tensor:
+    """Sum of a small tensor over the processes (the batch statistics of `advantages.token_advantages`)."""
+    return torch.tensor([all_reduce_sum(v) for v in x.tolist()], dtype=x.dtype, device=x.device)
+
+
 def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
-    """Token rewards (score on the last response token, minus the KL penalty on loss tokens if in reward) -> group
-    advantages, broadcast over the loss tokens."""
+    """Token rewards (score on the last response token, minus the KL penalty on loss tokens if in reward) ->
+    algorithm.adv_estimator's advantages per loss token (`advantages.token_advantages`; remax reads
+    batch.reward_baselines, `attach_greedy_baselines`)."""
     alg = cfg.algorithm
     mask = batch.loss_mask  # [B, T]
     # The score belongs to the whole response, so it sits on the response's last token even where that token is out
@@ -408,11 +448,14 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
         token_rewards = token_rewards - alg.kl_ctrl.kl_coef * kl
         metrics["critic/kl_in_reward"] = all_reduce_sum(kl.sum().item()) / max(all_reduce_sum(mask.sum().item()), 1.0)
     batch.token_rewards = token_rewards
-    seq_scores = token_rewards.sum(-1)  # [B]
-    adv = algorithms.compute_advantages(seq_scores, batch.group_ids, estimator=alg.adv_estimator,
-                                        norm_by_std=alg.norm_adv_by_std_in_grpo)  # [B]
-    batch.advantages = adv[:, None] * mask  # [B, T]
-    metrics["critic/advantages_abs_mean"] = all_reduce_sum(adv.abs().sum().item()) / all_reduce_sum(len(batch))
+    batch.advantages = algorithms.token_advantages(token_rewards, mask, batch.group_ids, estimator=alg.adv_estimator,
+                                                   norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma,
+                                                   reward_baselines=batch.reward_baselines, batch_sum=_process_sum)  # [B, T]
+    # per response: mean |A| over its loss tokens (a per-response estimator's |A_i|), over responses with loss tokens
+    row_tokens = mask.sum(-1)  # [B]
+    row_abs = (batch.advantages.abs() * mask).sum(-1) / row_tokens.clamp(min=1)  # [B]
+    metrics["critic/advantages_abs_mean"] = (all_reduce_sum(row_abs.sum().item())
+                                             / max(all_reduce_sum(float((row_tokens > 0).sum())), 1.0))
     return metrics
 
 

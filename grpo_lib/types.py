@@ -91,8 +91,9 @@ class RolloutBatch:
     scores: torch.Tensor | None = None  # [B] float, weighted reward per response (+ the overlong penalty if enabled)
     overlong_penalties: torch.Tensor | None = None  # [B] float, the part of scores from reward.overlong_buffer (<= 0)
     accuracies: torch.Tensor | None = None  # [B] float, 1 correct / 0 wrong (accuracy reward > 0, or a custom `acc`); None: no such reward
+    reward_baselines: torch.Tensor | None = None  # [B] float, remax: the score of a greedy response to the row's prompt
     token_rewards: torch.Tensor | None = None  # [B, T] score on the last response token (minus KL on loss tokens if in reward)
-    advantages: torch.Tensor | None = None  # [B, T] float, sequence advantage broadcast over loss tokens
+    advantages: torch.Tensor | None = None  # [B, T] float, algorithm.adv_estimator's advantage per loss token (0 elsewhere)
     old_logprobs: torch.Tensor | None = None  # [B, T] float, actor before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, frozen reference
 

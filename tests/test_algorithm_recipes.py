@@ -327,3 +327,15 @@ def test_kl_in_reward_with_rollout_correction_trains(tiny_model_dir, arith_data,
     assert_finite(rows, COMMON + ("critic/kl_in_reward", "timing_s/ref", "timing_s/old_logprob"))
     # step 1: actor == reference, same logprob function -> exactly 0; step 2: the actor has moved
     assert rows[0]["critic/kl_in_reward"] == 0.0 and rows[1]["critic/kl_in_reward"] != 0.0, [r["critic/kl_in_reward"] for r in rows]
+
+
+@pytest.mark.slow
+def test_remax_trains_with_a_greedy_baseline_per_prompt(tiny_model_dir, arith_data, reward_file, tmp_path):
+    # algorithm.adv_estimator=remax: after the sampled responses the engine generates one greedy response per prompt;
+    # its score is the prompt's baseline (tests/test_advantages.py checks the values on a fake engine)
+    rows = train("tiny_cpu.yaml", tmp_path, tiny_model_dir, arith_data, reward_file, "trainer.total_training_steps=2",
+                 "algorithm.adv_estimator=remax")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_finite(rows, COMMON + ("timing_s/gen_max", "reward/greedy_baseline_mean"))
+    assert all(0.0 <= r["reward/greedy_baseline_mean"] <= 1.0 for r in rows), rows
+    assert any(r["actor/grad_norm"] > 0 for r in rows), "no gradient: every response scored its greedy baseline"

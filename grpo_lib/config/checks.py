@@ -73,6 +73,12 @@ def needs_old_logprobs(cfg: Config) -> bool:
     return several_updates or cfg.algorithm.use_kl_in_reward
 
 
+def greedy_baseline_needed(cfg: Config) -> bool:
+    """algorithm.adv_estimator's baseline is the score of one more, greedy, response per prompt (remax): the step
+    generates it after the sampled responses (`step.attach_greedy_baselines`)."""
+    return cfg.algorithm.adv_estimator in names.GREEDY_BASELINE_ESTIMATORS
+
+
 def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
     """The engine's sampling logprobs are requested only when something reads them.
 
@@ -133,9 +139,15 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if d.train_batch_size % world_size:
         p.append(f"data.train_batch_size={d.train_batch_size} prompts does not split across {world_size} processes "
                  "(a group never straddles processes): make it a multiple of the process count")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
+    if cfg.algorithm.adv_estimator in names.GROUP_ADV_ESTIMATORS and r.n < 2:
         p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
                  "need at least 2 responses per prompt; set rollout.n=5 (or more)")
+    if cfg.algorithm.adv_estimator in names.REFUSED_ADV_ESTIMATORS:
+        p.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: "
+                 f"{names.REFUSED_ADV_ESTIMATORS[cfg.algorithm.adv_estimator]}")
+    if not 0.0 <= cfg.algorithm.gamma <= 1.0:
+        p.append(f"algorithm.gamma={cfg.algorithm.gamma}: the discount per response token must be in [0, 1] "
+                 "(verl's default 1.0; reinforce_plus_plus reads it)")
     need = d.max_prompt_length + d.max_response_length
     # (name, dynamic?, token budget, micro-batch size) of the update, the old-logprob pass and the reference pass
     for name, dynamic, budget, micro in (

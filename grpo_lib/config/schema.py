@@ -388,9 +388,14 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """grpo or rloo."""
+    """Advantage estimator (verl's names, docs/ALGORITHMS.md): grpo, rloo, grpo_passk, opo, gpg, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax (one more, greedy, generation per prompt for its baseline); grpo_vectorized and
+    rloo_vectorized are verl's spellings of grpo and rloo."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group std (GRPO); false gives Dr. GRPO."""
+    gamma: float = 1.0
+    """Discount per response token of reinforce_plus_plus's returns, in [0, 1] (verl's default 1.0; the other
+    estimators ignore it). Only loss tokens count as steps: a tool's output in a multi-turn episode is not discounted."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef x KL from token rewards before advantages."""
     kl_penalty: str = "kl"

@@ -77,6 +77,7 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
                                     "is that plus the overlong penalty of reward.overlong_buffer (off unless enabled)",
                                     ("naive", "dapo")),
     "reward.overlong_buffer.log": ("verl's per-response overlong log: reward/overlong_penalty_mean is always logged here", None),
+    "algorithm.lam": ("GAE's lambda: GAE needs a critic and is refused here; no estimator here reads it", None),
     "actor.optim.warmup_style": ("the schedule here is linear warm-up then constant", ("constant",)),
     # verl's rollout-correction rejection and bypass modes (not implemented): their off values only
     "algorithm.rollout_correction.rollout_rs": ("rejection sampling by the engine/trainer ratio (verl's rollout_rs) is not "
