@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -111,6 +113,9 @@ def close_distributed() -> None:
     dist.destroy_process_group()
 
 
+T = TypeVar("T")
+
+
 def _reduce(value: float, op) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64)  # CPU tensor: gloo on every machine
     dist.all_reduce(t, op=op)
@@ -148,6 +153,48 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class _LeaderError:
+    """A leader's exception, carried to its group so every member raises it (no member left waiting)."""
+
+    def __init__(self, exc: BaseException):
+        self.text = f"{type(exc).__name__}: {exc}"
+
+
+def group_leader_call(group_size: int) -> Callable[[Callable[[], T]], T]:
+    """`call(fn)`: within each group of `group_size` consecutive processes (a tensor-parallel group: process r is in
+    the group of r // group_size), the group's first process runs `fn()` and every member gets its result (pickled,
+    over a gloo group of the members). The identity call without a group or with groups of one. Every process must
+    call this (the groups are created collectively) and then call `call` as often as the others of its group.
+    A leader whose `fn` raises hands the error to its members, which raise it too.
+
+    Why: work whose outcome depends on the clock (a tool with a wall-clock timeout) would otherwise differ between
+    the members, whose engines must then be sent identical requests (a tensor-parallel collective mismatch)."""
+    if group_size <= 1 or not is_on():
+        return lambda fn: fn()
+    world, me = dist.get_world_size(), dist.get_rank()
+    assert world % group_size == 0, f"{world} processes do not split into groups of {group_size}"
+    groups = [dist.new_group(list(range(first, first + group_size)), backend="gloo")
+              for first in range(0, world, group_size)]  # every process creates every group, in the same order
+    leader = me // group_size * group_size
+    group = groups[me // group_size]
+
+    def call(fn):
+        box = [None]
+        if me == leader:
+            try:
+                box[0] = fn()
+            except BaseException as exc:  # noqa: BLE001 - the members must not wait for a result that never comes
+                box[0] = _LeaderError(exc)
+                dist.broadcast_object_list(box, src=leader, group=group)
+                raise
+        dist.broadcast_object_list(box, src=leader, group=group)
+        if isinstance(box[0], _LeaderError):
+            raise RuntimeError(f"process {leader}, which runs this group's tools, failed: {box[0].text}")
+        return box[0]
+
+    return call
 
 
 def barrier() -> None:

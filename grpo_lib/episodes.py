@@ -39,6 +39,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from grpo_lib.distributed import group_leader_call
 from grpo_lib.seeds import turn_seed
 from grpo_lib.tools.calls import CallOutcome, ToolBox
 from grpo_lib.tools.config import load_tools
@@ -74,8 +75,13 @@ class _Episode:
 class EpisodeRunner:
     """The episode loop of one run: the tokenizer that renders the chat template, the tools, the turn limits."""
 
-    def __init__(self, *, tokenizer, toolbox: ToolBox, multi_turn, chat_template_kwargs: dict | None = None):
+    def __init__(self, *, tokenizer, toolbox: ToolBox, multi_turn, chat_template_kwargs: dict | None = None,
+                 leader_call=None):
         self.tokenizer, self.toolbox, self.cfg = tokenizer, toolbox, multi_turn  # cfg: rollout.multi_turn
+        # Under tensor parallelism the group's first process runs the tools and its members receive the outcomes
+        # (distributed.group_leader_call): a timeout on one member would otherwise give it another context than its
+        # group's, and the engine's TP collectives would mismatch. The identity without TP.
+        self.leader_call = leader_call or (lambda fn: fn())
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model = getattr(tokenizer, "name_or_path", "?")
         self.turn_end = self._turn_end_ids()
@@ -92,7 +98,8 @@ class EpisodeRunner:
         toolbox = ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
-            return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
+            return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
+                       leader_call=group_leader_call(cfg.rollout.tensor_model_parallel_size))
         except TemplateError:
             toolbox.close()
             raise
@@ -118,7 +125,8 @@ class EpisodeRunner:
         timings = timings if timings is not None else {}
         started = time.perf_counter()
         tools_kwargs = [(prompts.extra_infos[i] or {}).get("tools_kwargs") or {} for i in range(len(prompts)) for _ in range(n)]
-        for ep, failed in zip(episodes, self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)])):
+        started_tools = self.leader_call(lambda: self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)]))
+        for ep, failed in zip(episodes, started_tools):
             self._count_failures(ep.stats, failed)
         tool_seconds = time.perf_counter() - started
         active, turn = list(episodes), 0
@@ -142,7 +150,7 @@ class EpisodeRunner:
                     ep.stats.dropped_calls += max(0, len(calls) - self.cfg.max_parallel_calls)
                     pending.append((ep, out, calls[:self.cfg.max_parallel_calls]))
             started = time.perf_counter()
-            outcomes = self.toolbox.run([(ep.instance_id, call) for ep, _, calls in pending for call in calls])
+            outcomes = self.leader_call(lambda: self.toolbox.run([(ep.instance_id, call) for ep, _, calls in pending for call in calls]))
             tool_seconds += time.perf_counter() - started
             for ep, out, calls in pending:
                 answered, outcomes = outcomes[:len(calls)], outcomes[len(calls):]
@@ -151,7 +159,7 @@ class EpisodeRunner:
             active = [ep for ep in active if not ep.stats.stop]
             turn += 1
         started = time.perf_counter()
-        for ep, (rewards, failed) in zip(episodes, self.toolbox.finish([ep.instance_id for ep in episodes])):
+        for ep, (rewards, failed) in zip(episodes, self.leader_call(lambda: self.toolbox.finish([ep.instance_id for ep in episodes]))):
             ep.stats.tool_rewards = rewards
             self._count_failures(ep.stats, failed)
         timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + tool_seconds + time.perf_counter() - started

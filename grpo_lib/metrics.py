@@ -33,7 +33,7 @@ Metric names are namespaced and documented once here:
 | `memory/peak_mb` | the largest of the step's three phase peaks |
 | `perf/collective_mb_per_update` | MiB process 0 all-gathered and reduce-scattered (FSDP2: each call's full buffer) per optimizer update of the step; actor.fsdp_config.keep_root_gathered / reshard_after_forward / defer_grad_reduce lower it |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
-| `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance` | the weights that generated this step's rollouts: mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), and its tolerance from the compute dtype (above it the run stops before the update, exit 3; grpo_lib/weight_probe.py) |
+| `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance`, `rollout/weight_probe_ratio`, `rollout/weight_probe_noise` | the weights that generated this step's rollouts: mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), its tolerance (3 x the noise measured at the set-up's known-good weights, within the compute dtype's bound), their ratio (above 1 the run stops before the update, exit 3) and that noise (grpo_lib/weight_probe.py) |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
 | `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
 | `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |

@@ -137,7 +137,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def push_skipping_run(tiny_model_dir, arith_data, tmp_path, engine: str, steps: int):
+def push_skipping_run(tiny_model_dir, arith_data, tmp_path, engine: str, steps: int, extra: tuple[str, ...] = (),
+                      skip: bool = True, expect_exit: int = 3):
     """A run whose every push leaves out one parameter (the engine keeps the stale copy it loaded from model.path;
     tests/scripts/train_with_faults.py --push-skips), actor.lr 1e-3: far above the float32 tolerance (about 6e-6 here)."""
     reward = tmp_path / "reward.py"
@@ -145,9 +146,9 @@ def push_skipping_run(tiny_model_dir, arith_data, tmp_path, engine: str, steps: 
     out = tmp_path / "run"
     proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(
         tiny_model_dir, arith_data, out, f"rollout.name={engine}", f"reward.custom.path={reward}", "actor.lr=1e-3",
-        f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]")],
-        faults=["--push-skips", "model.layers.0.mlp.down_proj.weight"], check=False)
-    assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
+        f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]",
+        *extra)], faults=["--push-skips", "model.layers.0.mlp.down_proj.weight"] if skip else [], check=False)
+    assert proc.returncode == expect_exit, f"exit {expect_exit} expected, got {proc.returncode}: {proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc, out
 
@@ -169,6 +170,28 @@ def test_a_push_that_skips_a_parameter_is_caught_by_the_weight_probe_and_stops_a
     assert "actor/pg_loss" not in row, "step 2 trained on the rollouts of the wrong weights"
     assert (out / "global_step_1" / "COMPLETE").is_file(), "the last completed step is saved (its actor weights are right)"
     assert not (out / "global_step_2").exists()
+
+
+BF16 = ("actor.fsdp_config.param_dtype=bfloat16", "rollout.dtype=bfloat16")
+
+
+@pytest.mark.slow
+def test_a_skipped_parameter_is_caught_in_bf16_and_a_healthy_bf16_run_never_alarms(tiny_model_dir, arith_data, tmp_path):
+    """Issue 28 item 8, the GPU default: bf16 compute on both sides (the hf engine and the actor). The push leaving out
+    layers.0.mlp.down_proj (lr 1e-3) is caught within 2 steps of the first push (at step 2 or 3: measured 3.3x and 4.4x
+    the set-up's noise there, against 3x allowed): the tolerance comes from the noise measured at the set-up's probe
+    (the fixed bf16 bound, ~500x that noise, never fired). The same run without the skipped parameter trains 4 steps
+    with every probe's ratio under 1 (measured at most 1.5x the set-up's noise: a ratio of 0.5)."""
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "healthy").mkdir()
+    proc, out = push_skipping_run(tiny_model_dir, arith_data, tmp_path / "stale", "hf", steps=4, extra=BF16)
+    rows = read_metrics(out)
+    assert rows[-1]["step"] <= 3 and rows[-1]["rollout/weight_probe_ratio"] > 1, rows
+    assert "the engine does not serve the actor's weights" in proc.stderr, proc.stderr[-3000:]
+    proc, out = push_skipping_run(tiny_model_dir, arith_data, tmp_path / "healthy", "hf", steps=4, extra=BF16,
+                                  skip=False, expect_exit=0)
+    ratios = [r["rollout/weight_probe_ratio"] for r in read_metrics(out)]
+    assert len(ratios) == 4 and max(ratios) < 1, ratios
 
 
 @pytest.mark.slow

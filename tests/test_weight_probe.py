@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo_lib.engines.base import EngineGlue
-from grpo_lib.weight_probe import PROBE_TOKENS, WeightMismatch, WeightProbe, mismatch, tolerance
+from grpo_lib.weight_probe import calibrated_tolerance, PROBE_TOKENS, WeightMismatch, WeightProbe, mismatch, tolerance
 
 
 class FakePolicy:
@@ -59,6 +59,49 @@ def test_tolerance_by_hand():
     # float32 only: eps = 2**-23; at a mean |logprob| of 5.7 (the tiny test model): 8 x 1.19e-7 x 6.7 = 6.4e-6
     assert tolerance([torch.float32], 5.7) == pytest.approx(8 * 2**-23 * 6.7)
     assert tolerance([torch.float16, torch.float32], 0.0) == pytest.approx(8 * 2**-10)
+
+
+def test_calibrated_tolerance_by_hand():
+    """Issue 28 item 8: after the set-up's probe, NOISE_FACTOR (3) x its measured noise, at least float32's bound, at
+    most the dtype's ceiling. bfloat16, mean |logprob| 8: ceiling 8 x 2**-7 x 9 = 0.5625; float32 8 x 2**-23 x 9."""
+    bf16 = [torch.bfloat16, torch.float32]
+    assert calibrated_tolerance(bf16, 8.0, None) == pytest.approx(8 * 2**-7 * 9)  # the first probe: the ceiling
+    assert calibrated_tolerance(bf16, 8.0, 0.02) == pytest.approx(0.06)  # 3 x the noise
+    assert calibrated_tolerance(bf16, 8.0, 0.0) == pytest.approx(8 * 2**-23 * 9)  # identical kernels: float32's bound
+    assert calibrated_tolerance(bf16, 8.0, 1.0) == pytest.approx(8 * 2**-7 * 9)  # never above the ceiling
+    # float32 on both sides: the floor is the ceiling, the tolerance the dtype's whatever the noise
+    assert calibrated_tolerance([torch.float32], 5.7, 1e-7) == pytest.approx(tolerance([torch.float32], 5.7))
+
+
+def test_the_set_up_probe_calibrates_and_a_stale_bf16_weight_is_caught():
+    """The bf16 case of issue 28 item 8, replayed with its numbers: the set-up's probe (known-good weights) reads a
+    noise of 0.02; a parameter the push skipped then reads 0.34 at step 2, under the dtype's ceiling (0.56: never
+    caught before) and above 3 x 0.02: a mismatch; a healthy 0.03 passes. Every probe logs its ratio."""
+    n = PROBE_TOKENS
+    actor_lp = [0.0] + [-8.0] * (n - 1)
+    probe = WeightProbe(list(range(n)), dtypes=[torch.bfloat16, torch.float32])
+    metrics = []
+    for diff in (0.02, 0.03, 0.34):  # set-up (noise), a healthy step, the stale one
+        probe.expect(FakeActor(actor_lp))
+        engine = FakeEngine([0.0] + [-8.0 + diff] * (n - 1))
+        probe.send(engine)
+        metrics.append(probe.measure(engine))
+    ceiling = 8 * 2**-7 * 9
+    assert metrics[0]["rollout/weight_probe_tolerance"] == pytest.approx(ceiling)
+    assert probe.noise == pytest.approx(0.02, rel=1e-5)
+    assert [m["rollout/weight_probe_tolerance"] for m in metrics[1:]] == [pytest.approx(0.06, rel=1e-5)] * 2
+    assert mismatch(metrics[1], step=1) is None and metrics[1]["rollout/weight_probe_ratio"] == pytest.approx(0.5, rel=1e-4)
+    assert 0.34 < ceiling and isinstance(mismatch(metrics[2], step=2), WeightMismatch)
+    assert metrics[2]["rollout/weight_probe_ratio"] == pytest.approx(0.34 / 0.06, rel=1e-4)
+    assert all(m["rollout/weight_probe_noise"] == pytest.approx(0.02, rel=1e-5) for m in metrics)
+
+
+def test_a_set_up_probe_above_the_ceiling_stops_and_calibrates_nothing():
+    probe = WeightProbe(list(range(8)), dtypes=[torch.float32])
+    probe.expect(FakeActor([0.0] + [-2.0] * 7))
+    engine = FakeEngine([0.0] + [-3.0] * 7)  # garbage at set-up: a whole nat
+    probe.send(engine)
+    assert isinstance(mismatch(probe.measure(engine), step=1), WeightMismatch) and probe.noise is None
 
 
 def test_the_probe_is_the_first_tokens_of_the_prompt_and_compares_their_mean_difference():
