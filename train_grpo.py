@@ -409,7 +409,9 @@ def main(argv: list[str]) -> int:
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)
-        if problems := environment_problems(cfg):
+        from grpo_lib.engines import settings_problems  # the engine's settings against the installed library
+
+        if problems := environment_problems(cfg) + settings_problems(cfg):
             raise ConfigError(problems)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -109,3 +109,50 @@ def test_hf_compile_key_refused_for_vllm_and_accepted_for_hf():
         load_config(RECIPE, ["rollout.hf_use_torch_compile=true"])
     assert "rollout.hf_use_torch_compile=true" in str(error.value) and "rollout.name='vllm'" in str(error.value)
     assert load_config(RECIPE, ["rollout.name=hf", "rollout.hf_use_torch_compile=true"]).rollout.hf_use_torch_compile
+
+
+# ------------------------------------------------------------------ issue 31: names the installed vLLM takes
+def test_an_unknown_engine_keyword_is_named_with_the_closest_ones():
+    """vLLM refused it with `EngineArgs.__init__() got an unexpected keyword` only once the data and the reward workers
+    were up; now the installed vLLM's names are read before anything loads (train_grpo.py: exit 2)."""
+    from grpo_lib.engines import settings_problems
+
+    cfg = load_config(RECIPE, ["rollout.engine_kwargs.kv_cache_dtyp=fp8", "rollout.engine_kwargs.no_such_vllm_flag=3",
+                               "rollout.engine_kwargs.block_size=16", "rollout.engine_kwargs.compilation_config.level=3"])
+    problems = settings_problems(cfg)
+    assert len(problems) == 2, problems
+    typo, unknown = sorted(problems)
+    assert typo.startswith("rollout.engine_kwargs.kv_cache_dtyp: not an argument of the installed vLLM") and \
+        "did you mean 'kv_cache_dtype'" in typo, typo
+    assert unknown.startswith("rollout.engine_kwargs.no_such_vllm_flag: not an argument") and "drop it" in unknown, unknown
+    assert settings_problems(load_config(RECIPE, ["rollout.engine_kwargs.block_size=16"])) == []
+    assert settings_problems(load_config(RECIPE, ["rollout.name=hf"])) == [], "another engine: nothing of vLLM's to check"
+
+
+def test_engine_argument_names_come_from_vllms_source_without_importing_it():
+    """Importing vLLM takes seconds (torch, its platform probes); its names are read from its source with ast."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from grpo_lib.engines.vllm import engine_argument_names; names = engine_argument_names(); "
+            "print(len(names), 'kv_cache_dtype' in names, 'chat_template' in names, 'vllm' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    count, *flags = proc.stdout.split()
+    assert int(count) > 100 and flags == ["True", "True", "False"], proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_engine_argument_names_are_what_vllm_takes():
+    """The names read from the source are exactly EngineArgs' fields and LLM.__init__'s parameters (LLM passes its
+    **kwargs on to EngineArgs), as the imported classes say (importing vLLM: ~13 s here, hence slow)."""
+    import dataclasses
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.llm import LLM
+
+    from grpo_lib.engines.vllm import engine_argument_names
+
+    expected = {f.name for f in dataclasses.fields(EngineArgs)} | \
+        (set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
+    assert engine_argument_names() == expected
