@@ -13,8 +13,10 @@ A run resumes from its newest complete checkpoint whose files all check out (tra
 is reported and skipped before the engine starts). SIGTERM / SIGINT finish the step, save and exit 0
 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
-model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
-fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
+model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when every part
+of the plan was computed and it fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in
+--gpu-memory-gb, 5 when the plan has no memory part (no config.json of the model reachable: pass --model-config FILE),
+so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
 could not be trusted (rewards failing, a tool failing on every call of a step, the engine not serving the actor's
@@ -399,13 +401,14 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     if "--print-plan" in argv:
+        from grpo_lib.engines import settings_problems
         from grpo_lib.plan import print_plan
 
         if "--measure" in argv:  # the training phase measured on fake tensors (imports torch, transformers)
             from grpo_lib.plan_measure import measure_lines
 
-            return print_plan(argv, measure=measure_lines)
-        return print_plan(argv)
+            return print_plan(argv, measure=measure_lines, engine_checks=settings_problems)
+        return print_plan(argv, engine_checks=settings_problems)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)
