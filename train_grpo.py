@@ -8,7 +8,8 @@ colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (s
     -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
-Config problems, and a run folder that holds another run, exit with code 2 before anything heavy loads.
+Config problems, and a run folder that holds another run (or is in use by one: the run lock), exit with code 2 before
+anything heavy loads.
 A run resumes from its newest complete checkpoint whose files all check out (trainer.resume_mode=auto; a damaged one
 is reported and skipped before the engine starts). SIGTERM / SIGINT finish the step, save and exit 0
 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
@@ -439,18 +440,47 @@ def main(argv: list[str]) -> int:
     if cfg.trainer.tune_allocator:  # before the model and engine load: what start-up frees goes back to the OS
         tune_allocator(loading=True)
     capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
-    from grpo_lib.data import DataError
-    from grpo_lib.distributed import barrier, gpu_visibility_problem, init_distributed
+    from grpo_lib.distributed import gpu_visibility_problem, init_distributed
 
     if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    try:  # a folder holding another run, or a resume that would delete newer checkpoints: exit 2 now
-        resume = checkpoint.plan_resume(cfg)
-    except checkpoint.ResumeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     init_distributed()
+    from grpo_lib.checkpoint_lock import RunLockHeld, take_run_lock
+    from grpo_lib.distributed import broadcast_object
+
+    lock, refusal = None, None
+    if rank == 0:  # one run at a time per folder: process 0 holds the lock for the run (grpo_lib/checkpoint_lock.py)
+        try:
+            lock = take_run_lock(Path(cfg.trainer.default_local_dir))
+        except (RunLockHeld, OSError) as exc:
+            refusal = str(exc) if isinstance(exc, RunLockHeld) else (
+                f"trainer.default_local_dir={cfg.trainer.default_local_dir!r}: its run lock cannot be taken ({exc})")
+        if lock is not None and lock.stale:
+            print(f"warning: {lock.stale}", file=sys.stderr)
+    refusal = broadcast_object(refusal)  # every process of the run agrees: all go on, or all exit 2
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    try:
+        try:  # a folder holding another run, or a resume that would delete newer checkpoints: exit 2 now (read only)
+            resume = checkpoint.plan_resume(cfg)
+        except checkpoint.ResumeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return run_in_held_folder(cfg, resume, rank=rank, world_size=world_size)
+    finally:  # every way out of the run; a kill leaves a stale lock that the next start takes over
+        if lock is not None:
+            lock.release()
+
+
+def run_in_held_folder(cfg, resume, *, rank: int, world_size: int) -> int:
+    """The run, once process 0 holds the run folder's lock: the folder is one for every process, the checkpoint's files
+    are checked (a damaged one set aside), then set-up and training; returns the exit code."""
+    from grpo_lib import checkpoint
+    from grpo_lib.data import DataError
+    from grpo_lib.distributed import barrier
+    from grpo_lib.perf import tune_allocator
     from grpo_lib.preflight import run_folder_not_shared
 
     if problem := run_folder_not_shared(Path(cfg.trainer.default_local_dir), rank=rank, world_size=world_size):  # 2+ machines

@@ -16,6 +16,7 @@ A run folder (`trainer.default_local_dir`) holds one run:
         COMPLETE                           written last: a folder without it is never loaded
     damaged_global_step_N/                 a damaged checkpoint a resume skipped (set aside, never deleted)
     latest_checkpointed_iteration.txt      the newest complete step (verl's name), updated after the rename
+    .run.lock                              held by the run's process 0 while it runs (grpo_lib/checkpoint_lock.py)
 
 Atomic save: everything is written to `.tmp_global_step_N/`, then every process checksums a share of the files and
 process 0 writes the manifest, then the COMPLETE marker; then the folder is renamed to `global_step_N` and the pointer
