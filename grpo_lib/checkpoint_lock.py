@@ -25,6 +25,8 @@ How, and why these primitives:
 - Not `O_CREAT | O_EXCL` alone: atomic on local disks and NFSv3+, but a crashed run's file would stay, and telling
   a live holder on another host from a dead one would rest on the heartbeat alone. flock is exact wherever it works;
   the heartbeat covers where it does not.
+- The descriptor is close-on-exec (Python's default), so nothing the run execs (the reward forkserver, tool
+  processes) inherits the flock; a plain fork would share it, and a refusal whose holder pid is gone says so.
 - The file is removed on release. The unlink races with a new run that opened the old file: after taking the flock,
   a run checks that the path still names the file it locked (same inode), and starts again otherwise.
 
@@ -164,5 +166,8 @@ def _held_message(run_dir: Path, info: dict, *, heartbeat_s: float | None = None
     how = (f"; its heartbeat is {heartbeat_s:.0f} s old (this file system gives no lock across machines, so the "
            f"heartbeat decides; stale after {STALE_AFTER_S:.0f} s)" if heartbeat_s is not None else "")
     holder = _describe(info) if info else "the holder has not written its name yet"
+    if heartbeat_s is None and info.get("host") == socket.gethostname() and not _pid_alive(info.get("pid")):
+        how = (f"; that pid is gone, so a process it forked still holds the lock (a leftover worker: `fuser "
+               f"{run_dir / LOCK_NAME}` names it)")
     return (f"trainer.default_local_dir={str(run_dir)!r} is in use by another run ({holder}{how}): one run at a time per "
             "folder. Wait for it to end (or stop it), or choose another trainer.default_local_dir. Nothing was changed.")
