@@ -39,11 +39,11 @@ def llm_kwargs(*overrides: str, on_cpu: bool = False, world_size: int = 1) -> di
 
 def test_verl_engine_kwargs_reach_llm_unchanged_on_gpu():
     kwargs = llm_kwargs(
-        "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=32",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes=[1,8,32]",
         "actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN",
         "actor_rollout_ref.rollout.max_num_batched_tokens=10240", "actor_rollout_ref.rollout.enable_chunked_prefill=False")
-    assert kwargs["swap_space"] == 4 and kwargs["attention_backend"] == "FLASH_ATTN"
+    assert kwargs["block_size"] == 32 and kwargs["attention_backend"] == "FLASH_ATTN"
     assert kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 32]}, "a dotted leaf is vLLM's nested mapping"
     assert kwargs["max_num_batched_tokens"] == 10240 and kwargs["enable_chunked_prefill"] is False
     assert kwargs["disable_custom_all_reduce"] is True, "verl's default"
@@ -61,10 +61,10 @@ def test_recipe_mapping_spelling(tmp_path):
     recipe = tmp_path / "r.yaml"
     text = RECIPE.read_text()
     assert "\nrollout:\n" in text
-    recipe.write_text(text.replace("\nrollout:\n", "\nrollout:\n  engine_kwargs:\n    vllm:\n      swap_space: 2\n"
-                                   "      max_seq_len_to_capture: 64\n    sglang: {}\n", 1))
+    recipe.write_text(text.replace("\nrollout:\n", "\nrollout:\n  engine_kwargs:\n    vllm:\n      block_size: 16\n"
+                                   "      kv_cache_dtype: auto\n    sglang: {}\n", 1))
     cfg = load_config(recipe, [])
-    assert cfg.rollout.engine_kwargs == {"swap_space": 2, "max_seq_len_to_capture": 64}
+    assert cfg.rollout.engine_kwargs == {"block_size": 16, "kv_cache_dtype": "auto"}
     assert any(k.startswith("rollout.engine_kwargs.sglang") for k in cfg.ignored), cfg.ignored
 
 

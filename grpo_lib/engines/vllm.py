@@ -106,7 +106,7 @@ def llm_kwargs(own: dict, engine_kwargs: dict) -> dict:
     the trainer's own (`own`), none of which engine_kwargs may name (config validation refuses that with both keys'
     names; refused here too for an engine built without it).
 
-    Example: llm_kwargs({"seed": 1}, {"swap_space": 4}) -> {"disable_custom_all_reduce": True, "swap_space": 4, "seed": 1}.
+    Example: llm_kwargs({"seed": 1}, {"block_size": 32}) -> {"disable_custom_all_reduce": True, "block_size": 32, "seed": 1}.
     """
     clash = sorted(set(own) & set(engine_kwargs))
     if clash:
