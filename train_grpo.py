@@ -8,13 +8,16 @@ colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (s
     -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
-Config problems, and a run folder that holds another run, exit with code 2 before anything heavy loads.
+Config problems, and a run folder that holds another run (or is in use by one: the run lock), exit with code 2 before
+anything heavy loads.
 A run resumes from its newest complete checkpoint whose files all check out (trainer.resume_mode=auto; a damaged one
 is reported and skipped before the engine starts). SIGTERM / SIGINT finish the step, save and exit 0
 (grpo_lib/checkpoint.py, grpo_lib/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
-model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when the plan
-fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in --gpu-memory-gb, so a script can gate on it.
+model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when every part
+of the plan was computed and it fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in
+--gpu-memory-gb, 5 when the plan has no memory part (no config.json of the model reachable: pass --model-config FILE),
+so a script can gate on it.
 Exit codes: 0 done (or stopped cleanly); 2 a config, data, model or run-folder problem, found before anything heavy
 loads (or, multi-turn, a chat template that cannot extend an episode mid-run); 3 the run stopped because its results
 could not be trusted (rewards failing, a tool failing on every call of a step, the engine not serving the actor's
@@ -399,17 +402,20 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     if "--print-plan" in argv:
+        from grpo_lib.engines import settings_problems
         from grpo_lib.plan import print_plan
 
         if "--measure" in argv:  # the training phase measured on fake tensors (imports torch, transformers)
             from grpo_lib.plan_measure import measure_lines
 
-            return print_plan(argv, measure=measure_lines)
-        return print_plan(argv)
+            return print_plan(argv, measure=measure_lines, engine_checks=settings_problems)
+        return print_plan(argv, engine_checks=settings_problems)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)
-        if problems := environment_problems(cfg):
+        from grpo_lib.engines import settings_problems  # the engine's settings against the installed library
+
+        if problems := environment_problems(cfg) + settings_problems(cfg):
             raise ConfigError(problems)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -434,18 +440,47 @@ def main(argv: list[str]) -> int:
     if cfg.trainer.tune_allocator:  # before the model and engine load: what start-up frees goes back to the OS
         tune_allocator(loading=True)
     capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
-    from grpo_lib.data import DataError
-    from grpo_lib.distributed import barrier, gpu_visibility_problem, init_distributed
+    from grpo_lib.distributed import gpu_visibility_problem, init_distributed
 
     if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    try:  # a folder holding another run, or a resume that would delete newer checkpoints: exit 2 now
-        resume = checkpoint.plan_resume(cfg)
-    except checkpoint.ResumeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     init_distributed()
+    from grpo_lib.checkpoint_lock import RunLockHeld, take_run_lock
+    from grpo_lib.distributed import broadcast_object
+
+    lock, refusal = None, None
+    if rank == 0:  # one run at a time per folder: process 0 holds the lock for the run (grpo_lib/checkpoint_lock.py)
+        try:
+            lock = take_run_lock(Path(cfg.trainer.default_local_dir))
+        except (RunLockHeld, OSError) as exc:
+            refusal = str(exc) if isinstance(exc, RunLockHeld) else (
+                f"trainer.default_local_dir={cfg.trainer.default_local_dir!r}: its run lock cannot be taken ({exc})")
+        if lock is not None and lock.stale:
+            print(f"warning: {lock.stale}", file=sys.stderr)
+    refusal = broadcast_object(refusal)  # every process of the run agrees: all go on, or all exit 2
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    try:
+        try:  # a folder holding another run, or a resume that would delete newer checkpoints: exit 2 now (read only)
+            resume = checkpoint.plan_resume(cfg)
+        except checkpoint.ResumeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return run_in_held_folder(cfg, resume, rank=rank, world_size=world_size)
+    finally:  # every way out of the run; a kill leaves a stale lock that the next start takes over
+        if lock is not None:
+            lock.release()
+
+
+def run_in_held_folder(cfg, resume, *, rank: int, world_size: int) -> int:
+    """The run, once process 0 holds the run folder's lock: the folder is one for every process, the checkpoint's files
+    are checked (a damaged one set aside), then set-up and training; returns the exit code."""
+    from grpo_lib import checkpoint
+    from grpo_lib.data import DataError
+    from grpo_lib.distributed import barrier
+    from grpo_lib.perf import tune_allocator
     from grpo_lib.preflight import run_folder_not_shared
 
     if problem := run_folder_not_shared(Path(cfg.trainer.default_local_dir), rank=rank, world_size=world_size):  # 2+ machines

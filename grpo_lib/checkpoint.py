@@ -16,6 +16,7 @@ A run folder (`trainer.default_local_dir`) holds one run:
         COMPLETE                           written last: a folder without it is never loaded
     damaged_global_step_N/                 a damaged checkpoint a resume skipped (set aside, never deleted)
     latest_checkpointed_iteration.txt      the newest complete step (verl's name), updated after the rename
+    .run.lock                              held by the run's process 0 while it runs (grpo_lib/checkpoint_lock.py)
 
 Atomic save: everything is written to `.tmp_global_step_N/`, then every process checksums a share of the files and
 process 0 writes the manifest, then the COMPLETE marker; then the folder is renamed to `global_step_N` and the pointer
@@ -36,8 +37,10 @@ folder (a fresh folder starts at step 0), `disable` refuses a folder that alread
   `auto`, a damaged checkpoint is reported by path with its problems, renamed `damaged_global_step_N`, and the next
   older complete checkpoint is tried; when none is left the run exits 2 naming them all and changes nothing (it does
   not silently restart from step 0: a user who wants that moves them away). With `resume_path` a damaged checkpoint
-  exits 2. A checkpoint written before manifests existed (COMPLETE but no manifest.json) is resumed with a
-  warning after the checks that need no manifest.
+  exits 2. A checkpoint without manifest.json is damaged when an older checkpoint of its folder has one (that trainer
+  writes one before every COMPLETE: `manifest_expected`); otherwise it was written before manifests existed and is
+  resumed with a warning after the checks that need no manifest (DCP shard sizes against DCP's metadata offsets, the
+  RNG files load; checksums cannot be checked).
 - A config that changes what a step computes exits 2 listing the differences; the keys in `MAY_CHANGE_ON_RESUME`
   (speed, memory, logging, length of the run) may change: the fields declared `may_change_on_resume` in
   grpo_lib/config/schema.py.
@@ -212,7 +215,8 @@ def verify_resume(cfg, plan: ResumePlan, *, rank: int, world_size: int) -> Resum
     damaged: list[tuple[Path, list[str]]] = []
     for path in [plan.path, *plan.fallbacks]:
         start = time.perf_counter()
-        shares = all_gather_object(checkpoint_problems(path, step=checkpoint_step(path), rank=rank, world_size=world_size))
+        shares = all_gather_object(checkpoint_problems(path, step=checkpoint_step(path), rank=rank, world_size=world_size,
+                                                       manifest_expected=manifest_expected(path)))
         problems = sorted({problem for share in shares for problem in share})
         if not problems:
             break
@@ -229,8 +233,9 @@ def verify_resume(cfg, plan: ResumePlan, *, rank: int, world_size: int) -> Resum
                           "(or choose another trainer.default_local_dir).")
     if rank == 0:
         if not (path / MANIFEST).is_file():
-            print(f"warning: {path} was written before checkpoints had a manifest ({MANIFEST}): the sizes and checksums of "
-                  "its files cannot be checked; resuming from it unverified (the next checkpoint will have one)", file=sys.stderr)
+            print(f"warning: {path} was written before checkpoints had a manifest ({MANIFEST}): its DCP shards' "
+                  "sizes checked against DCP's metadata and its RNG files load, but the checksums cannot be checked (a flipped byte would go unnoticed); resuming from it (the next checkpoint "
+                  "will have a manifest)", file=sys.stderr)
         else:
             print(f"verified {path} (every file's size and {CHECKSUM}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         if damaged:
@@ -238,6 +243,15 @@ def verify_resume(cfg, plan: ResumePlan, *, rank: int, world_size: int) -> Resum
                   f"{checkpoint_step(path)} run again (their metrics are replaced)", file=sys.stderr)
     check_config_unchanged(cfg, read_trainer_state(path)["config"], path)
     return ResumePlan(step=checkpoint_step(path), path=path, discard=plan.discard, damaged=[p for p, _ in damaged])
+
+
+def manifest_expected(path: Path) -> bool:
+    """Must the complete checkpoint `path` have a manifest? Yes when an older complete checkpoint of its folder has one:
+    the trainer that wrote that one writes a manifest before every COMPLETE, so a newer checkpoint without it is damaged
+    (a file lost), not old. A folder from before manifests, or its checkpoints older than the first with one (a run
+    that continued after an upgrade), are resumed with the checks that need none."""
+    step = checkpoint_step(path)
+    return any((other / MANIFEST).is_file() for s, other in complete_checkpoints(path.parent).items() if s < step)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

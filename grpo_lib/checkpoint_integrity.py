@@ -11,6 +11,13 @@ checkpoint with its size in bytes and its CRC-32:
 `checkpoint_problems` finds a missing, added, truncated or changed file, a `trainer_state.json` that does not parse,
 and a `dcp/.metadata` that the restricted unpickler refuses; each process checksums its share of the files.
 
+Without a manifest: where one is expected (the caller knows the folder's checkpoints carry them: a trainer that writes
+manifests writes one before COMPLETE) its absence is itself the damage. A checkpoint from before manifests gets the
+checks that need none: besides the two above, every DCP shard holds the bytes `.metadata` places in it (each entry's
+offset + length within its file; DCP writes a shard's entries back to back, so the last one ends at the file's end)
+and every process's RNG file loads (torch.load(weights_only=True), as the resume loads it). What only a checksum finds
+(a flipped byte, an RNG file cut inside a tensor's data) stays unverifiable there; the caller says so.
+
 Why CRC-32 and not sha256: the manifest detects damage (a truncated shard, a disk or copy that flipped bytes, a
 half-synced file after a power cut), not tampering: whoever can rewrite a shard can rewrite the manifest beside it, so
 a cryptographic hash buys nothing. Measured on this project's 2-core x86 machine (with SHA extensions), reading a
@@ -79,16 +86,19 @@ def write_manifest(folder: Path, files: list[tuple[str, int]], sums: dict[str, s
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def checkpoint_problems(path: Path, *, step: int, rank: int = 0, world_size: int = 1) -> list[str]:
+def checkpoint_problems(path: Path, *, step: int, rank: int = 0, world_size: int = 1,
+                        manifest_expected: bool = False) -> list[str]:
     """What is wrong with the complete checkpoint `path` of `step`, one line per problem, paths relative to it ([]:
     nothing). Each of the `world_size` processes calls it and checksums its `share` of the files; the cheap checks run on
     every process: trainer_state.json parses and holds `step`, dcp/.metadata passes the restricted unpickler, every
     file is listed in the manifest with its size, none is missing.
 
-    A checkpoint without a manifest (written before it existed) gets the cheap checks only; the caller says so.
+    Without a manifest: a problem when `manifest_expected` (the folder's checkpoints carry them); else (written before
+    manifests existed) the cheap checks and `unlisted_problems`; the caller says its checksums are unverified.
     Example line: "dcp/__0_0.distcp: 1024 bytes, the manifest says 2097152".
     """
     problems = []
+    state = None
     try:
         state = json.loads((path / STATE).read_text())
         if not isinstance(state, dict) or state.get("step") != step:
@@ -97,12 +107,16 @@ def checkpoint_problems(path: Path, *, step: int, rank: int = 0, world_size: int
             problems += [f"{STATE}: no {key!r}" for key in STATE_KEYS if key not in state]
     except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and UnicodeDecodeError
         problems.append(f"{STATE}: {type(exc).__name__}: {exc}")
+    metadata = None
     try:
-        read_dcp_metadata(path / "dcp" / ".metadata")
+        metadata = read_dcp_metadata(path / "dcp" / ".metadata")
     except Exception as exc:  # noqa: BLE001  damaged bytes fail anywhere inside unpickling: every failure is a finding
         problems.append(f"dcp/.metadata: {type(exc).__name__}: {exc}")
     if not (path / MANIFEST).is_file():
-        return problems
+        if manifest_expected:
+            return problems + [f"{MANIFEST}: missing, while the folder's other checkpoints have one (a save writes it "
+                               f"before {MARKER}): its files cannot be trusted"]
+        return problems + unlisted_problems(path, metadata, state if isinstance(state, dict) else None)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         if manifest["checksum"] != CHECKSUM:
@@ -131,6 +145,37 @@ def checkpoint_problems(path: Path, *, step: int, rank: int = 0, world_size: int
             continue
         if found != listed[rel][1]:
             problems.append(f"{rel}: {CHECKSUM} {found}, the manifest says {listed[rel][1]} (its bytes changed after the save)")
+    return problems
+
+
+def unlisted_problems(path: Path, metadata, state: dict | None) -> list[str]:
+    """The checks of a checkpoint without a manifest that read no checksum: each DCP shard at least as long as the data
+    `metadata` (DCP's, None: unreadable, reported already) places in it, and each process's RNG file (`state`'s
+    world_size of them) present and loading with torch.load(weights_only=True).
+
+    Example: a shard whose entries end at byte 42265 cut to 42264 bytes -> ["dcp/__0_0.distcp: 42264 bytes, DCP's
+    metadata places data up to byte 42265 (cut short)"].
+    """
+    problems = []
+    ends: dict[str, int] = {}  # shard file -> the end of the last entry DCP placed in it
+    for info in (metadata.storage_data.values() if metadata is not None and isinstance(metadata.storage_data, dict) else []):
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(ends.items()):
+        shard = path / "dcp" / rel
+        if not shard.is_file():
+            problems.append(f"dcp/{rel}: missing (DCP's metadata places data in it up to byte {end})")
+        elif (size := shard.stat().st_size) < end:
+            problems.append(f"dcp/{rel}: {size} bytes, DCP's metadata places data up to byte {end} (cut short)")
+    world_size = state.get("world_size") if state is not None else None
+    for r in range(world_size if isinstance(world_size, int) else 0):
+        rng = path / "rng" / f"rank_{r}.pt"
+        if not rng.is_file():
+            problems.append(f"rng/rank_{r}.pt: missing ({STATE} says {world_size} processes saved)")
+            continue
+        try:
+            torch.load(rng, weights_only=True)
+        except Exception as exc:  # noqa: BLE001  a damaged zip fails in torch's reader with various errors
+            problems.append(f"rng/rank_{r}.pt: does not load ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
     return problems
 
 

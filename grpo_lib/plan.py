@@ -11,9 +11,10 @@ launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `
 on fake tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module
 imports neither torch nor transformers).
 
-Exit codes, so a script can gate on the plan: 0 the plan fits (or has no model config.json to plan memory from);
-2 a config or flag problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than
---gpu-memory-gb ("DOES NOT FIT" in the plan).
+Exit codes, so a script can gate on the plan: 0 every part of the plan was computed and it fits; 2 a config or flag
+problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than --gpu-memory-gb
+("DOES NOT FIT" in the plan); 5 (`EXIT_NO_MEMORY_PLAN`) the plan has no memory part, because no config.json of the
+model was reachable (a hub name not downloaded yet): pass `--model-config FILE` (or download the model) to get it.
 
 The memory plan and the token budgets that fit are computed in `grpo_lib/plan_memory.py` (its docstring has the table
 of terms); this module turns them and the batch arithmetic into the printed plan.
@@ -37,6 +38,7 @@ from grpo_lib.plan_memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, Mo
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
+EXIT_NO_MEMORY_PLAN = 5  # --print-plan's exit code when no model config.json was reachable: the plan lacks its memory part
 
 
 def count_rows(files: list[str]) -> int | None:
@@ -328,12 +330,13 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
     return values, problems
 
 
-def print_plan(argv: list[str], measure=None) -> int:
+def print_plan(argv: list[str], measure=None, engine_checks=None) -> int:
     """argv: RECIPE [key=value ...] with --print-plan and the optional flags; returns the exit code.
 
     `measure`: with --measure, a function (cfg, config.json dict, sizes, world_size, parts, gpu_bytes) -> lines that measures the
     training phase (grpo_lib.plan_measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.plan_measure`,
-    so this module stays light)."""
+    so this module stays light). `engine_checks`: cfg -> problems of the engine's settings against the installed
+    library (grpo_lib.engines.settings_problems, passed in by train_grpo.py), noted like the installation checks."""
     args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None}
     wants_measure = "--measure" in argv
     if wants_measure and measure is None:
@@ -391,7 +394,7 @@ def print_plan(argv: list[str], measure=None) -> int:
     out += [f"  {key}=auto -> {value} ({why})" for key, value in auto.items()]
     if cfg.ignored:
         out += ["", "verl keys accepted and ignored (performance only):"] + [f"  {k}: {why}" for k, why in cfg.ignored.items()]
-    for problem in environment_problems(cfg):
+    for problem in environment_problems(cfg) + (engine_checks(cfg) if engine_checks is not None else []):
         out += ["", f"note: the run itself would exit 2: {problem}"]
     out += ["", f"memory plan per GPU ({gpu_gb:g} GiB):"]
     fits = True
@@ -418,4 +421,9 @@ def print_plan(argv: list[str], measure=None) -> int:
               "above; offload (actor.fsdp_config.param_offload / optimizer_offload), a lower rollout.gpu_memory_utilization "
               "or token budget, or more processes lower the peak", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
+    if sizes is None:
+        print(f"error: the plan has no memory part (exit code {EXIT_NO_MEMORY_PLAN}): {where}. Pass --model-config FILE "
+              "with the model's config.json (for example --model-config tests/data/qwen3_4b_config.json), or download the "
+              "model first (huggingface-cli download NAME) and rerun", file=sys.stderr)
+        return EXIT_NO_MEMORY_PLAN
     return 0

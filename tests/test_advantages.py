@@ -239,7 +239,7 @@ def cfg_with(tmp_path, *overrides: str, n: int = 2, prompts: int = 2):
 @pytest.mark.parametrize("estimator", names.ADV_ESTIMATORS)
 def test_config_accepts_every_estimator_and_the_plan_shows_it(estimator, capsys):
     code = print_plan(["recipes/tiny_cpu.yaml", f"algorithm.adv_estimator={estimator}", "algorithm.gamma=0.95",
-                       "--print-plan"])
+                       "--print-plan", "--model-config", "tests/data/qwen2_5_0_5b_config.json"])  # a full plan: exit 0
     out = capsys.readouterr().out
     assert code == 0, out
     line = next(x for x in out.splitlines() if "advantages: algorithm.adv_estimator=" in x)

@@ -772,16 +772,89 @@ def test_a_damaged_resume_path_exits_2_naming_the_file(tiny_model_dir, arith_dat
 
 def test_a_checkpoint_from_before_manifests_resumes_with_a_warning(tiny_model_dir, arith_data, tmp_path, monkeypatch):
     """Decision (issue 20, item 4): a checkpoint written before the manifest existed is resumed, with a warning that
-    its files cannot be verified (the checks that need no manifest still run)."""
+    its checksums cannot be verified (the checks that need no manifest still run: issue 31's below)."""
     from grpo_lib.checkpoint_integrity import MANIFEST
 
     out = tmp_path / "run"
     args = resume_args(tiny_model_dir, arith_data, out)
-    checkpoints_of(args, out, [1])
-    (out / "global_step_1" / MANIFEST).unlink()
+    checkpoints_of(args, out, [1, 2])
+    for step in (1, 2):  # a whole folder from before manifests
+        (out / f"global_step_{step}" / MANIFEST).unlink()
+    result, plan = main_until_setup(monkeypatch, args)
+    assert result.returncode == 0 and plan.step == 2, result.stderr[-3000:]
+    assert "written before checkpoints had a manifest" in result.stderr and "checksums cannot be checked" in result.stderr
+    assert "sizes checked against DCP's metadata" in result.stderr, result.stderr
+
+
+MISSING_MANIFEST = {  # issue 31 item 2: the newest checkpoint loses its manifest (alone, or with a truncated file too)
+    "manifest deleted": lambda f: None,
+    "manifest deleted, RNG file truncated": lambda f: _truncate(f / "rng" / "rank_0.pt"),
+    "manifest deleted, DCP shard truncated": lambda f: _truncate(next((f / "dcp").glob("*.distcp"))),
+}
+
+
+@pytest.mark.parametrize("damage", list(MISSING_MANIFEST))
+def test_a_checkpoint_that_lost_its_manifest_is_damaged_and_auto_falls_back(tiny_model_dir, arith_data, tmp_path,
+                                                                            monkeypatch, damage):
+    """Issue 31 item 2: a COMPLETE checkpoint whose manifest.json was deleted was "resumed unverified" (and with a
+    truncated file died in torch's PytorchStreamReader after the engine started). Where an older checkpoint of the
+    folder has a manifest, this one was written by a trainer that writes them (before COMPLETE): it is damaged, set
+    aside like a truncated one, and the run resumes the previous good checkpoint."""
+    from grpo_lib.checkpoint_integrity import MANIFEST
+
+    out = tmp_path / "run"
+    args = resume_args(tiny_model_dir, arith_data, out)
+    checkpoints_of(args, out, [1, 2])
+    (out / "global_step_2" / MANIFEST).unlink()
+    MISSING_MANIFEST[damage](out / "global_step_2")
+    result, plan = main_until_setup(monkeypatch, args)
+    assert result.returncode == 0 and plan is not None, result.stderr[-3000:]
+    assert (plan.step, plan.path) == (1, out / "global_step_1"), "resumed the checkpoint without its manifest"
+    assert f"the checkpoint {out / 'global_step_2'} is damaged" in result.stderr and f"{MANIFEST}: missing" in result.stderr
+    assert f"falling back to {out / 'global_step_1'}" in result.stderr and "unverified" not in result.stderr
+    assert (out / "damaged_global_step_2" / MARKER).is_file() and not (out / "global_step_2").exists()
+
+
+def test_a_checkpoint_from_before_manifests_with_a_truncated_shard_is_damaged(tiny_model_dir, arith_data, tmp_path,
+                                                                              monkeypatch):
+    """Issue 31 item 2: no manifest anywhere (a folder from before them), the newest checkpoint's DCP shard one byte
+    short: the sizes DCP's metadata gives find it before the engine starts; the older one is resumed."""
+    from grpo_lib.checkpoint_integrity import MANIFEST
+
+    out = tmp_path / "run"
+    args = resume_args(tiny_model_dir, arith_data, out)
+    checkpoints_of(args, out, [1, 2])
+    for step in (1, 2):
+        (out / f"global_step_{step}" / MANIFEST).unlink()
+    shard = next((out / "global_step_2" / "dcp").glob("*.distcp"))
+    whole = shard.stat().st_size
+    os.truncate(shard, whole - 1)
     result, plan = main_until_setup(monkeypatch, args)
     assert result.returncode == 0 and plan.step == 1, result.stderr[-3000:]
-    assert "written before checkpoints had a manifest" in result.stderr and "unverified" in result.stderr
+    assert f"dcp/{shard.name}: {whole - 1} bytes, DCP's metadata places data up to byte {whole} " in result.stderr
+    assert (out / "damaged_global_step_2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_without_its_manifest_falls_back_and_continues_exactly(base, three_steps_at, tmp_path):
+    """Issue 31 item 2, the whole run: global_step_3 of an uninterrupted 3-step run loses its manifest.json (step 2's
+    keeps its own); rerunning the same command sets it aside, resumes global_step_2 and trains step 3 again to the
+    same metrics and the same weights."""
+    from grpo_lib.checkpoint_integrity import MANIFEST
+
+    source = three_steps_at(1)
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    (out / "global_step_3" / MANIFEST).unlink()
+    proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
+                     launcher=accelerate_launch(1))
+    assert f"the checkpoint {out / 'global_step_3'} is damaged" in proc.stderr and f"{MANIFEST}: missing" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert f"resumed from {out / 'global_step_2'}" in proc.stderr, proc.stderr[-3000:]
+    assert_same_steps(read_metrics(source), read_metrics(out), [1, 2, 3])
+    a_final, b_final = hf_weights(source / "global_step_3"), hf_weights(out / "global_step_3")
+    assert all(torch.equal(a_final[k], b_final[k]) for k in a_final), "step 3 trained again differs"
+    assert (out / "damaged_global_step_3").is_dir() and (out / "global_step_3" / MANIFEST).is_file()
 
 
 @pytest.mark.slow

@@ -115,6 +115,40 @@ def test_checkpoint_without_manifest_gets_the_checks_that_need_none(tmp_path):
     assert [line.split(":")[0] for line in checkpoint_problems(folder, step=2)] == ["trainer_state.json"]
 
 
+# issue 31 item 2: a checkpoint without its manifest
+OLD_DAMAGE = {  # damage a checkpoint from before manifests can still show -> a needle of the problem line
+    "truncated DCP shard": (lambda f: os.truncate(_shard(f), _shard(f).stat().st_size - 1),
+                            "bytes, DCP's metadata places data up to byte"),
+    "missing DCP shard": (lambda f: _shard(f).unlink(), ".distcp: missing (DCP's metadata places data in it"),
+    "truncated RNG file": (lambda f: os.truncate(f / "rng" / "rank_0.pt", 10), "rng/rank_0.pt: does not load"),
+    "missing RNG file": (lambda f: (f / "rng" / "rank_0.pt").unlink(), "rng/rank_0.pt: missing (trainer_state.json says 1"),
+}
+
+
+@pytest.mark.parametrize("damage", list(OLD_DAMAGE))
+def test_without_a_manifest_shard_sizes_are_checked_against_dcps_offsets(tmp_path, damage):
+    """No manifest (a checkpoint from before manifests): every DCP shard must hold the bytes `.metadata` places in it
+    (its entries' offset + length; DCP writes them back to back, so the last entry ends at the file's end: the tiny
+    checkpoint's one shard is exactly that long) and each process's RNG file must load; one byte short is damage."""
+    folder = save_tiny(tmp_path, 2)
+    (folder / MANIFEST).unlink()
+    assert checkpoint_problems(folder, step=2) == [], "an intact checkpoint passes the checks that need no manifest"
+    action, needle = OLD_DAMAGE[damage]
+    action(folder)
+    problems = checkpoint_problems(folder, step=2)
+    assert any(needle in line for line in problems), problems
+
+
+def test_a_missing_manifest_where_one_is_expected_is_damage(tmp_path):
+    """In a folder whose checkpoints carry manifests, a checkpoint without one was not written before manifests
+    existed (save writes it before COMPLETE): its files cannot be trusted, whatever the cheap checks say."""
+    folder = save_tiny(tmp_path, 2)
+    (folder / MANIFEST).unlink()
+    problems = checkpoint_problems(folder, step=2, manifest_expected=True)
+    assert len(problems) == 1 and problems[0].startswith(f"{MANIFEST}: missing"), problems
+    assert checkpoint_problems(save_tiny(tmp_path, 3), step=3, manifest_expected=True) == []
+
+
 # ------------------------------------------------------------------------------------------ no code from a checkpoint
 @pytest.mark.parametrize("payload", ["os.system", "builtins.eval"])
 def test_crafted_dcp_metadata_is_refused_naming_the_file_and_runs_nothing(tmp_path, payload):

@@ -318,3 +318,70 @@ def test_library_versions_are_checked_at_start_against_requirements(monkeypatch)
     problems = checks.version_problems(["transformers", "peft", "vllm"])
     assert len(problems) == 2 and "transformers 5.21.0 is installed" in problems[0] and "<5.20" in problems[0], problems
     assert "peft 0.10.0" in problems[1] and "pip install 'peft>=0.13'" in problems[1], problems
+
+
+# ------------------------------------------------------------------ issue 31: a mapping and its entries, two spellings
+def _recipe_with_chat_kwargs(tmp_path: Path) -> Path:
+    recipe = tmp_path / "chat.yaml"
+    recipe.write_text(TINY.read_text().replace("\ndata:\n", "\ndata:\n  apply_chat_template_kwargs: {enable_thinking: false, a: 1}\n", 1))
+    assert load_config(recipe).data.apply_chat_template_kwargs == {"enable_thinking": False, "a": 1}
+    return recipe
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # a mapping override is read as its entries (Hydra's merge, as in verl): it adds to the recipe's, replacing the
+    # entries it names; a leaf override does the same for one entry; the order of the overrides does not matter
+    (["data.apply_chat_template_kwargs={enable_thinking: true}"], {"enable_thinking": True, "a": 1}),
+    (["data.apply_chat_template_kwargs={enable_thinking: true}", "data.apply_chat_template_kwargs.x=1"],
+     {"enable_thinking": True, "a": 1, "x": 1}),
+    (["data.apply_chat_template_kwargs.x=1", "data.apply_chat_template_kwargs={enable_thinking: true}"],
+     {"enable_thinking": True, "a": 1, "x": 1}),
+    (["data.apply_chat_template_kwargs.a=2", "data.apply_chat_template_kwargs={a: 2}"], {"enable_thinking": False, "a": 2}),
+    # `key={}` empties what the recipe set (the one way to drop its entries); the overrides' entries stay, in any order
+    (["data.apply_chat_template_kwargs={}"], {}),
+    (["data.apply_chat_template_kwargs.x=1", "data.apply_chat_template_kwargs={}"], {"x": 1}),
+    (["data.apply_chat_template_kwargs={}", "data.apply_chat_template_kwargs.x=1"], {"x": 1}),
+])
+def test_a_mapping_override_and_its_leaf_overrides_combine(tmp_path, overrides, expected):
+    assert load_config(_recipe_with_chat_kwargs(tmp_path), overrides).data.apply_chat_template_kwargs == expected
+
+
+def test_a_mapping_override_and_a_leaf_override_of_one_entry_with_different_values_are_refused(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(_recipe_with_chat_kwargs(tmp_path), ["data.apply_chat_template_kwargs={enable_thinking: true, b: 2}",
+                                                         "data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert ("data.apply_chat_template_kwargs.enable_thinking is set by two overrides with different values: "
+            "#1 'data.apply_chat_template_kwargs={enable_thinking: true, b: 2}' and "
+            "#2 'data.apply_chat_template_kwargs.enable_thinking=false'") in str(err.value)
+
+
+def test_nested_engine_mappings_merge_entry_by_entry():
+    cfg = load_config(TINY, ["rollout.engine_kwargs={compilation_config: {level: 3}}",
+                             "rollout.engine_kwargs.compilation_config.cudagraph_capture_sizes=[1,8]"])
+    assert cfg.rollout.engine_kwargs == {"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 8]}}
+
+
+@pytest.mark.parametrize("world_size, per_gpu, agree", [(1, 4, False), (2, 4, True), (2, 8, False)])
+def test_a_global_micro_batch_and_its_per_gpu_spelling_together_are_refused_naming_both(world_size, per_gpu, agree):
+    """verl divides the older global key by the process count (fsdp_workers: ppo_micro_batch_size //= world size)
+    and refuses both set (check_mutually_exclusive); here too, with both values and whether they agree named. One
+    override of either spelling still replaces the recipe's other one (tests/test_verl_overrides.py)."""
+    overrides = ["data.train_batch_size=32", "actor.ppo_micro_batch_size=8", f"actor.ppo_micro_batch_size_per_gpu={per_gpu}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides, world_size=world_size)
+    text = str(err.value)
+    assert (f"actor.ppo_micro_batch_size=8 (global, verl's older spelling: 8 // {world_size} process"
+            f"{'es' if world_size > 1 else ''} = {8 // world_size} per process") in text, text
+    assert f"actor.ppo_micro_batch_size_per_gpu={per_gpu} are both set" in text
+    assert ("the two agree" if agree else f"not {per_gpu}") in text, text
+
+
+@pytest.mark.parametrize("key", ["trainer.seed", "data.seed"])
+@pytest.mark.parametrize("value, ok", [(0, True), (2**32 - 1, True), (-1, False), (2**32, False)])
+def test_seeds_lie_in_numpys_range(key, value, ok):
+    """numpy (vLLM seeds it with trainer.seed) takes seeds in [0, 2**32 - 1]; both ends are accepted, one past is not."""
+    if ok:
+        load_config(TINY, [f"{key}={value}"])
+    else:
+        with pytest.raises(ConfigError, match=rf"{key}={value}: a seed must lie in \[0, 2\*\*32 - 1\]"):
+            load_config(TINY, [f"{key}={value}"])

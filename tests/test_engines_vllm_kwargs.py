@@ -39,11 +39,11 @@ def llm_kwargs(*overrides: str, on_cpu: bool = False, world_size: int = 1) -> di
 
 def test_verl_engine_kwargs_reach_llm_unchanged_on_gpu():
     kwargs = llm_kwargs(
-        "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=32",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes=[1,8,32]",
         "actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN",
         "actor_rollout_ref.rollout.max_num_batched_tokens=10240", "actor_rollout_ref.rollout.enable_chunked_prefill=False")
-    assert kwargs["swap_space"] == 4 and kwargs["attention_backend"] == "FLASH_ATTN"
+    assert kwargs["block_size"] == 32 and kwargs["attention_backend"] == "FLASH_ATTN"
     assert kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 32]}, "a dotted leaf is vLLM's nested mapping"
     assert kwargs["max_num_batched_tokens"] == 10240 and kwargs["enable_chunked_prefill"] is False
     assert kwargs["disable_custom_all_reduce"] is True, "verl's default"
@@ -61,10 +61,10 @@ def test_recipe_mapping_spelling(tmp_path):
     recipe = tmp_path / "r.yaml"
     text = RECIPE.read_text()
     assert "\nrollout:\n" in text
-    recipe.write_text(text.replace("\nrollout:\n", "\nrollout:\n  engine_kwargs:\n    vllm:\n      swap_space: 2\n"
-                                   "      max_seq_len_to_capture: 64\n    sglang: {}\n", 1))
+    recipe.write_text(text.replace("\nrollout:\n", "\nrollout:\n  engine_kwargs:\n    vllm:\n      block_size: 16\n"
+                                   "      kv_cache_dtype: auto\n    sglang: {}\n", 1))
     cfg = load_config(recipe, [])
-    assert cfg.rollout.engine_kwargs == {"swap_space": 2, "max_seq_len_to_capture": 64}
+    assert cfg.rollout.engine_kwargs == {"block_size": 16, "kv_cache_dtype": "auto"}
     assert any(k.startswith("rollout.engine_kwargs.sglang") for k in cfg.ignored), cfg.ignored
 
 
@@ -109,3 +109,50 @@ def test_hf_compile_key_refused_for_vllm_and_accepted_for_hf():
         load_config(RECIPE, ["rollout.hf_use_torch_compile=true"])
     assert "rollout.hf_use_torch_compile=true" in str(error.value) and "rollout.name='vllm'" in str(error.value)
     assert load_config(RECIPE, ["rollout.name=hf", "rollout.hf_use_torch_compile=true"]).rollout.hf_use_torch_compile
+
+
+# ------------------------------------------------------------------ issue 31: names the installed vLLM takes
+def test_an_unknown_engine_keyword_is_named_with_the_closest_ones():
+    """vLLM refused it with `EngineArgs.__init__() got an unexpected keyword` only once the data and the reward workers
+    were up; now the installed vLLM's names are read before anything loads (train_grpo.py: exit 2)."""
+    from grpo_lib.engines import settings_problems
+
+    cfg = load_config(RECIPE, ["rollout.engine_kwargs.kv_cache_dtyp=fp8", "rollout.engine_kwargs.no_such_vllm_flag=3",
+                               "rollout.engine_kwargs.block_size=16", "rollout.engine_kwargs.compilation_config.level=3"])
+    problems = settings_problems(cfg)
+    assert len(problems) == 2, problems
+    typo, unknown = sorted(problems)
+    assert typo.startswith("rollout.engine_kwargs.kv_cache_dtyp: not an argument of the installed vLLM") and \
+        "did you mean 'kv_cache_dtype'" in typo, typo
+    assert unknown.startswith("rollout.engine_kwargs.no_such_vllm_flag: not an argument") and "drop it" in unknown, unknown
+    assert settings_problems(load_config(RECIPE, ["rollout.engine_kwargs.block_size=16"])) == []
+    assert settings_problems(load_config(RECIPE, ["rollout.name=hf"])) == [], "another engine: nothing of vLLM's to check"
+
+
+def test_engine_argument_names_come_from_vllms_source_without_importing_it():
+    """Importing vLLM takes seconds (torch, its platform probes); its names are read from its source with ast."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from grpo_lib.engines.vllm import engine_argument_names; names = engine_argument_names(); "
+            "print(len(names), 'kv_cache_dtype' in names, 'chat_template' in names, 'vllm' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    count, *flags = proc.stdout.split()
+    assert int(count) > 100 and flags == ["True", "True", "False"], proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_engine_argument_names_are_what_vllm_takes():
+    """The names read from the source are exactly EngineArgs' fields and LLM.__init__'s parameters (LLM passes its
+    **kwargs on to EngineArgs), as the imported classes say (importing vLLM: ~13 s here, hence slow)."""
+    import dataclasses
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.llm import LLM
+
+    from grpo_lib.engines.vllm import engine_argument_names
+
+    expected = {f.name for f in dataclasses.fields(EngineArgs)} | \
+        (set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
+    assert engine_argument_names() == expected

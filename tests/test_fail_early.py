@@ -51,11 +51,49 @@ def assert_fails_early(result, *needles: str) -> None:
     ("trainer.val_generations_to_log=-1", "trainer.val_generations_to_log=-1: must be >= 0"),
     # issue 20 item 8: a negative prompt-order seed crashed numpy after the engine started; 0 processes per machine
     # suggested "launch 0"
-    ("data.seed=-1", "data.seed=-1: the prompt-order seed must be >= 0"),
+    ("data.seed=-1", "data.seed=-1: a seed must lie in [0, 2**32 - 1]"),
     ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node=0: must be >= 1 (processes per machine)"),
 ])
 def test_value_out_of_range_exits_2_naming_the_key(monkeypatch, override, needle):
     assert_fails_early(run_main(monkeypatch, "recipes/tiny_cpu.yaml", override), needle)
+
+
+# issue 31 item 3: keys that passed every check and failed after the data, the reward workers or the engine were up
+# (vLLM's EngineArgs refusing an unknown keyword, numpy's "Seed must be between 0 and 2**32 - 1" inside vLLM's init),
+# and two spellings of one setting of which one was dropped without a word
+ISSUE_31_KEYS = {
+    "trainer.seed=-1": (["trainer.seed=-1"], ["trainer.seed=-1: a seed must lie in [0, 2**32 - 1]"]),
+    "trainer.seed=2**32": (["trainer.seed=4294967296"], ["trainer.seed=4294967296: a seed must lie in [0, 2**32 - 1]"]),
+    "data.seed=2**32": (["data.seed=4294967296"], ["data.seed=4294967296: a seed must lie in [0, 2**32 - 1]"]),
+    "global then per-gpu": (["actor.ppo_micro_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4"],
+                            ["actor.ppo_micro_batch_size=8 (global", "actor.ppo_micro_batch_size_per_gpu=4 are both set"]),
+    "per-gpu then global, verl's spelling": (
+        ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_micro_batch_size=8"],
+        ["actor.ppo_micro_batch_size=8 (global", "actor.ppo_micro_batch_size_per_gpu=4 are both set",
+         "8 // 1 process = 8 per process, not 4"]),
+    "old-logprob pass": (["rollout.log_prob_micro_batch_size=8", "rollout.log_prob_micro_batch_size_per_gpu=4"],
+                         ["rollout.log_prob_micro_batch_size=8 (global", "rollout.log_prob_micro_batch_size_per_gpu=4"]),
+    "mapping then its leaf": (
+        ["data.apply_chat_template_kwargs={enable_thinking: true}", "data.apply_chat_template_kwargs.enable_thinking=false"],
+        ["data.apply_chat_template_kwargs.enable_thinking is set by two overrides with different values: "
+         "#1 'data.apply_chat_template_kwargs={enable_thinking: true}' and #2"]),
+    "leaf then its mapping": (
+        ["data.apply_chat_template_kwargs.enable_thinking=false", "data.apply_chat_template_kwargs={enable_thinking: true}"],
+        ["data.apply_chat_template_kwargs.enable_thinking is set by two overrides with different values"]),
+    "a value and entries of one engine key": (
+        ["rollout.engine_kwargs.compilation_config=3", "rollout.engine_kwargs.compilation_config.level=3"],
+        ["rollout.engine_kwargs.compilation_config is given both a value (3) and entries (compilation_config.level)"]),
+    "unknown vLLM keyword": (["rollout.engine_kwargs.no_such_vllm_flag=3"],
+                             ["rollout.engine_kwargs.no_such_vllm_flag: not an argument of the installed vLLM"]),
+    "vLLM keyword typo": (["actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtyp=fp8"],
+                          ["rollout.engine_kwargs.kv_cache_dtyp: not an argument", "did you mean 'kv_cache_dtype'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ISSUE_31_KEYS))
+def test_engine_seed_and_alias_keys_exit_2_before_anything_heavy(monkeypatch, case):
+    overrides, needles = ISSUE_31_KEYS[case]
+    assert_fails_early(run_main(monkeypatch, "recipes/tiny_cpu.yaml", *overrides), *needles)
 
 
 def test_config_error_exits_2_without_importing_torch():

@@ -428,7 +428,7 @@ def test_verl_meanings(tiny_model_dir, arith_data, tmp_path):
     assert on_4.actor.ppo_micro_batch_size_per_gpu == 29  # 116 // 4
     both_spellings = tmp_path / "both.yaml"
     both_spellings.write_text("actor:\n  ppo_micro_batch_size: 8\n  ppo_micro_batch_size_per_gpu: 4\n")
-    with pytest.raises(ConfigError, match="actor.ppo_micro_batch_size .global, verl's older spelling. and actor.ppo_micro"):
+    with pytest.raises(ConfigError, match=r"actor.ppo_micro_batch_size=8 \(global, verl's older spelling: .*\) and actor.ppo_micro_batch_size_per_gpu=4"):
         load_config(both_spellings, [f"model.path={tiny_model_dir}", "data.train_files=[x.parquet]", "rollout.n=2"])
     # an override of one spelling replaces the recipe's other spelling (tiny_cpu.yaml sets the per-GPU one)
     assert load_config(REPO / "recipes/tiny_cpu.yaml", ["actor_rollout_ref.actor.ppo_micro_batch_size=8"]

@@ -20,6 +20,9 @@ from grpo_lib import dtypes, names  # names: the registries' names without torch
 from grpo_lib.config.schema import Config
 
 
+SEED_MAX = 2**32 - 1  # numpy's (legacy) seeds lie in [0, 2**32 - 1]; vLLM seeds numpy, python and torch with trainer.seed
+
+
 def _per_process(global_count: int | None, world_size: int) -> int | None:
     """verl's older global micro-batch size -> per process (verl divides it the same way)."""
     return None if global_count is None else max(1, global_count // world_size)
@@ -157,9 +160,14 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     p: list[str] = []
     for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
                           (cfg.ref, "log_prob_micro_batch_size")):
-        if getattr(section, name) is not None and getattr(section, name + "_per_gpu") is not None:
+        total, per_gpu = getattr(section, name), getattr(section, name + "_per_gpu")
+        if total is not None and per_gpu is not None:  # verl refuses both too (its check_mutually_exclusive)
             key = f"{'actor' if section is cfg.actor else 'rollout' if section is cfg.rollout else 'ref'}.{name}"
-            p.append(f"{key} (global, verl's older spelling) and {key}_per_gpu are both set: keep only {key}_per_gpu")
+            share = _per_process(total, world_size)
+            agree = "the two agree" if share == per_gpu else f"not {per_gpu}"
+            p.append(f"{key}={total} (global, verl's older spelling: {total} // {world_size} process"
+                     f"{'es' if world_size > 1 else ''} = {share} per process, {agree}) and {key}_per_gpu={per_gpu} are both "
+                     f"set: keep only {key}_per_gpu")
     resolve_defaults(cfg, world_size)
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if not cfg.model.path:
@@ -368,9 +376,11 @@ def _value_ranges(cfg: Config) -> list[str]:
                        ("trainer.val_generations_to_log", t.val_generations_to_log)):
         if value < 0:
             p.append(f"{key}={value}: must be >= 0")
-    if cfg.data.seed < 0:
-        p.append(f"data.seed={cfg.data.seed}: the prompt-order seed must be >= 0 (numpy's generator takes no negative seed; "
-                 "default 1)")
+    for key, value, what in (("trainer.seed", t.seed, "the engine's, the samples' and torch's seeds come from it"),
+                             ("data.seed", cfg.data.seed, "the prompt order")):
+        if not 0 <= value <= SEED_MAX:
+            p.append(f"{key}={value}: a seed must lie in [0, 2**32 - 1] = [0, {SEED_MAX}] ({what}; vLLM and numpy take no "
+                     "other; default 1)")
     if t.total_training_steps is not None and t.total_training_steps < 1:
         p.append(f"trainer.total_training_steps={t.total_training_steps}: must be >= 1 (null: trainer.total_epochs x steps per epoch)")
     if t.val_only and not cfg.data.val_files:

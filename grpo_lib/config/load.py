@@ -6,6 +6,14 @@ as `key=value` with dotted keys; values are parsed as YAML scalars (`actor.lr=1e
 verl's full spelling is accepted as an alias (`grpo_lib/config/verl_keys.py`), so a verl user's override lines work
 unchanged.
 
+A mapping key (`data.apply_chat_template_kwargs`, `rollout.engine_kwargs`) takes its entries in this order: the
+recipe's, then the overrides'. An override `key={a: 1, b: 2}` is read as its entries `key.a=1 key.b=2` (Hydra's merge,
+as verl's overrides do): it adds to the recipe's entries and replaces the ones it names, like a leaf override
+`key.a=1`; two overrides giving one entry different values are refused like any key overridden twice (whichever
+spelling each uses); `key={}` empties what the recipe set (the one way to drop its entries), while the other overrides'
+entries stay, in any order. A key given both a value and entries (`engine_kwargs.compilation_config=3` with
+`engine_kwargs.compilation_config.level=3`) is refused naming both.
+
 `load_config` checks everything before anything heavy loads (DESIGN invariant 4) and raises `ConfigError`
 listing every problem with its key, its recipe line and the fix; `train_grpo.py` turns that into exit code 2.
 The top layer of `grpo_lib.config` (schema <- checks <- load).
@@ -115,7 +123,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     One key given twice with different values, in any spelling (`actor.lr=1e-3 actor.lr=1e-2`, or
     `actor_rollout_ref.actor.optim.lr=1e-3 actor.lr=1e-2`), raises ConfigError naming both overrides: a later one never
     silently replaces an earlier one. A repeat with the same value changes nothing and is accepted (verl's own
-    examples/tuning/0.5b script sets model.enable_gradient_checkpointing=True twice).
+    examples/tuning/0.5b script sets model.enable_gradient_checkpointing=True twice). A non-empty mapping value is its
+    entries: "k={a: 1}" -> {"k.a": 1}, so it meets a leaf override "k.a=2" as that key given twice.
     """
     parsed: dict[str, Any] = {}
     first: dict[str, tuple[int, str, str]] = {}  # canonical key -> (1-based position, override, key as written)
@@ -130,15 +139,16 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise ConfigError([f"override {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it or fix the "
                                "brackets, for example data.train_files=[a.parquet,b.parquet]"]) from None
-        canonical = _canonical(key)
-        if canonical not in first:
-            first[canonical] = (position, item, key)
-            parsed[key] = value
-        elif parsed[first[canonical][2]] != value:
-            where, earlier, _ = first[canonical]
-            duplicates.append(f"{canonical} is set by two overrides with different values: #{where} {earlier!r} and "
-                              f"#{position} {item!r}; keep one (a later override does not replace an earlier one here; for a "
-                              "verl script that ends in $@, edit the script's line instead of adding a second one)")
+        for key, value in _flatten({key: value}).items():  # a mapping's entries, each a key of its own
+            canonical = _canonical(key)
+            if canonical not in first:
+                first[canonical] = (position, item, key)
+                parsed[key] = value
+            elif parsed[first[canonical][2]] != value:
+                where, earlier, _ = first[canonical]
+                duplicates.append(f"{canonical} is set by two overrides with different values: #{where} {earlier!r} and "
+                                  f"#{position} {item!r}; keep one (a later override does not replace an earlier one here; "
+                                  "for a verl script that ends in $@, edit the script's line instead of adding a second one)")
     if duplicates:
         raise ConfigError(duplicates)
     return parsed
@@ -171,10 +181,13 @@ def read_raw(recipe: str | Path | None = None, overrides: list[str] | None = Non
         if not isinstance(tree, dict):
             raise ConfigError([f"recipe {str(path)!r}: the top level must be a mapping of sections (data:, actor:, ...)"])
     raw = {_canonical(k): v for k, v in _flatten(tree).items()}
-    for key, value in parse_overrides(overrides or []).items():
-        key = _canonical(key)
+    given = {_canonical(k): v for k, v in parse_overrides(overrides or []).items()}
+    for key, value in given.items():  # what the overrides take from the recipe, before any override is applied
         raw.pop(_OTHER_SPELLING.get(key, ""), None)  # an override of one spelling replaces the recipe's other one
-        raw[key] = value
+        if value == {}:  # `key={}` empties the mapping the recipe set; the overrides' own entries of it stay
+            for entry in [k for k in raw if k.startswith(key + ".")]:
+                del raw[entry]
+    raw.update(given)
     return raw
 
 
@@ -202,6 +215,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         if mapping is not None and _match(key, IGNORED) is None:  # a dict-valued key written leaf by leaf: data.apply_chat_template_kwargs.enable_thinking=false
             values.setdefault(mapping, {})[key[len(mapping) + 1:]] = value
             continue
+        if known.get(key) is dict and isinstance(value, dict):  # the mapping itself ({} after read_raw): its entries join
+            values.setdefault(key, {}).update(_flatten(value))
+            continue
         if key not in known and _match(key, REFUSED) is not None:
             problems.append(f"{key}={value!r} is not supported: {_match(key, REFUSED)}")
             continue
@@ -221,6 +237,11 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             values[key] = _coerce(value, known[key], key)
         except TypeError as exc:
             problems.append(f"wrong type: {exc}")
+    for key in [k for k in known if known[k] is dict and isinstance(values.get(k), dict)]:
+        clashes = _value_and_entries(key, values[key])
+        problems += [problem for problem, _ in clashes]
+        for _, entry in clashes:  # reported: the mapping is built without them (vLLM's nested form cannot hold both)
+            values[key] = {k: v for k, v in values[key].items() if k != entry and not k.startswith(entry + ".")}
     config = _build(Config, values)  # keys with problems keep their defaults, so every problem is reported at once
     config.ignored = ignored
     problems += validate(config, world_size=world_size)
@@ -228,6 +249,18 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         lines = _recipe_lines(recipe, overrides)
         raise ConfigError([_with_line(problem, lines, recipe) for problem in problems])
     return config
+
+
+def _value_and_entries(mapping: str, entries: dict[str, Any]) -> list[tuple[str, str]]:
+    """(problem, entry) for each entry given both a value and entries of its own, which vLLM's nested mapping cannot
+    hold at once.
+
+    Example: ("rollout.engine_kwargs", {"compilation_config": 3, "compilation_config.level": 3}) -> [("rollout.engine_kwargs.
+    compilation_config is given both a value (3) and entries (compilation_config.level): keep one", "compilation_config")].
+    """
+    return [(f"{mapping}.{entry} is given both a value ({value!r}) and entries "
+             f"({', '.join(k for k in entries if k.startswith(entry + '.'))}): keep one", entry)
+            for entry, value in entries.items() if any(k.startswith(entry + ".") for k in entries)]
 
 
 def _repeated_keys(node, recipe: str) -> list[str]:

@@ -66,7 +66,7 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle the training prompts every epoch."""
     seed: int = 1
-    """Seed of the prompt order (reproducible; the sampler position is part of the resumable state)."""
+    """Seed of the prompt order (reproducible; the sampler position is part of the resumable state), in [0, 2**32 - 1]."""
     invalid_rows: Literal["drop", "error"] = "drop"
     """Rows whose ground truth is missing, None, NaN or empty can never score: drop them (counted, logged as
     data/invalid_rows) or stop with an error naming the file and row."""
@@ -329,11 +329,12 @@ class RolloutConfig:
     be at least data.max_prompt_length + data.max_response_length; on CPU (no chunking) the engine takes the larger of
     the two."""
     engine_kwargs: dict = may_change_on_resume(default_factory=dict)
-    """Keyword arguments passed unchanged to vllm.LLM(...) (rollout.name=vllm), e.g. {swap_space: 4,
+    """Keyword arguments passed unchanged to vllm.LLM(...) (rollout.name=vllm), e.g. {kv_cache_dtype: fp8,
     compilation_config: {cudagraph_capture_sizes: [1, 8, 32]}}; verl's actor_rollout_ref.rollout.engine_kwargs.vllm.*
-    lands here (its engine_kwargs.sglang.* is ignored). disable_custom_all_reduce defaults to true, as verl always sets it;
-    a key the trainer sets from one of its own keys (max_num_seqs: rollout.max_num_seqs, ...) or needs (logprobs_mode,
-    seed, ...) is refused naming both (config.checks.VLLM_OWN_KWARGS)."""
+    lands here (its engine_kwargs.sglang.* is ignored). Each name is checked at start against the installed vLLM's
+    LLM(...) / EngineArgs arguments (exit 2 with the closest names). disable_custom_all_reduce defaults to true, as verl
+    always sets it; a key the trainer sets from one of its own keys (max_num_seqs: rollout.max_num_seqs, ...) or needs
+    (logprobs_mode, seed, ...) is refused naming both (config.checks.VLLM_OWN_KWARGS)."""
     hf_use_torch_compile: bool = may_change_on_resume(False)
     """rollout.name=hf only: torch.compile the engine model's forward (dynamic shapes: the batch shrinks as rows
     finish and the KV cache grows every step), the same tokens as eager. Off by default: on CPU it measured 0.90x of
@@ -494,7 +495,7 @@ class TrainerConfig:
     default_local_dir: str = may_change_on_resume("outputs/run")
     """Run folder: metrics.jsonl, TensorBoard events, checkpoints."""
     seed: int = 1
-    """Seed of torch, sampling and shuffling."""
+    """Seed of torch, sampling and shuffling, in [0, 2**32 - 1] (vLLM seeds numpy with it)."""
     balance_batch: bool = may_change_on_resume(True)
     """Assign trajectories to processes by balanced token counts (whole groups stay together)."""
     tune_allocator: bool = may_change_on_resume(True)

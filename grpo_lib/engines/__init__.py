@@ -38,3 +38,15 @@ def engine_class(name: str) -> type[RolloutEngine]:
 def build_engine(cfg, *, on_cpu: bool, world_size: int) -> RolloutEngine:
     """The engine `cfg.rollout.name` names, started once per process (all ranks together under a launcher)."""
     return engine_class(cfg.rollout.name).from_config(cfg, on_cpu=on_cpu, world_size=world_size)
+
+
+def settings_problems(cfg) -> list[str]:
+    """What the installed engine library says of the run's engine settings, one problem per line (exit 2 at start,
+    train_grpo.py, with the other installation checks): for vLLM, rollout.engine_kwargs against the keyword arguments
+    it takes (`grpo_lib/engines/vllm.py`). The engine's module (it imports torch) loads only when there is a setting to
+    check; vLLM itself is not imported."""
+    if cfg.rollout.name != "vllm" or not cfg.rollout.engine_kwargs:
+        return []
+    from grpo_lib.engines.vllm import settings_problems as vllm_settings_problems
+
+    return vllm_settings_problems(cfg)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import os
 from collections.abc import Iterable
@@ -105,12 +106,87 @@ def llm_kwargs(own: dict, engine_kwargs: dict) -> dict:
     the trainer's own (`own`), none of which engine_kwargs may name (config validation refuses that with both keys'
     names; refused here too for an engine built without it).
 
-    Example: llm_kwargs({"seed": 1}, {"swap_space": 4}) -> {"disable_custom_all_reduce": True, "swap_space": 4, "seed": 1}.
+    Example: llm_kwargs({"seed": 1}, {"block_size": 32}) -> {"disable_custom_all_reduce": True, "block_size": 32, "seed": 1}.
     """
     clash = sorted(set(own) & set(engine_kwargs))
     if clash:
         raise ValueError(f"rollout.engine_kwargs sets {clash}, which the trainer sets itself ({VLLM_OWN_KWARGS}): drop them")
     return {**VLLM_DEFAULT_KWARGS, **engine_kwargs, **own}
+
+
+# ------------------------------------------------------------------------------------------ settings, checked at start
+def _class_in(source: Path, name: str):
+    """The `class name` statement of a Python file, parsed with ast (not imported), or None."""
+    import ast
+
+    tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
+    return next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name), None)
+
+
+def _vllm_root() -> Path | None:
+    """The installed vllm package's folder (found, not imported), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+@functools.lru_cache(maxsize=1)
+def engine_argument_names() -> frozenset[str]:
+    """The keyword arguments the installed vLLM's `LLM(...)` takes: its `__init__`'s own parameters and the fields of
+    `EngineArgs`, to which LLM passes its **kwargs (an unknown one raises "EngineArgs.__init__() got an unexpected
+    keyword argument" inside the engine's start). Read from vLLM's source files with ast: importing vLLM takes seconds
+    (torch, its platform probes), and this runs with the config checks. Falls back to importing the two classes when
+    the source is laid out otherwise (another vLLM version); empty when vLLM is not installed.
+
+    Example (vllm 0.32): 256 EngineArgs fields + LLM's `chat_template` -> 257 names, `kv_cache_dtype` among them.
+    """
+    import ast
+
+    root = _vllm_root()
+    if root is None:
+        return frozenset()
+    try:
+        engine_args = _class_in(root / "engine" / "arg_utils.py", "EngineArgs")
+        llm = _class_in(root / "entrypoints" / "llm.py", "LLM")
+        init = next((n for n in llm.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) if llm else None
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        engine_args = init = None
+    if engine_args is None or init is None:  # not the layout read above: ask the classes themselves
+        import dataclasses
+        import inspect
+
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.entrypoints.llm import LLM
+
+        return frozenset({f.name for f in dataclasses.fields(EngineArgs)}
+                         | set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
+    fields = {node.target.id for node in engine_args.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    params = {a.arg for a in init.args.posonlyargs + init.args.args + init.args.kwonlyargs} - {"self"}
+    return frozenset(fields | params)
+
+
+def settings_problems(cfg) -> list[str]:
+    """rollout.engine_kwargs checked against the installed vLLM's keyword arguments (`engine_argument_names`), one
+    problem per unknown name with the closest ones (difflib); the keys the trainer sets itself are config validation's
+    (config.checks.VLLM_OWN_KWARGS). Only top-level names: a nested mapping (compilation_config.*) is vLLM's to check.
+
+    Example: engine_kwargs {"kv_cache_dtyp": "fp8"} -> ["rollout.engine_kwargs.kv_cache_dtyp: not an argument of the
+    installed vLLM's LLM(...) / EngineArgs (vllm at ...); did you mean 'kv_cache_dtype'? ..."].
+    """
+    import difflib
+
+    names = engine_argument_names()
+    if cfg.rollout.name != "vllm" or not names:
+        return []
+    problems = []
+    for key in sorted(set(cfg.rollout.engine_kwargs) - names - set(VLLM_OWN_KWARGS)):
+        close = difflib.get_close_matches(key, sorted(names), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        problems.append(f"rollout.engine_kwargs.{key}: not an argument of the installed vLLM's LLM(...) / EngineArgs "
+                        f"({_vllm_root()}); {hint}drop it or "
+                        "correct it (vLLM would refuse it when the engine starts, after the data and the reward workers)")
+    return problems
 
 
 class VLLMEngine(EngineGlue):
