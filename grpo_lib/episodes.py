@@ -37,9 +37,11 @@ reach the reward function as verl passes them, `extra_info["rollout_reward_score
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from grpo_lib.distributed import group_leader_call
+from grpo_lib.engines.base import OnFinished
 from grpo_lib.seeds import turn_seed
 from grpo_lib.tools.calls import CallOutcome, ToolBox
 from grpo_lib.tools.config import load_tools
@@ -75,9 +77,15 @@ class _Episode:
 class EpisodeRunner:
     """The episode loop of one run: the tokenizer that renders the chat template, the tools, the turn limits."""
 
+    MAX_EPISODE_THREADS = 256  # the per-episode loop's threads waiting on tool calls (each idle until its calls answer)
+
     def __init__(self, *, tokenizer, toolbox: ToolBox, multi_turn, chat_template_kwargs: dict | None = None,
-                 leader_call=None):
+                 leader_call=None, per_episode: bool = True):
         self.tokenizer, self.toolbox, self.cfg = tokenizer, toolbox, multi_turn  # cfg: rollout.multi_turn
+        # The per-episode loop adds an episode's next turn when its tools answer, an order set by the tools' timing;
+        # the members of a TP group must send their engines identical requests in identical order, so under tensor
+        # parallelism the loop stays turn-synchronous (per_episode False), where each turn's order is fixed.
+        self.per_episode = per_episode
         # Under tensor parallelism the group's first process runs the tools and its members receive the outcomes
         # (distributed.group_leader_call): a timeout on one member would otherwise give it another context than its
         # group's, and the engine's TP collectives would mismatch. The identity without TP.
@@ -99,7 +107,8 @@ class EpisodeRunner:
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
-                       leader_call=group_leader_call(cfg.rollout.tensor_model_parallel_size))
+                       leader_call=group_leader_call(cfg.rollout.tensor_model_parallel_size),
+                       per_episode=cfg.rollout.tensor_model_parallel_size == 1)
         except TemplateError:
             toolbox.close()
             raise
@@ -112,10 +121,14 @@ class EpisodeRunner:
 
     def generate(self, engine, prompts: PromptBatch, *, n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
                  top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
-                 timings: dict | None = None) -> list[list[Generation]]:
+                 timings: dict | None = None, on_finished: OnFinished | None = None) -> list[list[Generation]]:
         """`n` episodes per prompt, [num_prompts][n] Generations, as `engine.generate` gives responses; `max_tokens` is
         the response budget of each episode (data.max_response_length). Adds the tools' wall time to
-        timings["timing_s/tools"]."""
+        timings["timing_s/tools"]. `on_finished` (`engines.base.OnFinished`, the reward stream) hears of each episode
+        as it ends, its tool rewards in: [(prompt index, sample index, Generation)] (the Generation returned).
+
+        The per-episode loop (module docstring) where the engine offers `open_session` and the episodes need not
+        stay in step with other processes (`self.per_episode`: no tensor parallelism); else one engine call per turn."""
         assert prompts.messages is not None, "multi-turn prompts keep their messages: load_prompts(..., tools=schemas)"
         episodes = [
             _Episode(instance_id=f"{i}:{k}:{prompts.group_ids[i]}", prompt_ids=list(prompts.prompt_ids[i]),
@@ -129,44 +142,130 @@ class EpisodeRunner:
         for ep, failed in zip(episodes, started_tools):
             self._count_failures(ep.stats, failed)
         tool_seconds = time.perf_counter() - started
-        active, turn = list(episodes), 0
-        while active:
-            outputs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], n=1, temperature=temperature,
-                                      max_tokens=[max_tokens - len(ep.tokens) for ep in active], top_p=top_p, top_k=top_k,
-                                      seeds=None if seeds is None else [turn_seed(ep.seed, turn) for ep in active],
-                                      logprobs=logprobs)
-            pending = []  # (episode, its assistant text, the calls to run)
-            for ep, (out,) in zip(active, outputs):
-                ep.append(out.token_ids, sampled=True, logprobs=out.logprobs)
-                ep.stats.assistant_turns += 1
-                calls = parse_tool_calls(out.text)
-                if out.finish_reason == "length" or len(ep.tokens) >= max_tokens:
-                    ep.stats.stop = "length"
-                elif not calls:
-                    ep.stats.stop = "answer"
-                elif self._at_turn_limit(ep.stats):
-                    ep.stats.stop = "turn_limit"
-                else:
-                    ep.stats.dropped_calls += max(0, len(calls) - self.cfg.max_parallel_calls)
-                    pending.append((ep, out, calls[:self.cfg.max_parallel_calls]))
-            started = time.perf_counter()
-            outcomes = self.leader_call(lambda: self.toolbox.run([(ep.instance_id, call) for ep, _, calls in pending for call in calls]))
-            tool_seconds += time.perf_counter() - started
-            for ep, out, calls in pending:
-                answered, outcomes = outcomes[:len(calls)], outcomes[len(calls):]
-                self._count_calls(ep.stats, answered)
-                self._append_tool_turn(ep, out.text, out.token_ids, answered, budget=max_tokens)
-            active = [ep for ep in active if not ep.stats.stop]
-            turn += 1
-        started = time.perf_counter()
-        for ep, (rewards, failed) in zip(episodes, self.leader_call(lambda: self.toolbox.finish([ep.instance_id for ep in episodes]))):
-            ep.stats.tool_rewards = rewards
-            self._count_failures(ep.stats, failed)
-        timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + tool_seconds + time.perf_counter() - started
-        done = [Generation(token_ids=ep.tokens, logprobs=ep.logprobs, loss_mask=ep.mask, episode=ep.stats,
-                           text=self.tokenizer.decode(ep.tokens, skip_special_tokens=True),
-                           finish_reason="length" if ep.stats.stop == "length" else "stop") for ep in episodes]
+        done: list[Generation | None] = [None] * len(episodes)
+
+        def report(index: int, generation: Generation) -> None:
+            done[index] = generation
+            if on_finished is not None:
+                on_finished([(*divmod(index, n), generation)])
+
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
+        open_session = getattr(engine, "open_session", None)
+        if open_session is not None and self.per_episode:
+            tool_seconds += self._per_episode_loop(open_session(**sampling), episodes, seeded=seeds is not None,
+                                                   max_tokens=max_tokens, report=report)
+        else:
+            tool_seconds += self._turn_loop(engine, episodes, sampling, seeded=seeds is not None, max_tokens=max_tokens,
+                                            report=report)
+        timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + tool_seconds
         return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _turn_loop(self, engine, episodes: list[_Episode], sampling: dict, *, seeded: bool, max_tokens: int, report) -> float:
+        """One engine call per turn for every running episode, then all their tool calls at once; the episodes that
+        ended in a turn are finished (calc_reward, release) and reported after it. Returns the tools' seconds."""
+        active, turn, tool_seconds = list(range(len(episodes))), 0, 0.0
+        while active:
+            outputs = engine.generate([episodes[j].prompt_ids + episodes[j].tokens for j in active], n=1,
+                                      max_tokens=[max_tokens - len(episodes[j].tokens) for j in active],
+                                      seeds=[turn_seed(episodes[j].seed, turn) for j in active] if seeded else None, **sampling)
+            pending = []  # (episode index, its turn's output, the calls to run)
+            for j, (out,) in zip(active, outputs):
+                calls = self._end_turn(episodes[j], out, max_tokens=max_tokens)
+                if calls:
+                    pending.append((j, out, calls))
+            started = time.perf_counter()
+            outcomes = self.leader_call(lambda: self.toolbox.run(
+                [(episodes[j].instance_id, call) for j, _, calls in pending for call in calls]))
+            for j, out, calls in pending:
+                answered, outcomes = outcomes[:len(calls)], outcomes[len(calls):]
+                self._answer(episodes[j], out, answered, max_tokens=max_tokens)
+            ended = [j for j in active if episodes[j].stats.stop]
+            if ended:
+                finished = self.leader_call(lambda: self.toolbox.finish([episodes[j].instance_id for j in ended]))
+                for j, result in zip(ended, finished):
+                    report(j, self._final(episodes[j], result))
+            tool_seconds += time.perf_counter() - started
+            active = [j for j in active if not episodes[j].stats.stop]
+            turn += 1
+        return tool_seconds
+
+    def _per_episode_loop(self, session_cm, episodes: list[_Episode], *, seeded: bool, max_tokens: int, report) -> float:
+        """Each episode on its own: when its turn ends its tool calls run in a thread (the engine keeps generating the
+        others) and its next turn joins the engine as soon as they answered; an ended episode is finished and reported
+        at once. Same requests per episode as `_turn_loop` (context, budget left, turn_seed of its turn), so the same
+        tokens from a batch-invariant engine and deterministic tools. Returns the seconds the engine sat idle waiting
+        for tools (the tool time generation did not hide)."""
+        waiting = 0.0
+        running: dict = {}  # Future -> (episode index, its turn's output or None for its finish, the calls)
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(episodes), self.MAX_EPISODE_THREADS)),
+                                  thread_name_prefix="grpo-episode-tools")
+        try:
+            with session_cm as session:
+                def add(j: int) -> None:
+                    ep = episodes[j]
+                    session.add(j, ep.prompt_ids + ep.tokens, max_tokens=max_tokens - len(ep.tokens),
+                                seed=turn_seed(ep.seed, ep.stats.assistant_turns) if seeded else None)
+
+                def end(j: int) -> None:
+                    running[pool.submit(self.toolbox.finish, [episodes[j].instance_id])] = (j, None, None)
+
+                for j in range(len(episodes)):
+                    add(j)
+                while session.unfinished or running:
+                    finished = session.step() if session.unfinished else []
+                    if not session.unfinished and running and not any(f.done() for f in running):
+                        started = time.perf_counter()
+                        wait(list(running), return_when=FIRST_COMPLETED)  # nothing to generate until a tool answers
+                        waiting += time.perf_counter() - started
+                    for j, out in finished:
+                        calls = self._end_turn(episodes[j], out, max_tokens=max_tokens)
+                        if calls:
+                            running[pool.submit(self.toolbox.run, [(episodes[j].instance_id, c) for c in calls])] = (j, out, calls)
+                        else:
+                            end(j)
+                    for future in [f for f in running if f.done()]:
+                        j, out, calls = running.pop(future)
+                        if out is None:  # its finish
+                            [result] = future.result()
+                            report(j, self._final(episodes[j], result))
+                            continue
+                        self._answer(episodes[j], out, future.result(), max_tokens=max_tokens)
+                        if episodes[j].stats.stop:
+                            end(j)
+                        else:
+                            add(j)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return waiting
+
+    def _end_turn(self, ep: _Episode, out: Generation, *, max_tokens: int) -> list | None:
+        """A turn's output joins the episode; the calls to run (at most max_parallel_calls), or None when it stops."""
+        ep.append(out.token_ids, sampled=True, logprobs=out.logprobs)
+        ep.stats.assistant_turns += 1
+        calls = parse_tool_calls(out.text)
+        if out.finish_reason == "length" or len(ep.tokens) >= max_tokens:
+            ep.stats.stop = "length"
+        elif not calls:
+            ep.stats.stop = "answer"
+        elif self._at_turn_limit(ep.stats):
+            ep.stats.stop = "turn_limit"
+        else:
+            ep.stats.dropped_calls += max(0, len(calls) - self.cfg.max_parallel_calls)
+            return calls[:self.cfg.max_parallel_calls]
+        return None
+
+    def _answer(self, ep: _Episode, out: Generation, answered: list[CallOutcome], *, max_tokens: int) -> None:
+        self._count_calls(ep.stats, answered)
+        self._append_tool_turn(ep, out.text, out.token_ids, answered, budget=max_tokens)
+
+    def _final(self, ep: _Episode, finished: tuple[dict[str, float], list[CallOutcome]]) -> Generation:
+        """The ended episode's Generation, with its tools' rewards (toolbox.finish's result for it)."""
+        rewards, failed = finished
+        ep.stats.tool_rewards = rewards
+        self._count_failures(ep.stats, failed)
+        return Generation(token_ids=ep.tokens, logprobs=ep.logprobs, loss_mask=ep.mask, episode=ep.stats,
+                          text=self.tokenizer.decode(ep.tokens, skip_special_tokens=True),
+                          finish_reason="length" if ep.stats.stop == "length" else "stop")
 
     def _at_turn_limit(self, stats: EpisodeStats) -> bool:
         """verl's rule, checked after each generation: the turn just made reached a limit, so its calls are not run."""

@@ -40,6 +40,31 @@ from grpo_lib.types import Generation
 OnFinished = Callable[[list[tuple[int, int, Generation]]], None]
 
 
+class GenerationSession(Protocol):
+    """Requests added to the running engine one by one, while the others generate (the per-episode loop of
+    `grpo_lib/episodes.py`: an episode's next turn joins as soon as its tools answered). An engine that offers one has
+    `open_session(*, temperature, top_p, top_k, logprobs)`, a context manager that yields it (the engine is generating
+    inside: lifecycle state ready; on leaving, unfinished requests are aborted); one without (`HFEngine`) has none, and
+    its callers keep calling `generate` turn by turn.
+
+        with engine.open_session(temperature=1.0, top_p=1.0, top_k=-1, logprobs=True) as session:
+            session.add("ep0", [1, 2, 3], max_tokens=8, seed=7)
+            while session.unfinished:
+                for key, generation in session.step():  # what finished in this engine step (often nothing)
+                    ...                                 # may session.add(...) the next turn
+
+    A request with (prompt ids, max_tokens, seed) samples the same tokens as `generate([prompt ids], n=1, seeds=[seed],
+    max_tokens=...)` with the same sampling settings.
+    """
+
+    def add(self, key, prompt_ids: list[int], *, max_tokens: int, seed: int | None) -> None: ...
+
+    def step(self) -> list[tuple[object, Generation]]: ...
+
+    @property
+    def unfinished(self) -> int: ...
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a generation engine (vLLM or transformers).
@@ -48,7 +73,8 @@ class RolloutEngine(Protocol):
     finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
     seeds[i] + k (`grpo_lib/seeds.py`). `max_tokens` is one limit, or one per prompt (the multi-turn loop's remaining
     budget per episode). `on_finished` (`OnFinished`, optional) hears of each response as it finishes (the reward
-    stream scores it while the rest generate); what generate returns is the same with or without it. The memory methods follow the state machine of the module docstring;
+    stream scores it while the rest generate); what generate returns is the same with or without it. An engine may also
+    offer `open_session` (`GenerationSession`: requests added while it generates; vLLM). The memory methods follow the state machine of the module docstring;
     `EngineGlue` supplies prepare_for_generation and pop_metrics.
     """
 

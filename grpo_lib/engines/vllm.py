@@ -398,6 +398,29 @@ class VLLMEngine(EngineGlue):
                 engine.abort_request(list(sample_of))
         return result, score_outputs
 
+    @contextlib.contextmanager
+    def open_session(self, *, temperature: float, top_p: float = 1.0, top_k: int = -1, logprobs: bool = True):
+        """A `GenerationSession` on the running engine (grpo_lib/engines/base.py): requests added one by one with
+        LLMEngine.add_request and the engine stepped by the caller, as `_generate_stepwise` does; each request's
+        SamplingParams are the ones `generate` builds for n=1, so a request samples what generate would. The queued
+        scores (queue_scores) ride along and are folded on leaving; unfinished requests are aborted on leaving."""
+        with self.lifecycle.transition("generate"):
+            session = _Session(self.llm.llm_engine, self._request_counter, temperature=temperature, top_p=top_p,
+                               top_k=top_k, logprobs=logprobs)
+            preemptions_before = self.preemptions_total()
+            scored = self.take_queued_scores()
+            try:
+                for seq in scored:
+                    session.add_score(seq)
+                yield session
+                while session.scores_unfinished:  # the probe's requests, if the episodes ended before they did
+                    session.step()
+            finally:
+                session.abort()
+            if scored:
+                self.fold_scores([_prompt_logprobs(out, seq) for out, seq in zip(session.score_outputs, scored)])
+            self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
+
     def preemptions_total(self) -> int:
         """Sequences preempted by this process's engine(s) since start (vllm:num_preemptions, summed over engines)."""
         return int(sum(getattr(m, "value", 0) or 0 for m in self.llm.get_metrics() if m.name == "vllm:num_preemptions"))
@@ -433,3 +456,60 @@ def _generation(completion) -> Generation:
         logprobs = [0.0] * len(token_ids)
     return Generation(token_ids=token_ids, logprobs=logprobs, text=completion.text,
                       finish_reason=completion.finish_reason or "length")
+
+
+class _Session:
+    """VLLMEngine.open_session's GenerationSession over one LLMEngine (the requests of one generation phase)."""
+
+    def __init__(self, engine, counter, *, temperature: float, top_p: float, top_k: int, logprobs: bool):
+        self.engine, self.counter = engine, counter
+        self.sampling = dict(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+                             logprobs=0 if logprobs and temperature > 0 else None)
+        self.keys: dict[str, object] = {}  # request id -> the caller's key; unfinished sample requests
+        self.score_ids: dict[str, int] = {}  # request id -> index in score_outputs; unfinished score requests
+        self.score_outputs: list = []
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.keys)
+
+    @property
+    def scores_unfinished(self) -> int:
+        return len(self.score_ids)
+
+    def add(self, key, prompt_ids: list[int], *, max_tokens: int, seed: int | None) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**self.sampling, max_tokens=max_tokens, seed=seed)  # as generate's, for n=1
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when it finishes
+        request_id = f"grpo-{next(self.counter)}"
+        self.keys[request_id] = key
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+
+    def add_score(self, sequence: list[int]) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        params = score_params()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"grpo-score-{next(self.counter)}"
+        self.score_ids[request_id] = len(self.score_outputs)
+        self.score_outputs.append(None)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(sequence)}, params)
+
+    def step(self) -> list[tuple[object, Generation]]:
+        """One engine step; the (key, Generation) of the sample requests that finished in it."""
+        finished = []
+        for out in self.engine.step():
+            if out.finished and out.request_id in self.keys:
+                finished.append((self.keys.pop(out.request_id), _generation(out.outputs[0])))
+            elif out.finished and out.request_id in self.score_ids:
+                self.score_outputs[self.score_ids.pop(out.request_id)] = out
+        return finished
+
+    def abort(self) -> None:
+        left = list(self.keys) + list(self.score_ids)
+        if left:  # the caller or a step raised: leave no request behind in the engine
+            self.engine.abort_request(left)
+        self.keys.clear()
+        self.score_ids.clear()
