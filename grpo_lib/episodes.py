@@ -37,7 +37,8 @@ reach the reward function as verl passes them, `extra_info["rollout_reward_score
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from grpo_lib.distributed import group_leader_call
@@ -61,7 +62,7 @@ class _Episode:
 
     instance_id: str  # the tools' instance id of this episode
     prompt_ids: list[int]
-    messages: list[dict]  # the conversation so far, as the chat template sees it
+    messages: list[dict]  # the prompt's messages: each tool turn's delta is rendered after them (_append_tool_turn)
     seed: int | None  # the sample's seed; turn t uses turn_seed(seed, t)
     stats: EpisodeStats
     tokens: list[int] = field(default_factory=list)  # [response_len] everything after the prompt
@@ -76,8 +77,6 @@ class _Episode:
 
 class EpisodeRunner:
     """The episode loop of one run: the tokenizer that renders the chat template, the tools, the turn limits."""
-
-    MAX_EPISODE_THREADS = 256  # the per-episode loop's threads waiting on tool calls (each idle until its calls answer)
 
     def __init__(self, *, tokenizer, toolbox: ToolBox, multi_turn, chat_template_kwargs: dict | None = None,
                  leader_call=None, per_episode: bool = True):
@@ -197,45 +196,39 @@ class EpisodeRunner:
         for tools (the tool time generation did not hide)."""
         waiting = 0.0
         running: dict = {}  # Future -> (episode index, its turn's output or None for its finish, the calls)
-        pool = ThreadPoolExecutor(max_workers=max(1, min(len(episodes), self.MAX_EPISODE_THREADS)),
-                                  thread_name_prefix="grpo-episode-tools")
-        try:
-            with session_cm as session:
-                def add(j: int) -> None:
-                    ep = episodes[j]
-                    session.add(j, ep.prompt_ids + ep.tokens, max_tokens=max_tokens - len(ep.tokens),
-                                seed=turn_seed(ep.seed, ep.stats.assistant_turns) if seeded else None)
+        with session_cm as session:
+            def add(j: int) -> None:
+                ep = episodes[j]
+                session.add(j, ep.prompt_ids + ep.tokens, max_tokens=max_tokens - len(ep.tokens),
+                            seed=turn_seed(ep.seed, ep.stats.assistant_turns) if seeded else None)
 
-                def end(j: int) -> None:
-                    running[pool.submit(self.toolbox.finish, [episodes[j].instance_id])] = (j, None, None)
+            def end(j: int) -> None:
+                running[_in_thread(self.toolbox.finish, [episodes[j].instance_id])] = (j, None, None)
 
-                for j in range(len(episodes)):
-                    add(j)
-                while session.unfinished or running:
-                    finished = session.step() if session.unfinished else []
-                    if not session.unfinished and running and not any(f.done() for f in running):
-                        started = time.perf_counter()
-                        wait(list(running), return_when=FIRST_COMPLETED)  # nothing to generate until a tool answers
-                        waiting += time.perf_counter() - started
-                    for j, out in finished:
-                        calls = self._end_turn(episodes[j], out, max_tokens=max_tokens)
-                        if calls:
-                            running[pool.submit(self.toolbox.run, [(episodes[j].instance_id, c) for c in calls])] = (j, out, calls)
-                        else:
-                            end(j)
-                    for future in [f for f in running if f.done()]:
-                        j, out, calls = running.pop(future)
-                        if out is None:  # its finish
-                            [result] = future.result()
-                            report(j, self._final(episodes[j], result))
-                            continue
-                        self._answer(episodes[j], out, future.result(), max_tokens=max_tokens)
-                        if episodes[j].stats.stop:
-                            end(j)
-                        else:
-                            add(j)
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for j in range(len(episodes)):
+                add(j)
+            while session.unfinished or running:
+                for j, out in session.step() if session.unfinished else []:
+                    calls = self._end_turn(episodes[j], out, max_tokens=max_tokens)
+                    if calls:
+                        running[_in_thread(self.toolbox.run, [(episodes[j].instance_id, c) for c in calls])] = (j, out, calls)
+                    else:
+                        end(j)
+                if not session.unfinished and running and not any(f.done() for f in running):
+                    started = time.perf_counter()
+                    wait(list(running), return_when=FIRST_COMPLETED)  # nothing to generate until a tool answers
+                    waiting += time.perf_counter() - started
+                for future in [f for f in running if f.done()]:
+                    j, out, calls = running.pop(future)
+                    if out is None:  # its finish
+                        [result] = future.result()
+                        report(j, self._final(episodes[j], result))
+                        continue
+                    self._answer(episodes[j], out, future.result(), max_tokens=max_tokens)
+                    if episodes[j].stats.stop:
+                        end(j)
+                    else:
+                        add(j)
         return waiting
 
     def _end_turn(self, ep: _Episode, out: Generation, *, max_tokens: int) -> list | None:
@@ -277,8 +270,10 @@ class EpisodeRunner:
                           budget: int) -> None:
         """The template's end of the assistant turn and its rendering of the tool messages, cut to the budget."""
         tool_messages = [{"role": "tool", "content": o.text} for o in answered]
+        # Rendered after the prompt's messages alone, not the whole conversation so far: what the template writes after
+        # an assistant turn depends on that turn and its tool messages (checked: the tokens before them stay a prefix),
+        # so each turn renders and tokenizes a window of constant size (linear in the turns, not quadratic).
         delta = self.template_delta(ep.messages, text, tool_messages)
-        ep.messages += [{"role": "assistant", "content": text}, *tool_messages]
         # the model sampled the first tokens of the turn's end itself (its eos, Qwen's <|im_end|>): not twice
         overlap = max(k for k in range(min(len(sampled), len(self.turn_end), len(delta)) + 1)
                       if k == 0 or sampled[-k:] == delta[:k])
@@ -378,6 +373,21 @@ class EpisodeRunner:
         for o in failed:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
+
+
+def _in_thread(fn, *args) -> Future:
+    """fn(*args) in a daemon thread of its own (it only waits for the tool loop: grpo_lib/tools/calls.py bounds the
+    calls' time), as a Future; a daemon, so a call still running when the step fails never holds the process."""
+    future: Future = Future()
+
+    def work():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # handed to the loop, which raises it
+            future.set_exception(error)
+
+    threading.Thread(target=work, name="episode-tools", daemon=True).start()
+    return future
 
 
 def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> dict[str, float]:

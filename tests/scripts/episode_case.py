@@ -146,20 +146,63 @@ class ScriptedEngine:
         out = []
         for i, ids in enumerate(prompt_ids):
             seed = None if seeds is None else seeds[i]
-            group = []
-            for k in range(n):
-                text = self.script(self.tokenizer.decode(ids), seed)
-                tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
-                limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
-                finish = "stop" if len(tokens) <= limit else "length"
-                tokens = tokens[:limit]
-                self.sampled.append(tokens)
-                record["sampled"].append(tokens)
-                lps = [-((0 if seed is None else seed % 89) + j + 1) / 100 for j in range(len(tokens))]
-                group.append(Generation(token_ids=tokens, logprobs=lps, finish_reason=finish,
-                                        text=self.tokenizer.decode(tokens, skip_special_tokens=True)))
+            limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+            group = [self.sample(ids, seed, limit) for _ in range(n)]
+            record["sampled"] += [g.token_ids for g in group]
             out.append(group)
         return out
+
+    def sample(self, ids, seed, limit) -> Generation:
+        """One request's turn: the script's text + eos, cut at `limit`; logprobs from the seed and position."""
+        text = self.script(self.tokenizer.decode(ids), seed)
+        tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
+        finish = "stop" if len(tokens) <= limit else "length"
+        tokens = tokens[:limit]
+        self.sampled.append(tokens)
+        lps = [-((0 if seed is None else seed % 89) + j + 1) / 100 for j in range(len(tokens))]
+        return Generation(token_ids=tokens, logprobs=lps, finish_reason=finish,
+                          text=self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+class SessionEngine(ScriptedEngine):
+    """A ScriptedEngine that also offers `open_session` (engines/base.py's GenerationSession): each step finishes the
+    newest unfinished request (so episodes finish out of the order they were added) and `log` records every
+    ("add", key, prompt ids, max_tokens, seed, unfinished before) and ("finish", key)."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.log: list[tuple] = []
+        self.sessions = 0
+
+    def open_session(self, *, temperature, top_p=1.0, top_k=-1, logprobs=True):
+        import contextlib
+
+        engine = self
+
+        class Session:
+            def __init__(self):
+                self.queue = []
+
+            @property
+            def unfinished(self):
+                return len(self.queue)
+
+            def add(self, key, prompt_ids, *, max_tokens, seed):
+                engine.log.append(("add", key, list(prompt_ids), max_tokens, seed, len(self.queue)))
+                self.queue.append((key, list(prompt_ids), max_tokens, seed))
+
+            def step(self):
+                if not self.queue:
+                    return []
+                key, ids, limit, seed = self.queue.pop()
+                engine.log.append(("finish", key))
+                return [(key, engine.sample(ids, seed, limit))]
+
+        @contextlib.contextmanager
+        def session():
+            engine.sessions += 1
+            yield Session()
+        return session()
 
 
 def calls_then_answer(*turns: str, answer: str = "#### 42"):
