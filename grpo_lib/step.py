@@ -219,7 +219,7 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     the process count or TP size. Example: W=2, TP=2, global_idx [7, 3, 9, 4] -> both ranks submit all four;
     rank 0 keeps dataset rows [7, 9], rank 1 keeps [3, 4] (as with TP=1).
     With `rewards` (a `RewardStream`) each kept response is added to it as the engine finishes it, at its row in
-    `build_rollout_batch` (prompt p's sample k is row p * n + k); multi-turn episodes are scored after their loop.
+    `build_rollout_batch` (prompt p's sample k is row p * n + k); a multi-turn episode as it ends, with its tool rewards.
     """
     submit, keep = tp_group_share(len(global_idx), world_size=world_size, rank=rank, tp_size=cfg.rollout.tensor_model_parallel_size)
     if not submit:  # a validation set smaller than the process count: this TP group has no prompt (all its members agree)
@@ -227,13 +227,13 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     group = dataset.batch([global_idx[i] for i in submit])
     mine = dataset.batch([global_idx[submit[j]] for j in keep])
     seeds = [sample_seed(cfg.trainer.seed, purpose=purpose, step=step, round=round, prompt_index=i, n=sampling["n"]) for i in submit]
+    on_finished = None if rewards is None else stream_to(rewards, mine, local_of=dict(zip(keep, range(len(keep)))),
+                                                            n=sampling["n"])
+    streaming = {} if on_finished is None else {"on_finished": on_finished}  # engines that predate it still work
     if episodes is None:
-        on_finished = None if rewards is None else stream_to(rewards, mine, local_of=dict(zip(keep, range(len(keep)))),
-                                                                n=sampling["n"])
-        streaming = {} if on_finished is None else {"on_finished": on_finished}  # engines that predate it still work
         generations = engine.generate(group.prompt_ids, seeds=seeds, **streaming, **sampling)
     else:  # the TP group's members run the same episodes (deterministic tools keep their requests identical)
-        generations = episodes.generate(engine, group, seeds=seeds, timings=timings, **sampling)
+        generations = episodes.generate(engine, group, seeds=seeds, timings=timings, **streaming, **sampling)
     return mine, [generations[j] for j in keep]
 
 
@@ -245,9 +245,11 @@ def stream_to(rewards, prompts: PromptBatch, *, local_of: dict[int, int], n: int
     def on_finished(finished: list[tuple[int, int, Generation]]) -> None:
         for j, k, generation in finished:
             p = local_of.get(j)
-            if p is not None:
+            if p is not None:  # an episode's extra_info as build_rollout_batch gives it (its tool rewards in)
+                extra_info = prompts.extra_infos[p] if generation.episode is None else \
+                    reward_extra_info(prompts.extra_infos[p], generation.episode)
                 rewards.add(p * n + k, response=generation.text, data_source=prompts.data_sources[p],
-                            ground_truth=prompts.ground_truths[p], extra_info=prompts.extra_infos[p])
+                            ground_truth=prompts.ground_truths[p], extra_info=extra_info)
         rewards.poll()
     return on_finished
 
@@ -311,7 +313,7 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         # process together hold exactly the global mini-batch m (process count never changes the update).
         start = time.perf_counter()
         # responses scored as they finish (a stream left by an exception is cancelled: its workers are replaced)
-        rewards = open_reward_stream(scorer) if episodes is None and stream_rewards else None
+        rewards = open_reward_stream(scorer) if stream_rewards else None
         with rewards if rewards is not None else contextlib.nullcontext():
             prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
                                                   step=step, round=rounds, sampling=train_sampling(cfg), episodes=episodes,
@@ -471,7 +473,7 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     vk = cfg.rollout.val_kwargs
     from grpo_lib.validation import generation_rows, val_metrics
 
-    rewards = open_reward_stream(scorer) if episodes is None else None  # scored as they finish, as in training
+    rewards = open_reward_stream(scorer)  # scored as they finish (responses or episodes), as in training
     with rewards if rewards is not None else contextlib.nullcontext():
         prompts, generations = generate_share(cfg, engine, dataset, list(range(len(dataset))), world_size=world_size, rank=rank,
                                               purpose="val", step=step, round=0, sampling=val_sampling(cfg), episodes=episodes,

@@ -158,3 +158,36 @@ def test_each_tool_turn_renders_and_tokenizes_a_window_of_constant_size(runner, 
     assert rendered_8 == rendered_2[:3] * 8 and max(rendered_8) == 1 + 1 + 1, "the prompt, the turn, its tool message"
     assert len(tokenized_8) == 3 * 8 and tokenized_8 == tokenized_2[:3] * 8, "the same characters tokenized every turn"
     assert length_8 > 3 * length_2, "while the conversation grew"
+
+
+def test_the_reward_stream_gets_each_episode_as_it_ends_with_the_tool_rewards_in_its_extra_info(runner):
+    """step.stream_to (what generate_share hands the runner as on_finished): each episode is added at its batch row
+    (prompt p's sample k: p * n + k) while others still generate, its extra_info what build_rollout_batch gives it
+    (rollout_reward_scores: the tools' calc_reward; num_turns), so finish() finds the same texts."""
+    from grpo_lib.episodes import reward_extra_info
+    from grpo_lib.step import build_rollout_batch, stream_to
+
+    engine = SessionEngine(runner.tokenizer, mixed)
+
+    class Stream:
+        added: list = []
+
+        def add(self, index, **fields):
+            self.added.append((index, fields, len(engine.log)))
+
+        def poll(self):
+            pass
+
+    prompts = make_prompts(runner, ["What is 6 * 7?", "What is 1 + 1?"], extra_infos=[{"index": 0}, {"index": 1}])
+    stream = Stream()
+    groups = runner.generate(engine, prompts, n=2, max_tokens=300, seeds=[100, 200], **SAMPLING,
+                             on_finished=stream_to(stream, prompts, local_of={0: 0, 1: 1}, n=2))
+    batch = build_rollout_batch(prompts, groups)
+    assert sorted(i for i, _, _ in stream.added) == [0, 1, 2, 3]
+    for index, fields, _ in stream.added:
+        assert fields["response"] == batch.response_texts[index] and fields["extra_info"] == batch.extra_infos[index]
+    g = groups[0][0]
+    assert stream.added[0][1]["extra_info"] == reward_extra_info({"index": 1}, groups[1][stream.added[0][0] - 2].episode)
+    assert g.episode.tool_rewards["recorder"] == 0.25 and batch.extra_infos[0]["rollout_reward_scores"]["recorder"] == 0.25
+    assert batch.extra_infos[0]["num_turns"] == 3 + 2 + 1
+    assert stream.added[0][2] < len(engine.log), "the first episode was scored before the engine's last request"
