@@ -8,18 +8,32 @@ One episode, as tokens after the prompt (a = sampled by the model, t = written b
     loss_mask 1 ...                                1 | 0 ...                                                                                 0 | 1 ...          1
     logprobs  the engine's ...                       | 0 ...                                                                                 0 | the engine's ...
 
-How a turn is batched: ONE engine call per turn generates the next turn of every episode of this process still
-running (each its own request with n=1, its context = prompt + episode so far, max_tokens = what is left of
-data.max_response_length; vLLM's prefix cache reuses the shared context). Seeds: turn t of sample k of prompt i uses
-`seeds.turn_seed(seeds[i] + k, t)`, so it depends on the sample and the turn only (not on the process count, nor on
-which episodes are still running); turn 0 is the single-turn sample itself. Then the tool calls of all those turns run
-at once (grpo_lib/tools/calls.py, each under rollout.multi_turn.tool_timeout_s), and each episode's context grows by
-the chat template's rendering of its tool responses.
+How episodes run. Seeds: turn t of sample k of prompt i uses `seeds.turn_seed(seeds[i] + k, t)`, so it depends on
+the sample and the turn only (not on the process count, nor on what runs beside it); turn 0 is the single-turn sample
+itself. Each turn is its own request (n=1, its context = prompt + episode so far, max_tokens = what is left of
+data.max_response_length; vLLM's prefix cache reuses the shared context). Two loops send the same requests:
+
+- per episode (an engine with `open_session`, engines/base.py's GenerationSession: vLLM; and no tensor parallelism):
+  every episode's first turn joins the engine, which is stepped here; when a turn ends, its tool calls run in a
+  thread of their own (grpo_lib/tools/calls.py, each under rollout.multi_turn.tool_timeout_s) while the engine keeps
+  generating the others, and the episode's next turn is added as soon as they answered. The engine drains only when
+  every episode has ended; it waits idle only when nothing is left to generate until a tool answers.
+- turn by turn (the hf engine; and under tensor_model_parallel_size > 1, where the members of a TP group must send
+  identical requests in identical order, which the tools' timing would not keep; there the group's leader runs the
+  tools and broadcasts the outcomes): ONE engine call per turn for every episode still running, then the tool calls
+  of all those turns at once.
+
+Either way each episode's context grows by the chat template's rendering of its tool responses, and an episode that
+ends is finished at once (its tools' calc_reward and release) and handed to `on_finished` (the reward stream scores
+it while the others go on).
 
 Tokens are never re-tokenized: the model's sampled ids stay as they are. The tool responses join as the token delta of
-the chat template (`EpisodeRunner.template_delta`): the conversation (prompt messages, each assistant turn as its
-decoded text, the tool messages) is rendered without and with the newest assistant turn and its tool messages
-(`add_generation_prompt` on the longer); the shorter must be a token prefix of the longer, and the tokens after the
+the chat template (`EpisodeRunner.template_delta`): the prompt's messages are rendered without and with the newest
+assistant turn (its decoded text) and its tool messages (`add_generation_prompt` on the longer). Only the prompt's
+messages come before the turn, not the earlier turns: what a template writes after an assistant turn depends on that
+turn and its tool messages, so each tool turn renders and tokenizes a window of constant size (linear work in the
+turns, not quadratic; the whole conversation is still the template's rendering, tests/test_episodes.py). The shorter
+must be a token prefix of the longer, and the tokens after the
 newest turn's text are appended: the template's end of the turn (`<|im_end|>\\n` for Qwen, less the `<|im_end|>` the
 model sampled itself), the tool messages, the next generation prompt. A template that breaks the prefix property
 raises TemplateError naming the model: the episode would otherwise drift from what the template renders (the drift

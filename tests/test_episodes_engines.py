@@ -79,3 +79,19 @@ def test_a_prompts_episodes_do_not_depend_on_the_rest_of_the_batch(run):
     assert out["alone"] == [e["token_ids"] for e in out["episodes"][1]], name
     first = out["calls"][0]
     assert first["seeds"] == [1234, 1235, 5678, 5679] and first["n"] == 1
+
+
+def test_the_per_episode_loop_on_the_running_engine_gives_the_turn_loops_episodes(run):
+    """vLLM only (the hf engine keeps the turn loop): the episodes of [A, B] again, each turn added to the running
+    engine as its episode's tool answered (open_session), equal the turn loop's token for token, loss mask and stop
+    alike; the logprobs within float32 round-off of the same computation in another batch (the contexts are the
+    same, only what runs beside them differs: the tiny model's values are O(1), float32's eps 1.2e-7, a few
+    hundred additions per logit -> well under 1e-4)."""
+    name, out = run
+    if name != "vllm":
+        pytest.skip("the hf engine has no GenerationSession: its episodes run turn by turn")
+    for turn_group, episode_group in zip(out["episodes"], out["per_episode"]):
+        for a, b in zip(turn_group, episode_group):
+            assert (a["token_ids"], a["loss_mask"], a["stop"], a["turns"]) == (b["token_ids"], b["loss_mask"], b["stop"], b["turns"])
+            assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) < 1e-4
+    assert any(e["turns"] > 1 for group in out["episodes"] for e in group), "the episodes had tool turns"

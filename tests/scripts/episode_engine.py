@@ -6,8 +6,8 @@ The random tiny model never writes a tool call, so the hermes parser is replaced
 process only) by one that reads every turn as a call of the `echo` tool; rollout.multi_turn.max_assistant_turns=3
 ends each episode. The model folder given has its eos made likely (tests/test_episodes_engines.py), so turns end
 with the model's own <|im_end|> after a few tokens. Written: every engine call (contexts, seeds, sampled ids and
-their logprobs, max_tokens), the episodes of prompts [A, B] (n=2), the episodes of [B] alone with B's seed, and the
-trainer's logprobs (Actor.compute_logprobs, fp32, at the rollout temperature) of the episode batch.
+their logprobs, max_tokens), the episodes of prompts [A, B] (n=2), the episodes of [B] alone with B's seed, (vLLM) the
+episodes of [A, B] again by the per-episode loop on the running engine (open_session), and the trainer's logprobs (Actor.compute_logprobs, fp32, at the rollout temperature) of the episode batch.
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ def main(engine_name: str, model_dir: str, out_dir: str) -> None:
     groups = runner.generate(engine, prompts, n=2, seeds=[1234, 5678], **sampling)
     calls_both = len(engine.calls)
     [alone] = runner.generate(engine, make_prompts(runner, ["What is 6 * 7?"]), n=2, seeds=[5678], **sampling)
+    per_episode = None
+    if hasattr(engine.engine, "open_session"):  # vLLM: the per-episode loop on the running engine, same prompts and seeds
+        heard, calls_before = [], len(engine.calls)
+        per_episode = runner.generate(engine.engine, prompts, n=2, seeds=[1234, 5678], **sampling,
+                                      on_finished=lambda finished: heard.extend((i, k) for i, k, _ in finished))
+        assert len(engine.calls) == calls_before, "the per-episode loop made no generate call"
+        assert sorted(heard) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     runner.toolbox.close()
     batch = build_rollout_batch(prompts, groups, pad_id=tokenizer.pad_token_id)
     from grpo_lib.actor import Actor
@@ -76,6 +83,9 @@ def main(engine_name: str, model_dir: str, out_dir: str) -> None:
         "episodes": [[{"token_ids": g.token_ids, "loss_mask": g.loss_mask, "logprobs": g.logprobs, "stop": g.episode.stop,
                        "turns": g.episode.assistant_turns} for g in group] for group in groups],
         "alone": [g.token_ids for g in alone],
+        "per_episode": None if per_episode is None else [[{"token_ids": g.token_ids, "loss_mask": g.loss_mask, "logprobs": g.logprobs,
+                                                            "stop": g.episode.stop, "turns": g.episode.assistant_turns}
+                                                           for g in group] for group in per_episode],
         "trainer_logprobs": [trainer_lp[i][batch.response_mask[i] > 0].tolist() for i in range(len(batch))],
         "holes": [tokenizer.decode([t for t, m in zip(g.token_ids, g.loss_mask) if not m]) for group in groups for g in group],
     }
