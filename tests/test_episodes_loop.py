@@ -191,3 +191,20 @@ def test_the_reward_stream_gets_each_episode_as_it_ends_with_the_tool_rewards_in
     assert g.episode.tool_rewards["recorder"] == 0.25 and batch.extra_infos[0]["rollout_reward_scores"]["recorder"] == 0.25
     assert batch.extra_infos[0]["num_turns"] == 3 + 2 + 1
     assert stream.added[0][2] < len(engine.log), "the first episode was scored before the engine's last request"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_from_config_runs_per_episode_only_without_tensor_parallelism(tokenizer, tp):
+    from types import SimpleNamespace
+
+    from grpo_lib.config.schema import MultiTurnConfig
+    from grpo_lib.episodes import EpisodeRunner
+
+    mt = MultiTurnConfig(enable=True, tool_config_path="recipes/tool_config/calculator_tool_config.yaml")
+    cfg = SimpleNamespace(rollout=SimpleNamespace(multi_turn=mt, tensor_model_parallel_size=tp),
+                          data=SimpleNamespace(apply_chat_template_kwargs={}))  # the keys from_config reads
+    runner = EpisodeRunner.from_config(cfg, tokenizer=tokenizer)
+    try:
+        assert runner.per_episode is (tp == 1)
+    finally:
+        runner.toolbox.close()
