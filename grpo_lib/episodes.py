@@ -166,7 +166,8 @@ class EpisodeRunner:
         open_session = getattr(engine, "open_session", None)
         if open_session is not None and self.per_episode:
             tool_seconds += self._per_episode_loop(open_session(**sampling), episodes, seeded=seeds is not None,
-                                                   max_tokens=max_tokens, report=report)
+                                                   max_tokens=max_tokens, report=report,
+                                                   tick=None if on_finished is None else lambda: on_finished([]))
         else:
             tool_seconds += self._turn_loop(engine, episodes, sampling, seeded=seeds is not None, max_tokens=max_tokens,
                                             report=report)
@@ -202,12 +203,14 @@ class EpisodeRunner:
             turn += 1
         return tool_seconds
 
-    def _per_episode_loop(self, session_cm, episodes: list[_Episode], *, seeded: bool, max_tokens: int, report) -> float:
+    def _per_episode_loop(self, session_cm, episodes: list[_Episode], *, seeded: bool, max_tokens: int, report,
+                          tick=None) -> float:
         """Each episode on its own: when its turn ends its tool calls run in a thread (the engine keeps generating the
         others) and its next turn joins the engine as soon as they answered; an ended episode is finished and reported
         at once. Same requests per episode as `_turn_loop` (context, budget left, turn_seed of its turn), so the same
         tokens from a batch-invariant engine and deterministic tools. Returns the seconds the engine sat idle waiting
-        for tools (the tool time generation did not hide)."""
+        for tools (the tool time generation did not hide). `tick()` after every engine step (the reward stream's poll,
+        as `OnFinished` is called with [] by a generate call)."""
         waiting = 0.0
         running: dict = {}  # Future -> (episode index, its turn's output or None for its finish, the calls)
         with session_cm as session:
@@ -228,6 +231,8 @@ class EpisodeRunner:
                         running[_in_thread(self.toolbox.run, [(episodes[j].instance_id, c) for c in calls])] = (j, out, calls)
                     else:
                         end(j)
+                if tick is not None:
+                    tick()
                 if not session.unfinished and running and not any(f.done() for f in running):
                     started = time.perf_counter()
                     wait(list(running), return_when=FIRST_COMPLETED)  # nothing to generate until a tool answers
