@@ -249,6 +249,7 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
+        from grpo_lib.tools.calls import ToolStallError
         from grpo_lib.weight_probe import worse_probe
 
         cfg, p = self.cfg, self.parts
@@ -264,13 +265,16 @@ class GRPOTrainer:
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
                 if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
-                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step)
+                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step,
+                                        max_error_fraction=cfg.reward.max_error_fraction)
             except S.RunAborted:
                 if gen_metrics:
                     p.logger.log(step, gen_metrics)
                 raise
             except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
                 raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
+            except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
+                raise S.RunAborted(f"step {step}: {error}") from error
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from grpo_lib.seeds import turn_seed
-from grpo_lib.tools.calls import CallOutcome, ToolBox
+from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
 from grpo_lib.tools.config import load_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch
@@ -78,6 +78,8 @@ class EpisodeRunner:
         self.tokenizer, self.toolbox, self.cfg = tokenizer, toolbox, multi_turn  # cfg: rollout.multi_turn
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model = getattr(tokenizer, "name_or_path", "?")
+        added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]  # tool text is data: these escaped
+        self.control_tokens = sorted({*getattr(tokenizer, "all_special_tokens", []), *added}, key=len, reverse=True)
         self.turn_end = self._turn_end_ids()
         self.check_template()
 
@@ -89,7 +91,7 @@ class EpisodeRunner:
         mt = cfg.rollout.multi_turn
         if not mt.enable:
             return None
-        toolbox = ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
+        toolbox = ToolBox(load_tools(mt.tool_config_path, import_timeout_s=cfg.reward.import_timeout_s), timeout_s=mt.tool_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
@@ -169,7 +171,7 @@ class EpisodeRunner:
     def _append_tool_turn(self, ep: _Episode, text: str, sampled: list[int], answered: list[CallOutcome], *,
                           budget: int) -> None:
         """The template's end of the assistant turn and its rendering of the tool messages, cut to the budget."""
-        tool_messages = [{"role": "tool", "content": o.text} for o in answered]
+        tool_messages = [{"role": "tool", "content": escape_control_tokens(o.text, self.control_tokens)[0]} for o in answered]
         delta = self.template_delta(ep.messages, text, tool_messages)
         ep.messages += [{"role": "assistant", "content": text}, *tool_messages]
         # the model sampled the first tokens of the turn's end itself (its eos, Qwen's <|im_end|>): not twice
@@ -262,6 +264,7 @@ class EpisodeRunner:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
             stats.truncated_responses += o.truncated
+            stats.abandoned_calls += o.abandoned
             if o.kind == "ok":
                 stats.step_rewards = (stats.step_rewards or []) + [o.step_reward]
 
@@ -271,6 +274,8 @@ class EpisodeRunner:
         for o in failed:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
+            stats.abandoned_calls += o.abandoned
+            stats.reward_errors += o.method == "calc_reward"
 
 
 def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> dict[str, float]:
@@ -288,7 +293,9 @@ def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> 
             "tools/timeouts": float(sum(e.timeouts for e in episodes)),
             "tools/invalid_calls": float(sum(e.invalid_calls for e in episodes)),
             "tools/truncated_responses": float(sum(e.truncated_responses for e in episodes)),
-            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes))}
+            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes)),
+            "tools/abandoned": float(sum(e.abandoned_calls for e in episodes)),
+            "tools/reward_errors": float(sum(e.reward_errors for e in episodes))}
     for name in tool_names:
         sums[f"tools/{name}/calls"] = float(sum(e.calls.get(name, 0) for e in episodes))
         sums[f"tools/{name}/failures"] = float(sum(e.failures.get(name, 0) for e in episodes))

@@ -22,15 +22,16 @@ import threading
 from fractions import Fraction
 
 from grpo_lib.rewards import gsm8k
-from grpo_lib.tools.base import BaseTool
 from grpo_lib.tools import sandbox
+from grpo_lib.tools.base import BaseTool
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64  # keeps 9 ** 9 ** 9 from taking the trainer's memory
-MAX_DIGITS = 100
+MAX_DIGITS = 100  # of the numerator and of the denominator of every intermediate value
+_MAX_BITS = int(MAX_DIGITS * 3.33) + 1  # 10 ** 100 < 2 ** 333
 
 
 def evaluate(expression: str) -> Fraction:
@@ -57,10 +58,13 @@ def _eval(node) -> Fraction:
         if isinstance(node.op, ast.Pow):
             if right.denominator != 1 or abs(right) > MAX_EXPONENT:
                 raise ValueError(f"exponents must be whole numbers of at most {MAX_EXPONENT}")
-        value = _BINARY[type(node.op)](left, right)
-        if abs(value.numerator) > 10 ** MAX_DIGITS:
+            # bound the work before doing it: the power has about bits(base) * exponent bits (numerator and denominator)
+            if max(left.numerator.bit_length(), left.denominator.bit_length()) * abs(int(right)) > _MAX_BITS + 64:
+                raise ValueError(f"the result has more than {MAX_DIGITS} digits")
+        value = Fraction(_BINARY[type(node.op)](left, right))
+        if abs(value.numerator) > 10 ** MAX_DIGITS or value.denominator > 10 ** MAX_DIGITS:
             raise ValueError(f"the result has more than {MAX_DIGITS} digits")
-        return Fraction(value)
+        return value
     raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, not {ast.unparse(node)!r}")
 
 
