@@ -16,6 +16,11 @@ which episodes are still running); turn 0 is the single-turn sample itself. Then
 at once (grpo_lib/tools/calls.py, each under rollout.multi_turn.tool_timeout_s), and each episode's context grows by
 the chat template's rendering of its tool responses.
 
+Creation responses (verl 0.9): a tool whose create returns (instance_id, ToolResponse) with text has it shown to the
+model before the episode's first turn, as tool messages (verl's rollout adds them after the prompt's messages); the
+prompt's tokens end in the generation prompt, so they join as the delta after an empty assistant turn (loss_mask 0),
+counted as no user turn.
+
 Tokens are never re-tokenized: the model's sampled ids stay as they are. The tool responses join as the token delta of
 the chat template (`EpisodeRunner.template_delta`): the conversation (prompt messages, each assistant turn as its
 decoded text, the tool messages) is rendered without and with the newest assistant turn and its tool messages
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 
 from grpo_lib.seeds import turn_seed
 from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
-from grpo_lib.tools.config import load_tools
+from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch
 
@@ -85,13 +90,14 @@ class EpisodeRunner:
 
     @classmethod
     def from_config(cls, cfg, *, tokenizer) -> EpisodeRunner | None:
-        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path, checked against the chat template;
-        None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot load) or TemplateError (a
+        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path and function_tool_path, checked
+        against the chat template; None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot load) or TemplateError (a
         template that cannot extend an episode), both before the engine starts; the tools are closed on a failure."""
         mt = cfg.rollout.multi_turn
         if not mt.enable:
             return None
-        toolbox = ToolBox(load_tools(mt.tool_config_path, import_timeout_s=cfg.reward.import_timeout_s), timeout_s=mt.tool_timeout_s,
+        tools = load_all_tools(mt.tool_config_path, mt.function_tool_path, import_timeout_s=cfg.reward.import_timeout_s)
+        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
@@ -122,8 +128,11 @@ class EpisodeRunner:
         tools_kwargs = [(prompts.extra_infos[i] or {}).get("tools_kwargs") or {} for i in range(len(prompts)) for _ in range(n)]
         for ep, failed in zip(episodes, self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)])):
             self._count_failures(ep.stats, failed)
+            if created := self.toolbox.created.get(ep.instance_id):  # verl 0.9: creation responses, read before turn 0
+                self._append_tool_turn(ep, "", [], created, budget=max_tokens)
+                ep.stats.user_turns -= 1  # verl counts no turn for them
         tool_seconds = time.perf_counter() - started
-        active, turn = list(episodes), 0
+        active, turn = [ep for ep in episodes if not ep.stats.stop], 0
         while active:
             outputs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], n=1, temperature=temperature,
                                       max_tokens=[max_tokens - len(ep.tokens) for ep in active], top_p=top_p, top_k=top_k,

@@ -349,8 +349,9 @@ def _multi_turn_problems(cfg: Config) -> list[str]:
         p.append(f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s}: seconds, must be > 0 (default 30)")
     if not mt.enable:
         return p
-    if not mt.tool_config_path:
-        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path: a tool config YAML in verl's format "
+    if not mt.tool_config_path and not mt.function_tool_path:
+        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool config YAML in verl's "
+                 "format) or rollout.multi_turn.function_tool_path (a Python file of @function_tool functions), or both "
                  "(README, 'Multi-turn tool use')")
     if not cfg.data.apply_chat_template:
         p.append("rollout.multi_turn.enable=true with data.apply_chat_template=false: tool responses join the episode as the "

@@ -239,7 +239,12 @@ class MultiTurnConfig:
     turn are not run and get no response (counted as tools/dropped_calls)."""
     tool_config_path: str | None = None
     """verl's tool config YAML (`tools: - class_name: pkg.module.Class, config: {...}, tool_schema: {type: function,
-    function: {name, description, parameters}}`); required with enable. The classes are imported and run as your code."""
+    function: {name, description, parameters}}`); with enable, this or function_tool_path (or both). The classes are
+    imported and run as your code."""
+    function_tool_path: str | None = None
+    """verl's function tools: a Python file whose `@function_tool` functions (typed, Google-style docstrings) are tools,
+    their schemas inferred as verl infers them (grpo_lib/tools/functions.py); alongside tool_config_path, whose tool
+    names it may not repeat (refused at start naming both files, exit 2). Imported and run as your code."""
     max_tool_response_length: int = 256
     """Characters of one tool response the model sees (verl's unit and default); a longer one is cut on
     tool_response_truncate_side with a "(truncated)" marker and counted (tools/truncated_responses)."""

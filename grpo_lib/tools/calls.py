@@ -168,6 +168,8 @@ class ToolBox:
         self._schemas = {name: _schema_of(tool) for name, tool in self.tools.items()}  # name -> plain-dict schema
         self.timeout_s, self.max_response_chars, self.truncate_side = timeout_s, max_response_chars, truncate_side
         self.failed_create: dict[tuple[str, str], str] = {}  # (episode, tool) -> why its create failed
+        self._instances: dict[tuple[str, str], str] = {}  # (episode, tool) -> the instance id its create returned
+        self.created: dict[str, list[CallOutcome]] = {}  # episode -> its creation responses with text (verl 0.9)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-loop", daemon=True)
         self._thread.start()
@@ -183,7 +185,11 @@ class ToolBox:
 
     def start(self, episodes: list[tuple[str, dict]]) -> list[list[CallOutcome]]:
         """create(instance_id, **create_kwargs) of every tool for every (instance id, extra_info.tools_kwargs) episode;
-        returns each episode's failed creates (that tool then answers every call of the episode with the failure)."""
+        returns each episode's failed creates (that tool then answers every call of the episode with the failure).
+
+        create may return None, the instance id, or verl 0.9's (instance_id, ToolResponse): a returned id is the one
+        the episode's later calls use; a creation response with text is kept in `created[episode]` (cut like any
+        response), which the episode loop shows the model as a tool turn before its first turn, as verl does."""
         jobs, where = [], []
         for episode, tools_kwargs in episodes:
             for name in self.tools:
@@ -192,10 +198,15 @@ class ToolBox:
                 jobs.append(self._lifecycle(name, "create", episode, **create_kwargs))
                 where.append((episode, name))
         failures: dict[str, list[CallOutcome]] = {episode: [] for episode, _ in episodes}
-        for (episode, name), outcome in zip(where, self._run_all(jobs)):
+        for (episode, name), (outcome, instance) in zip(where, self._run_all(jobs)):
             if outcome.kind != "ok":
                 self.failed_create[(episode, name)] = outcome.text
                 failures[episode].append(outcome)
+                continue
+            if instance is not None and instance != episode:
+                self._instances[(episode, name)] = instance
+            if outcome.text:
+                self.created.setdefault(episode, []).append(outcome)
         return [failures[episode] for episode, _ in episodes]
 
     def run(self, calls: list[tuple[str, ToolCall]]) -> list[CallOutcome]:
@@ -206,8 +217,8 @@ class ToolBox:
         """calc_reward then release of every tool for every episode -> per episode ({tool: reward}, failed calls).
         A tool whose create failed is neither scored nor released; a failed calc_reward scores 0."""
         pairs = [(e, name) for e in episodes for name in self.tools if (e, name) not in self.failed_create]
-        rewards = self._run_all([self._lifecycle(name, "calc_reward", e) for e, name in pairs])
-        releases = self._run_all([self._lifecycle(name, "release", e) for e, name in pairs])
+        rewards = self._run_all([self._lifecycle(name, "calc_reward", self._instance(e, name)) for e, name in pairs])
+        releases = self._run_all([self._lifecycle(name, "release", self._instance(e, name)) for e, name in pairs])
         out = {e: ({}, []) for e in episodes}
         for (e, name), reward, release in zip(pairs, rewards, releases):
             value = 0.0
@@ -225,6 +236,8 @@ class ToolBox:
         for e in episodes:
             for name in self.tools:
                 self.failed_create.pop((e, name), None)
+                self._instances.pop((e, name), None)
+            self.created.pop(e, None)
         return [out[e] for e in episodes]
 
     def close(self) -> None:
@@ -248,7 +261,7 @@ class ToolBox:
         if (episode, call.name) in self.failed_create:
             return self._outcome(f"Error: {call.name} could not start for this episode: {self.failed_create[episode, call.name]}",
                                  "error", call.name)
-        kind, value = await self._timed(call.name, tool.execute, episode, call.arguments)
+        kind, value = await self._timed(call.name, tool.execute, self._instance(episode, call.name), call.arguments)
         if kind == "ok":
             try:
                 text, step_reward = _response_parts(value)
@@ -261,20 +274,35 @@ class ToolBox:
             return out
         return self._outcome(f"Error: {call.name} failed: {_describe(value)}", "error", call.name)
 
-    async def _lifecycle(self, name: str, method: str, episode: str, **kwargs) -> CallOutcome:
-        """create / calc_reward / release of tool `name`; an ok outcome's text is str(return value) (calc_reward's number)."""
+    def _instance(self, episode: str, name: str) -> str:
+        """The instance id tool `name` knows episode `episode` by (the episode's id unless its create returned another)."""
+        return self._instances.get((episode, name), episode)
+
+    async def _lifecycle(self, name: str, method: str, episode: str, **kwargs):
+        """create / calc_reward / release of tool `name`; an ok outcome's text is str(return value) for calc_reward
+        (its number). create returns (outcome, the instance id it gave or None), its text the creation response's."""
         fn = getattr(self.tools[name], method, None)
         if fn is None:  # a class that does not subclass BaseTool may leave these out: verl's defaults
-            return CallOutcome("0.0" if method == "calc_reward" else "", "ok", name, method=method)
+            out = CallOutcome("0.0" if method == "calc_reward" else "", "ok", name, method=method)
+            return (out, None) if method == "create" else out
         kind, value = await self._timed(name, fn, episode, **kwargs)
+        if kind == "ok" and method == "create":
+            try:
+                instance, text = _created(value)
+            except ValueError as error:
+                return CallOutcome(f"{name}.create {error}", "error", name, method=method), None
+            text, cut = truncate(text, self.max_response_chars, self.truncate_side) if text else ("", False)
+            return CallOutcome(text, "ok", name, truncated=cut, method=method), instance
         if kind == "ok" and method == "calc_reward" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            return CallOutcome(f"{name}.calc_reward returned {value!r}, not a number", "error", name, method=method)
-        if kind == "ok":
-            return CallOutcome(str(value) if method == "calc_reward" else "", "ok", name, method=method)
-        if kind == "timeout":
-            return CallOutcome(f"{name}.{method} did not answer within {self.timeout_s:g} s", "timeout", name,
-                               abandoned=bool(value), method=method)
-        return CallOutcome(f"{name}.{method} raised {_describe(value)}", "error", name, method=method)
+            out = CallOutcome(f"{name}.calc_reward returned {value!r}, not a number", "error", name, method=method)
+        elif kind == "ok":
+            out = CallOutcome(str(value) if method == "calc_reward" else "", "ok", name, method=method)
+        elif kind == "timeout":
+            out = CallOutcome(f"{name}.{method} did not answer within {self.timeout_s:g} s", "timeout", name,
+                              abandoned=bool(value), method=method)
+        else:
+            out = CallOutcome(f"{name}.{method} raised {_describe(value)}", "error", name, method=method)
+        return (out, None) if method == "create" else out
 
     def _outcome(self, text: str, kind: str, tool: str | None, step_reward: float = 0.0) -> CallOutcome:
         text, cut = truncate(text, self.max_response_chars, self.truncate_side)
@@ -371,6 +399,24 @@ class ToolBox:
                                  f"tool_timeout_s={self.timeout_s:g} + {self.stall_grace_s:g} s): an async tool blocks the "
                                  "event loop without awaiting (time.sleep or CPU work in an `async def`), so no timeout can "
                                  "fire. Make the blocking part a plain method (it then runs in a thread) or await it") from None
+
+
+def _created(value) -> tuple[str | None, str]:
+    """create's return -> (instance id or None, creation response text): None, an id, or verl 0.9's (id, ToolResponse).
+
+    Example: ("ep", ToolResponse(text="The board is empty.")) -> ("ep", "The board is empty."); "ep" -> ("ep", "").
+    """
+    if value is None or isinstance(value, str):
+        return value, ""
+    if isinstance(value, tuple) and len(value) == 2 and (value[0] is None or isinstance(value[0], str)):
+        response = value[1]
+        if response is not None and not isinstance(response, str) and not hasattr(response, "text"):
+            raise ValueError(f"returned a creation response of type {type(response).__name__}, expected a ToolResponse")
+        text = response if isinstance(response, str) else getattr(response, "text", None)
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"returned a creation response whose text is {type(text).__name__}, not a string")
+        return value[0], text or ""
+    raise ValueError(f"returned {type(value).__name__}, expected None, the instance id, or (instance_id, ToolResponse)")
 
 
 def _describe(error: BaseException) -> str:

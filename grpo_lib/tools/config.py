@@ -63,19 +63,20 @@ def load_tools(path: str | Path, *, import_timeout_s: float = 120.0) -> dict:
         name = schema["function"]["name"]
         if name in tools:
             raise ToolConfigError(f"{where}: a second tool named {name!r}; tool names must be unique")
-        tools[name] = _bounded(_build, entry["class_name"], entry.get("config") or {}, schema, where,
-                               timeout_s=import_timeout_s)
+        tools[name] = bounded(_build, entry["class_name"], entry.get("config") or {}, schema, where, timeout_s=import_timeout_s,
+                              what=f"importing and building {entry['class_name']}", where=where)
     return tools
 
 
-def _bounded(fn, *args, timeout_s: float, **kwargs):
+def bounded(fn, *args, timeout_s: float, what: str, where: str):
     """fn(*args) in a daemon thread, waited for at most timeout_s: an import or constructor that blocks cannot hang
-    set-up (the thread is left behind; the run stops with exit 2). fn's exception is raised here."""
+    set-up (the thread is left behind; the run stops with exit 2). fn's exception is raised here as ToolConfigError
+    ("{where}: {what} raised ...")."""
     result: list = []
 
     def work():
         try:
-            result.append(("ok", fn(*args, **kwargs)))
+            result.append(("ok", fn(*args)))
         except BaseException as error:  # SystemExit from a module's import too: reported, not swallowed
             result.append(("error", error))
 
@@ -83,13 +84,13 @@ def _bounded(fn, *args, timeout_s: float, **kwargs):
     thread.start()
     thread.join(timeout_s)
     if not result:
-        raise ToolConfigError(f"{args[-1]}: importing and building {args[0]} did not finish within {timeout_s:g} s "
-                              "(reward.import_timeout_s): its module or constructor blocks (a network call, a lock?)")
+        raise ToolConfigError(f"{where}: {what} did not finish within {timeout_s:g} s (reward.import_timeout_s): its "
+                              "module or constructor blocks (a network call, a lock?)")
     kind, value = result[0]
     if kind == "error":
         if isinstance(value, ToolConfigError):
             raise value
-        raise ToolConfigError(f"{args[-1]}: importing and building {args[0]} raised {type(value).__name__}: {value}") from value
+        raise ToolConfigError(f"{where}: {what} raised {type(value).__name__}: {value}") from value
     return value
 
 
