@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config.checks import environment_problems, needs_old_logprobs  # noqa: E402
+from grpo_lib.config.checks import environment_problems, multi_turn_warnings, needs_old_logprobs  # noqa: E402
 
 
 class SetupError(RuntimeError):
@@ -178,6 +178,10 @@ class GRPOTrainer:
             probe.send(engine)
         if self.resume.path is not None:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
+            if episodes is not None and rank == 0:  # a tool's state is no part of a checkpoint
+                print("note: the resumed episodes match the uninterrupted run's only if the tools keep no state across "
+                      "episodes (each episode's state under its instance_id, dropped at release) and answer the same "
+                      "call the same way", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
 
@@ -428,6 +432,9 @@ def main(argv: list[str]) -> int:
 
     if rank == 0 and (warning := launcher_timeout_warning()):  # accelerate launch would kill us before a stop saves
         print(warning, file=sys.stderr, flush=True)
+    if rank == 0:
+        for warning in multi_turn_warnings(cfg):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     if cfg.ignored and rank == 0:  # once, at start
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
               flush=True)

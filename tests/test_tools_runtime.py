@@ -257,3 +257,17 @@ def test_tool_text_with_control_tokens_is_data_not_turns(tiny_model_dir):
         assert "#### 99" in text and text.rstrip().endswith("#### 42<|im_end|>")
     finally:
         runner.toolbox.close()
+
+
+def test_one_assistant_turn_with_tools_warns_that_no_call_can_be_answered():
+    from grpo_lib.config import Config
+    from grpo_lib.config.checks import multi_turn_warnings
+
+    cfg = Config()
+    cfg.rollout.multi_turn.enable, cfg.rollout.multi_turn.tool_config_path = True, "tools.yaml"
+    assert multi_turn_warnings(cfg) == []
+    cfg.rollout.multi_turn.max_assistant_turns = 1
+    [warning] = multi_turn_warnings(cfg)
+    assert warning.startswith("rollout.multi_turn.max_assistant_turns=1 with tools") and "no tool call can be answered" in warning
+    cfg.rollout.multi_turn.enable = False
+    assert multi_turn_warnings(cfg) == []
