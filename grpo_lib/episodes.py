@@ -91,8 +91,9 @@ class EpisodeRunner:
     @classmethod
     def from_config(cls, cfg, *, tokenizer) -> EpisodeRunner | None:
         """The run's episode loop: the tools of rollout.multi_turn.tool_config_path and function_tool_path, checked
-        against the chat template; None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot load) or TemplateError (a
-        template that cannot extend an episode), both before the engine starts; the tools are closed on a failure."""
+        against the chat template; None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot
+        load) or TemplateError (a template that cannot extend an episode), both before the engine starts; the tools
+        are closed on a failure."""
         mt = cfg.rollout.multi_turn
         if not mt.enable:
             return None
