@@ -167,6 +167,7 @@ class PythonTool(BaseTool):
 
         cpu_time_s: 10        CPU seconds              wall_time_s: 20    wall-clock seconds (keep < tool_timeout_s)
         memory_mb: 1024       address space, MiB       file_mb: 16        largest file written, MiB
+        dir_mb: 64            all it writes, MiB (its directory is a tmpfs of that size)
         max_output_bytes: 65536  output read back (the model then sees max_tool_response_length characters of it)
         max_concurrent: 8     runs at once (each may take memory_mb); a call waits for a slot within wall_time_s
         isolation: strict     refuse to build (exit 2 at load) where Landlock or seccomp is missing; best_effort
@@ -178,7 +179,8 @@ class PythonTool(BaseTool):
 
     def __init__(self, config, tool_schema):
         super().__init__(config, tool_schema)
-        known = {"cpu_time_s", "wall_time_s", "memory_mb", "file_mb", "max_output_bytes", "max_concurrent", "isolation"}
+        known = {"cpu_time_s", "wall_time_s", "memory_mb", "file_mb", "dir_mb", "max_output_bytes", "max_concurrent",
+                 "isolation"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown PythonTool config key(s) {unknown}; it takes {sorted(known)}")
@@ -187,6 +189,7 @@ class PythonTool(BaseTool):
             raise ValueError(f"PythonTool config isolation={isolation!r}: strict or best_effort")
         self.limits = sandbox.Limits(cpu_s=int(config.get("cpu_time_s", 10)), wall_s=float(config.get("wall_time_s", 20)),
                                      memory_mb=int(config.get("memory_mb", 1024)), file_mb=int(config.get("file_mb", 16)),
+                                     dir_mb=int(config.get("dir_mb", 64)),
                                      output_bytes=int(config.get("max_output_bytes", 65536)), strict=isolation == "strict")
         for key, value in (("cpu_time_s", self.limits.cpu_s), ("wall_time_s", self.limits.wall_s),
                            ("memory_mb", self.limits.memory_mb), ("max_output_bytes", self.limits.output_bytes)):

@@ -22,6 +22,7 @@ Which layer stops which escape (tests/test_tools_python.py tries each):
     a 10 GB allocation                       RLIMIT_AS (MemoryError)
     reading the run folder, ~, other tmp     Landlock (read only under the Python installation, /usr, /lib*)
     writing outside its directory            Landlock (write only under its directory); RLIMIT_FSIZE bounds a file
+    filling the disk with many files         its directory is a tmpfs of dir_mb (a mount namespace of its own)
     a socket to 127.0.0.1                    seccomp (socket(): EPERM); the network namespace (no route); Landlock TCP
     os.kill of the trainer                   seccomp (a signal to another pid: EPERM); Landlock signal scope (ABI 6)
     printing 10 MB                           the parent's read cap (output_bytes, then SIGKILL)
@@ -56,6 +57,7 @@ class Limits:
     memory_mb: int = 1024  # address space, MiB (RLIMIT_AS): the interpreter takes ~30 of it
     output_bytes: int = 65536  # stdout + stderr read back; more kills the run
     file_mb: int = 16  # largest file it may write, MiB (RLIMIT_FSIZE)
+    dir_mb: int = 64  # all it may write, MiB (its directory is a tmpfs of this size where a mount namespace is allowed)
     max_open_files: int = 64  # RLIMIT_NOFILE
     strict: bool = True  # refuse to run (status sandbox_error) when Landlock or seccomp cannot be set
 
@@ -87,6 +89,7 @@ def run_python(code: str, *, limits: Limits, report_layers: bool = False) -> Run
     workdir = tempfile.mkdtemp(prefix="grpo-python-")
     os.chmod(workdir, 0o700)
     spec = {"cpu_s": int(limits.cpu_s), "memory_bytes": int(limits.memory_mb) << 20, "file_bytes": int(limits.file_mb) << 20,
+            "dir_bytes": int(limits.dir_mb) << 20,
             "max_open_files": int(limits.max_open_files), "read_roots": read_roots(), "strict": bool(limits.strict),
             "report_layers": report_layers}
     started = time.monotonic()

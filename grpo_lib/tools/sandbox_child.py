@@ -11,8 +11,10 @@ meets them all the same; none needs root):
                     RLIMIT_FSIZE (a file written past file_bytes fails), RLIMIT_NOFILE, RLIMIT_CORE 0; no RLIMIT_NPROC:
                     it counts every process of the user (the trainer's too, and root ignores it), so seccomp refuses
                     fork instead, and RLIMIT_AS bounds threads (each reserves its stack)
-    2. namespaces   unshare(CLONE_NEWUSER | CLONE_NEWNET): a network with only a loopback that is down (no route
-                    anywhere, 127.0.0.1 included), and no capability left in the trainer's user namespace
+    2. namespaces   unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS): a network with only a loopback that is
+                    down (no route anywhere, 127.0.0.1 included), no capability left in the trainer's user
+                    namespace, and a mount namespace of its own, where the working directory becomes a tmpfs of
+                    dir_bytes (what the code writes cannot fill the disk; without it, file_bytes per file only)
     3. Landlock     files: read (and execute) only under read_roots (the Python installation, /usr, /lib*), read and
                     write only under the working directory and /dev/null; TCP bind / connect refused (ABI >= 4);
                     signals to any process outside the sandbox and abstract unix sockets refused (ABI >= 6)
@@ -51,15 +53,34 @@ def set_rlimits(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
 
 
-def enter_namespaces() -> str | None:
-    """A new user + network namespace; the reason it failed, else None."""
-    clone_newuser, clone_newnet = 0x10000000, 0x40000000
-    if _libc.unshare(clone_newuser | clone_newnet) == 0:
-        return None
+def enter_namespaces() -> tuple[str | None, bool]:
+    """A new user + network + mount namespace, the user's own uid and gid mapped (files it writes keep them);
+    (why it failed or None, whether a mount namespace is ours)."""
+    clone_newuser, clone_newnet, clone_newns = 0x10000000, 0x40000000, 0x00020000
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(clone_newuser | clone_newnet | clone_newns) == 0:
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError as error:
+            return f"writing the user namespace's id maps: {error}", False
+        return None, True
     first = os.strerror(ctypes.get_errno())
     if _libc.unshare(clone_newnet) == 0:  # root where user namespaces are off: the network alone
-        return None
-    return f"unshare(CLONE_NEWUSER|CLONE_NEWNET): {first}"
+        return None, False
+    return f"unshare(CLONE_NEWUSER|CLONE_NEWNET|CLONE_NEWNS): {first}", False
+
+
+def mount_workdir(size_bytes: int) -> str | None:
+    """A tmpfs of size_bytes over the working directory (in our mount namespace only), so the files the code writes
+    cannot fill the disk; the reason it failed, else None."""
+    cwd = os.getcwd().encode()
+    ms_nosuid, ms_nodev = 2, 4
+    if _libc.mount(b"tmpfs", cwd, b"tmpfs", ms_nosuid | ms_nodev, f"size={size_bytes},mode=0700".encode()) != 0:
+        return f"mount(tmpfs): {os.strerror(ctypes.get_errno())}"
+    os.chdir(cwd)  # onto the new mount
+    return None
 
 
 # -- Landlock (linux/landlock.h) ----------------------------------------------------------------------------------
@@ -205,7 +226,9 @@ def main() -> None:
     code = sys.stdin.read()
     os.close(0)
     set_rlimits(limits)
-    layers = {"rlimits": None, "namespaces": enter_namespaces()}
+    layers = {"rlimits": None}
+    layers["namespaces"], own_mounts = enter_namespaces()
+    layers["tmpfs"] = mount_workdir(limits["dir_bytes"]) if own_mounts else "no mount namespace of its own"
     if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: no setuid binary regains what is taken
         _fail(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
     abi, layers["landlock"] = apply_landlock(limits["read_roots"], [os.getcwd()])
