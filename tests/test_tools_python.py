@@ -209,3 +209,15 @@ def test_many_files_cannot_fill_the_disk():
     # 100 files of 3 MiB (each under file_mb): the 8 MiB tmpfs of its directory is full at the third
     text = run(tool, "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (3 << 20))")
     assert "OSError: [Errno 28] No space left on device" in text, text
+
+
+@isolated
+def test_the_limits_cannot_be_lifted_from_inside(tool):
+    for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE"):  # hard limits: raising needs a capability it has not
+        text = run(tool, f"import resource\nresource.setrlimit(resource.{name}, (-1, -1))")
+        assert "ValueError: not allowed to raise maximum limit" in text, (name, text)
+    # the raw syscalls through ctypes meet seccomp: clone of a process (SIGCHLD, no CLONE_THREAD) and mount
+    assert run(tool, "import ctypes\nl = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(l.syscall(56, 17, 0, 0, 0, 0), ctypes.get_errno())") == "-1 1\n"
+    assert run(tool, "import ctypes\nl = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(l.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())") == "-1 1\n"
