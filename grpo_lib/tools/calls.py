@@ -317,7 +317,7 @@ class ToolBox:
         except asyncio.TimeoutError:
             return "timeout", bool(in_thread)
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():  # this call is being cancelled (the loop stops): not the tool's
+            if getattr(asyncio.current_task(), "cancelling", lambda: 1)():  # this call is cancelled (the loop stops)
                 raise
             return "error", ToolCrash("CancelledError raised by the tool")
         except Exception as error:  # the tool's own failure, whatever it is (a BaseException came as ToolCrash)
