@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config.checks import environment_problems, needs_old_logprobs  # noqa: E402
+from grpo_lib.config.checks import environment_problems, multi_turn_warnings, needs_old_logprobs  # noqa: E402
 
 
 class SetupError(RuntimeError):
@@ -181,6 +181,10 @@ class GRPOTrainer:
             probe.send(engine)
         if self.resume.path is not None:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
+            if episodes is not None and rank == 0:  # a tool's state is no part of a checkpoint
+                print("note: the resumed episodes match the uninterrupted run's only if the tools keep no state across "
+                      "episodes (each episode's state under its instance_id, dropped at release) and answer the same "
+                      "call the same way", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
 
@@ -252,6 +256,7 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
+        from grpo_lib.tools.calls import ToolStallError
         from grpo_lib.weight_probe import worse_probe
 
         cfg, p = self.cfg, self.parts
@@ -267,13 +272,16 @@ class GRPOTrainer:
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
                 if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
-                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step)
+                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step,
+                                        max_error_fraction=cfg.reward.max_error_fraction)
             except S.RunAborted:
                 if gen_metrics:
                     p.logger.log(step, gen_metrics)
                 raise
             except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
                 raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
+            except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
+                raise S.RunAborted(f"step {step}: {error}") from error
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
@@ -430,6 +438,9 @@ def main(argv: list[str]) -> int:
 
     if rank == 0 and (warning := launcher_timeout_warning()):  # accelerate launch would kill us before a stop saves
         print(warning, file=sys.stderr, flush=True)
+    if rank == 0:
+        for warning in multi_turn_warnings(cfg):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     if cfg.ignored and rank == 0:  # once, at start
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
               flush=True)

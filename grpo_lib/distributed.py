@@ -156,10 +156,17 @@ def broadcast_object(obj, src: int = 0):
 
 
 class _LeaderError:
-    """A leader's exception, carried to its group so every member raises it (no member left waiting)."""
+    """A leader's exception, carried to its group so every member raises it too (no member left waiting): the same
+    exception where it pickles (a ToolStallError stays one: exit 3 on every process), else a RuntimeError naming it."""
 
     def __init__(self, exc: BaseException):
+        import pickle
+
         self.text = f"{type(exc).__name__}: {exc}"
+        try:
+            self.exc = pickle.loads(pickle.dumps(exc)) if isinstance(exc, Exception) else None
+        except Exception:  # noqa: BLE001 - an exception that does not pickle is named instead
+            self.exc = None
 
 
 def group_leader_call(group_size: int) -> Callable[[Callable[[], T]], T]:
@@ -191,7 +198,7 @@ def group_leader_call(group_size: int) -> Callable[[Callable[[], T]], T]:
                 raise
         dist.broadcast_object_list(box, src=leader, group=group)
         if isinstance(box[0], _LeaderError):
-            raise RuntimeError(f"process {leader}, which runs this group's tools, failed: {box[0].text}")
+            raise box[0].exc or RuntimeError(f"process {leader}, which runs this group's work, failed: {box[0].text}")
         return box[0]
 
     return call

@@ -16,6 +16,11 @@ which episodes are still running); turn 0 is the single-turn sample itself. Then
 at once (grpo_lib/tools/calls.py, each under rollout.multi_turn.tool_timeout_s), and each episode's context grows by
 the chat template's rendering of its tool responses.
 
+Creation responses (verl 0.9): a tool whose create returns (instance_id, ToolResponse) with text has it shown to the
+model before the episode's first turn, as tool messages (verl's rollout adds them after the prompt's messages); the
+prompt's tokens end in the generation prompt, so they join as the delta after an empty assistant turn (loss_mask 0),
+counted as no user turn.
+
 Tokens are never re-tokenized: the model's sampled ids stay as they are. The tool responses join as the token delta of
 the chat template (`EpisodeRunner.template_delta`): the conversation (prompt messages, each assistant turn as its
 decoded text, the tool messages) is rendered without and with the newest assistant turn and its tool messages
@@ -41,8 +46,8 @@ from dataclasses import dataclass, field
 
 from grpo_lib.distributed import group_leader_call
 from grpo_lib.seeds import turn_seed
-from grpo_lib.tools.calls import CallOutcome, ToolBox
-from grpo_lib.tools.config import load_tools
+from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
+from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch
 
@@ -84,18 +89,22 @@ class EpisodeRunner:
         self.leader_call = leader_call or (lambda fn: fn())
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model = getattr(tokenizer, "name_or_path", "?")
+        added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]  # tool text is data: these escaped
+        self.control_tokens = sorted({*getattr(tokenizer, "all_special_tokens", []), *added}, key=len, reverse=True)
         self.turn_end = self._turn_end_ids()
         self.check_template()
 
     @classmethod
     def from_config(cls, cfg, *, tokenizer) -> EpisodeRunner | None:
-        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path, checked against the chat template;
-        None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot load) or TemplateError (a
-        template that cannot extend an episode), both before the engine starts; the tools are closed on a failure."""
+        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path and function_tool_path, checked
+        against the chat template; None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot
+        load) or TemplateError (a template that cannot extend an episode), both before the engine starts; the tools
+        are closed on a failure."""
         mt = cfg.rollout.multi_turn
         if not mt.enable:
             return None
-        toolbox = ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
+        tools = load_all_tools(mt.tool_config_path, mt.function_tool_path, import_timeout_s=cfg.reward.import_timeout_s)
+        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
@@ -125,11 +134,18 @@ class EpisodeRunner:
         timings = timings if timings is not None else {}
         started = time.perf_counter()
         tools_kwargs = [(prompts.extra_infos[i] or {}).get("tools_kwargs") or {} for i in range(len(prompts)) for _ in range(n)]
-        started_tools = self.leader_call(lambda: self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)]))
+        def start_tools():  # the failures and the creation responses: under TP both come from the group's leader
+            failures = self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)])
+            return failures, {ep.instance_id: self.toolbox.created.get(ep.instance_id) for ep in episodes}
+
+        started_tools, created_responses = self.leader_call(start_tools)
         for ep, failed in zip(episodes, started_tools):
             self._count_failures(ep.stats, failed)
+            if created := created_responses.get(ep.instance_id):  # verl 0.9: creation responses, read before turn 0
+                self._append_tool_turn(ep, "", [], created, budget=max_tokens)
+                ep.stats.user_turns -= 1  # verl counts no turn for them
         tool_seconds = time.perf_counter() - started
-        active, turn = list(episodes), 0
+        active, turn = [ep for ep in episodes if not ep.stats.stop], 0
         while active:
             outputs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], n=1, temperature=temperature,
                                       max_tokens=[max_tokens - len(ep.tokens) for ep in active], top_p=top_p, top_k=top_k,
@@ -177,7 +193,7 @@ class EpisodeRunner:
     def _append_tool_turn(self, ep: _Episode, text: str, sampled: list[int], answered: list[CallOutcome], *,
                           budget: int) -> None:
         """The template's end of the assistant turn and its rendering of the tool messages, cut to the budget."""
-        tool_messages = [{"role": "tool", "content": o.text} for o in answered]
+        tool_messages = [{"role": "tool", "content": escape_control_tokens(o.text, self.control_tokens)[0]} for o in answered]
         delta = self.template_delta(ep.messages, text, tool_messages)
         ep.messages += [{"role": "assistant", "content": text}, *tool_messages]
         # the model sampled the first tokens of the turn's end itself (its eos, Qwen's <|im_end|>): not twice
@@ -270,6 +286,7 @@ class EpisodeRunner:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
             stats.truncated_responses += o.truncated
+            stats.abandoned_calls += o.abandoned
             if o.kind == "ok":
                 stats.step_rewards = (stats.step_rewards or []) + [o.step_reward]
 
@@ -279,6 +296,8 @@ class EpisodeRunner:
         for o in failed:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
+            stats.abandoned_calls += o.abandoned
+            stats.reward_errors += o.method == "calc_reward"
 
 
 def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> dict[str, float]:
@@ -296,7 +315,9 @@ def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> 
             "tools/timeouts": float(sum(e.timeouts for e in episodes)),
             "tools/invalid_calls": float(sum(e.invalid_calls for e in episodes)),
             "tools/truncated_responses": float(sum(e.truncated_responses for e in episodes)),
-            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes))}
+            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes)),
+            "tools/abandoned": float(sum(e.abandoned_calls for e in episodes)),
+            "tools/reward_errors": float(sum(e.reward_errors for e in episodes))}
     for name in tool_names:
         sums[f"tools/{name}/calls"] = float(sum(e.calls.get(name, 0) for e in episodes))
         sums[f"tools/{name}/failures"] = float(sum(e.failures.get(name, 0) for e in episodes))

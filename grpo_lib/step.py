@@ -402,8 +402,10 @@ def reduce_episode_metrics(sums: dict[str, float], tool_names: list[str]) -> dic
            "episode/tool_calls_mean": all_reduce_sum(sums["episode/tool_calls_sum"]) / count,
            "episode/stopped_turn_limit": all_reduce_sum(sums["episode/stopped_turn_limit"]) / count,
            "episode/stopped_length": all_reduce_sum(sums["episode/stopped_length"]) / count}
-    for key in ("tools/errors", "tools/timeouts", "tools/invalid_calls", "tools/truncated_responses", "tools/dropped_calls"):
+    for key in ("tools/errors", "tools/timeouts", "tools/invalid_calls", "tools/truncated_responses", "tools/dropped_calls",
+                "tools/abandoned"):
         out[key] = all_reduce_sum(sums[key])
+    out["tools/reward_error_fraction"] = all_reduce_sum(sums["tools/reward_errors"]) / count
     for name in tool_names:
         out[f"tools/{name}/calls"] = all_reduce_sum(sums[f"tools/{name}/calls"])
         out[f"tools/{name}/failures"] = all_reduce_sum(sums[f"tools/{name}/failures"])
@@ -411,11 +413,18 @@ def reduce_episode_metrics(sums: dict[str, float], tool_names: list[str]) -> dic
     return out
 
 
-def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step: int) -> None:
+def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step: int, max_error_fraction: float = 1.0) -> None:
     """Raise RunAborted (exit 3) when a tool failed (raised or timed out) on every call it got in the step: its
-    responses are all error messages, so the episodes would teach the model nothing about the tool. `metrics` are the
-    step's reduced metrics (the same on every process, so every process raises). Example: calculator 12 calls, 12
-    failures -> RunAborted; 12 calls, 11 failures -> nothing."""
+    responses are all error messages, so the episodes would teach the model nothing about the tool; or when more than
+    max_error_fraction (reward.max_error_fraction, as for rewards) of the episodes had a calc_reward that failed or
+    returned no finite number (NaN, inf, a bool), each scored 0. `metrics` are the step's reduced metrics (the same on
+    every process, so every process raises). Example: calculator 12 calls, 12 failures -> RunAborted; 12 calls, 11
+    failures -> nothing; tools/reward_error_fraction 0.75 with max_error_fraction 0.5 -> RunAborted."""
+    fraction = metrics.get("tools/reward_error_fraction", 0.0)
+    if fraction > max_error_fraction:
+        raise RunAborted(f"step {step}: {fraction:.0%} of episodes had a tool calc_reward that raised, timed out or "
+                         f"returned no finite number (NaN, inf, a bool), each scored 0 (reward.max_error_fraction="
+                         f"{max_error_fraction:g}). Make calc_reward return a float")
     for name in tool_names:
         calls, failures = metrics.get(f"tools/{name}/calls", 0.0), metrics.get(f"tools/{name}/failures", 0.0)
         if calls > 0 and failures >= calls:

@@ -421,6 +421,22 @@ def _value_ranges(cfg: Config) -> list[str]:
     return p
 
 
+def multi_turn_warnings(cfg: Config) -> list[str]:
+    """Multi-turn settings that are valid but cannot do what they seem to (train_grpo.py prints them at start).
+
+    Example: enable with max_assistant_turns=1 -> ["rollout.multi_turn.max_assistant_turns=1: ... no tool call can be
+    answered ..."]; multi-turn off -> [].
+    """
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return []
+    out = []
+    if mt.max_assistant_turns == 1:
+        out.append("rollout.multi_turn.max_assistant_turns=1 with tools: every episode ends after its first turn, so no "
+                   "tool call can be answered (the model sees the tools but never their results); set it >= 2")
+    return out
+
+
 def _multi_turn_problems(cfg: Config) -> list[str]:
     """rollout.multi_turn.*: the ranges of its numbers, and what enable needs (a tool config, the chat template)."""
     p: list[str] = []
@@ -437,8 +453,9 @@ def _multi_turn_problems(cfg: Config) -> list[str]:
         p.append(f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s}: seconds, must be > 0 (default 30)")
     if not mt.enable:
         return p
-    if not mt.tool_config_path:
-        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path: a tool config YAML in verl's format "
+    if not mt.tool_config_path and not mt.function_tool_path:
+        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool config YAML in verl's "
+                 "format) or rollout.multi_turn.function_tool_path (a Python file of @function_tool functions), or both "
                  "(README, 'Multi-turn tool use')")
     if not cfg.data.apply_chat_template:
         p.append("rollout.multi_turn.enable=true with data.apply_chat_template=false: tool responses join the episode as the "

@@ -258,7 +258,12 @@ class MultiTurnConfig:
     turn are not run and get no response (counted as tools/dropped_calls)."""
     tool_config_path: str | None = None
     """verl's tool config YAML (`tools: - class_name: pkg.module.Class, config: {...}, tool_schema: {type: function,
-    function: {name, description, parameters}}`); required with enable. The classes are imported and run as your code."""
+    function: {name, description, parameters}}`); with enable, this or function_tool_path (or both). The classes are
+    imported and run as your code."""
+    function_tool_path: str | None = None
+    """verl's function tools: a Python file whose `@function_tool` functions (typed, Google-style docstrings) are tools,
+    their schemas inferred as verl infers them (grpo_lib/tools/functions.py); alongside tool_config_path, whose tool
+    names it may not repeat (refused at start naming both files, exit 2). Imported and run as your code."""
     max_tool_response_length: int = 256
     """Characters of one tool response the model sees (verl's unit and default); a longer one is cut on
     tool_response_truncate_side with a "(truncated)" marker and counted (tools/truncated_responses)."""
@@ -267,8 +272,10 @@ class MultiTurnConfig:
     middle keeps half of max_tool_response_length from each end (verl's default)."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call (create, execute, calc_reward or release) may take; a slower call is answered with a timeout
-    message and counted (tools/timeouts). A synchronous tool runs in a worker thread that cannot be killed: the episode
-    moves on, the thread finishes on its own."""
+    message and counted (tools/timeouts). A synchronous tool runs in a thread of its own that cannot be killed: the
+    episode moves on, the call is counted as abandoned (tools/abandoned) and its thread finishes on its own; 64
+    abandoned calls of one tool still running, or a turn whose calls have not all returned 30 s past this timeout (an
+    async tool blocking the event loop), stop the run after saving (exit 3)."""
 
 
 @dataclass
