@@ -34,7 +34,8 @@ if __name__ == "__main__":  # run by path: import from the repo root, and never 
 
 from typing import Iterable
 
-from data_prep import gsm8k, gsm8k_tool
+from data_prep import gsm8k
+from data_prep.gsm8k_tool import with_tool
 from data_prep import math as math_prep
 from data_prep.common import build_arg_parser, prepare, run_cli
 
@@ -62,16 +63,7 @@ def make_rows(records: Iterable[dict], split: str, *, dataset: str, data_source:
         raise ValueError(f"dataset {dataset!r}: one of {sorted(DATASETS)}")
     module = DATASETS[dataset]
     rows = module.make_rows(records, split, data_source=data_source or module.DATA_SOURCE)
-    system = {"role": "system", "content": SYSTEM_PROMPTS[dataset].format(tool=tool_name)}
-    for row in rows:
-        ground_truth = row["reward_model"]["ground_truth"]
-        row["prompt"] = [system, *row["prompt"]]
-        row["extra_info"].update({
-            "need_tools_kwargs": True,
-            "tools_kwargs": {tool_name: {"create_kwargs": {"ground_truth": ground_truth}}},
-            "interaction_kwargs": {"query": row["prompt"][-1]["content"], "ground_truth": ground_truth},
-        })
-    return rows
+    return with_tool(rows, SYSTEM_PROMPTS[dataset].format(tool=tool_name), tool_name)
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
