@@ -31,7 +31,7 @@ from dataclasses import fields
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
+from grpo_lib import algorithms, attention, distillation, dtypes, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices, restore_order
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
@@ -89,7 +89,7 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
     for f in fields(template):
         value = getattr(template, f.name)
         if isinstance(value, torch.Tensor):
-            shape = (1, 2) if value.dim() == 2 else (1, *value.shape[1:])
+            shape = (1, 2, *value.shape[2:]) if value.dim() >= 2 else (1, *value.shape[1:])  # per-token: two tokens
             out[f.name] = torch.zeros(shape, dtype=value.dtype)
         elif isinstance(value, list):
             out[f.name] = [value[0] if value else None]
@@ -97,6 +97,43 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
             out[f.name] = value
     out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
     return RolloutBatch(**out)
+
+
+# Losses already normalised by the mini-batch's global counts: their micro-batch values add up (the other metrics are
+# token-weighted means, perf/ counts, or the ranges of distillation.EXTREMA).
+SUMMED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "distillation/loss")
+
+
+def distillation_topk_ids(cfg, mb: RolloutBatch) -> torch.Tensor | None:
+    """The teacher's top-k ids [b, T, k] that the student's forward scores as well (forward_kl_topk), else None."""
+    ds = cfg.distillation
+    return mb.teacher_topk_ids if ds.enabled and distillation.uses_topk(ds.distillation_loss.loss_mode) else None
+
+
+def distillation_loss(cfg, mb: RolloutBatch, task_loss: torch.Tensor, lp: torch.Tensor, student_topk: torch.Tensor | None,
+                      old: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor, counts: dict, metrics: dict, *,
+                      device: torch.device) -> torch.Tensor:
+    """The micro-batch's loss with the teacher's term (grpo_lib/distillation.py), its metrics added to `metrics`.
+
+    lp [b, T]: the student's logprobs (with grad); student_topk [b, T, k]: its log-probabilities at the teacher's top-k
+    ids (forward_kl_topk), from the same forward; counts: the mini-batch's global ones (micro-batching never changes the
+    gradient)."""
+    dl = cfg.distillation.distillation_loss
+    topk = distillation.uses_topk(dl.loss_mode)
+    divergence = distillation.token_divergence(
+        dl.loss_mode, logprobs=lp, teacher_logprobs=None if topk else mb.teacher_logprobs.to(device),
+        student_topk_logprobs=student_topk, teacher_topk_logprobs=mb.teacher_topk_logprobs.to(device) if topk else None,
+        log_prob_min_clamp=dl.log_prob_min_clamp)  # [b, T]
+    term, term_metrics = distillation.distillation_term(
+        divergence, lp, old, mask, use_policy_gradient=dl.use_policy_gradient, loss_max_clamp=dl.loss_max_clamp,
+        clip_ratio_low=dl.clip_ratio_low, clip_ratio_high=dl.clip_ratio_high, loss_agg_mode=cfg.actor.loss_agg_mode,
+        is_weights=is_weights, **counts)
+    metrics.update(term_metrics)
+    if topk:
+        metrics.update(distillation.topk_mass_metrics(student_topk, mb.teacher_topk_logprobs.to(device), mask))
+    metrics["distillation/loss"] = term.item()
+    return distillation.total_loss(task_loss, term, use_task_rewards=dl.use_task_rewards,
+                                   distillation_loss_coef=dl.distillation_loss_coef)
 
 
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
@@ -280,12 +317,14 @@ class Actor:
         # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
         layout, computed = choose_layout(mb.input_ids, mb.attention_mask, score_mask,
                                          remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
+        teacher_ids = distillation_topk_ids(self.cfg, mb)  # [b, T, k]: forward_kl_topk scores the teacher's top-k too
         with self.autocast():
-            lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                      temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
-                                      compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
-                                      score_mask=None if score_mask is None else score_mask.to(self.device),
-                                      score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
+            lp, entropy, *topk = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                             temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
+                                             compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
+                                             score_mask=None if score_mask is None else score_mask.to(self.device),
+                                             score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES,
+                                             **({} if teacher_ids is None else {"extra_ids": teacher_ids.to(self.device)}))
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -314,6 +353,9 @@ class Actor:
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
+        if self.cfg.distillation.enabled:  # the teacher's term beside (use_task_rewards) or instead of the GRPO loss
+            loss = distillation_loss(self.cfg, mb, loss, lp, topk[0] if topk else None, old, mask, is_weights, counts,
+                                     metrics, device=self.device)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
@@ -355,6 +397,7 @@ class Actor:
             fsdp.move_optimizer_state(self.optimizer, self.device)
         self.policy.train()
         summed: dict[str, float] = defaultdict(float)
+        extrema: dict[str, float] = {}  # distillation.EXTREMA's metrics
         num_updates = 0
         if self.collective_bytes is not None:
             self.collective_bytes.update(all_gather=0, reduce_scatter=0)
@@ -364,11 +407,14 @@ class Actor:
                 summed_step = self._optimizer_step(batch.select(rows))
                 for k, v in summed_step.items():
                     summed[k] += v
+                    if k in distillation.EXTREMA:
+                        extrema[k] = (min if distillation.EXTREMA[k] == "min" else max)(extrema.get(k, v), v)
                 num_updates += 1
         self.steps_done += 1
         if a.fsdp_config.optimizer_offload:  # not needed again before the next update: make room for the push
             fsdp.move_optimizer_state(self.optimizer, self.offload_device)
         metrics = {k: v / num_updates for k, v in summed.items()}
+        metrics.update(extrema)  # the range over the step's updates, not their mean
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
         if self.collective_bytes is not None:  # this process's FSDP2 traffic of the update, per optimizer step
             metrics["perf/collective_mb_per_update"] = sum(self.collective_bytes.values()) / fsdp.MB / max(num_updates, 1)
@@ -437,9 +483,13 @@ class Actor:
         # The same keys on every process (the dummy reports them too), reduced in sorted order.
         for k in sorted(weighted):
             metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        for k in SUMMED_LOSSES:
             if k in metrics:
                 metrics[k] = all_reduce_sum(metrics[k])
+        for k in sorted(k for k in metrics if k in distillation.EXTREMA):  # the range over every process's loss tokens
+            low = distillation.EXTREMA[k] == "min"
+            value = -all_reduce_max(-metrics[k]) if low else all_reduce_max(metrics[k])
+            metrics[k] = value if math.isfinite(value) else 0.0  # no loss token anywhere
         # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
         totals = {k: all_reduce_sum(perf_counts[k])
                   for k in ("micro_batches", "perf/packed", "perf/shared_prefix", "perf/real_tokens", "perf/computed_tokens")}
@@ -457,7 +507,11 @@ class Actor:
         for k, v in mb_metrics.items():
             if k.startswith("perf/"):
                 perf_counts[k] += weight * v
-            elif k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            elif k in distillation.EXTREMA:  # a range: the dummy (weight 0) adds nothing
+                pick = min if distillation.EXTREMA[k] == "min" else max
+                neutral = math.inf if distillation.EXTREMA[k] == "min" else -math.inf
+                metrics[k] = pick(metrics.get(k, neutral), v if weight else neutral)
+            elif k in SUMMED_LOSSES:
                 metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
             else:
                 weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean

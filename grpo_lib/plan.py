@@ -32,7 +32,7 @@ from grpo_lib.dtypes import DTYPE_BYTES
 from grpo_lib.plan_memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, find_model_config, fitting_budget, fitting_logprob_budget,
                                   gpu_dtype_bytes, host_memory, lora_params, memory_plan, model_sizes,
-                                  resolve_auto_budgets)
+                                  resolve_auto_budgets, teacher_sizes)
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
@@ -95,6 +95,13 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = _micro_bound(cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu, cfg.ref.log_prob_micro_batch_size_per_gpu)
     lines.append(f"reference pass: {'runs (KL term on)' if kl else 'skipped (no KL term)'}; bound {ref}")
+    if cfg.distillation.enabled:
+        dl = cfg.distillation.distillation_loss
+        how = "the negative divergence as the advantage of a PPO clip" if dl.use_policy_gradient else "backpropagated directly"
+        loss = (f"GRPO loss + {dl.distillation_loss_coef} x distillation" if dl.use_task_rewards else
+                "the distillation term alone (rewards logged, not trained on)")
+        lines.append(f"teacher pass: runs (distillation, loss_mode={dl.loss_mode}"
+                     + (f", top {dl.topk}" if dl.loss_mode == "forward_kl_topk" else "") + f"; {how}); bound {ref}; loss = {loss}")
     fg = cfg.algorithm.filter_groups
     if fg.enable:
         rounds = fg.max_num_gen_batches or "unlimited"
@@ -143,14 +150,23 @@ def resolved_lines(cfg: Config) -> list[str]:
         f"ref.log_prob_use_dynamic_bsz={ref.log_prob_use_dynamic_bsz} ref.log_prob_max_token_len_per_gpu="
         f"{ref.log_prob_max_token_len_per_gpu} ref.log_prob_micro_batch_size_per_gpu={ref.log_prob_micro_batch_size_per_gpu}",
         f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} trainer.nnodes={cfg.trainer.nnodes} (None: from the launch)",
-    ]
+    ] + ([f"distillation.distillation_loss.clip_ratio_low={cfg.distillation.distillation_loss.clip_ratio_low} clip_ratio_high="
+          f"{cfg.distillation.distillation_loss.clip_ratio_high} (default: clip_ratio="
+          f"{cfg.distillation.distillation_loss.clip_ratio}; used by use_policy_gradient)"] if cfg.distillation.enabled else [])
 
 
 def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> tuple[list[str], bool]:
     """The memory plan's lines and whether its peak fits in `gpu_gb` GiB."""
-    parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
+    teacher, teacher_where = teacher_sizes(cfg)
+    parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB, teacher=teacher)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
+    if cfg.distillation.enabled:
+        lines.append(f"teacher: {teacher.params / 1e9:.2f}B parameters ({teacher.layers} layers, hidden {teacher.hidden}, vocab "
+                     f"{teacher.vocab}; {teacher_where}); sharded like the reference, "
+                     + ("its shards on the host between uses (ref.fsdp_config.param_offload)" if cfg.ref.fsdp_config.param_offload
+                        else "resident on the GPU") if teacher is not None else
+                     f"teacher: not planned ({teacher_where}); its memory is missing from the plan below")
     lines += [f"  {name:<26} {value / GIB:7.2f} GiB" for name, value in parts.items() if name not in PHASES]
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
     offloaded = [name for name, on in (("actor weights", cfg.actor.fsdp_config.param_offload),
@@ -164,7 +180,7 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
                  f"state; {'the engine released' if cfg.rollout.free_cache_engine else 'the engine stays resident'})")
     fits = parts["peak"] <= gpu_gb * GIB
     lines.append(f"  peak per GPU               {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
-    host = host_memory(cfg, sizes, world_size=world_size)
+    host = host_memory(cfg, sizes, world_size=world_size, teacher=teacher)
     lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start (process 0 reads the model in "
                  f"float32 once and broadcasts it into the shards), {host['resident'] / GIB:.2f} GiB resident after "
                  "(reference shards, vLLM's sleep backup, offloaded state)")
