@@ -7,9 +7,10 @@ config validation resolved it, the verl keys accepted without effect, and a memo
 `config.json` (a local folder, the Hugging Face hub cache, or `--model-config FILE`).
 
 Flags: `--num-processes N` (default: trainer.n_gpus_per_node x trainer.nnodes when given, else the current
-launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--measure` (the training phase measured
-on fake tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module
-imports neither torch nor transformers).
+launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--teacher-model-config FILE` (the
+distillation teacher's config.json; default: its model_path's), `--measure` (the training phase measured on fake
+tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module imports
+neither torch nor transformers).
 
 Exit codes, so a script can gate on the plan: 0 the plan fits (or has no model config.json to plan memory from);
 2 a config or flag problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than
@@ -155,9 +156,11 @@ def resolved_lines(cfg: Config) -> list[str]:
           f"{cfg.distillation.distillation_loss.clip_ratio}; used by use_policy_gradient)"] if cfg.distillation.enabled else [])
 
 
-def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> tuple[list[str], bool]:
-    """The memory plan's lines and whether its peak fits in `gpu_gb` GiB."""
-    teacher, teacher_where = teacher_sizes(cfg)
+def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float,
+                 teacher_config: str | None = None) -> tuple[list[str], bool]:
+    """The memory plan's lines and whether its peak fits in `gpu_gb` GiB; `teacher_config`: the distillation teacher's
+    config.json (--teacher-model-config; default: its model_path's)."""
+    teacher, teacher_where = teacher_sizes(cfg, teacher_config)
     parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB, teacher=teacher)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
@@ -174,6 +177,9 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share", "CUDA context"])
     lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
+    if "teacher pass" in parts:
+        lines.append(f"  teacher pass               {parts['teacher pass'] / GIB:7.2f} GiB (the engine asleep: the actor and AdamW as "
+                     "held, the teacher's units gathered one at a time, its head chunk and no-grad activations)")
     lines.append(f"  training phase             {parts['training phase'] / GIB:7.2f} GiB (at the {parts['training phase at']}; "
                  f"{sleep})")
     lines.append(f"  resume phase               {parts['resume phase'] / GIB:7.2f} GiB (checkpoint.load creates AdamW's "
@@ -266,7 +272,8 @@ def collective_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb:
 
 
 _MISSING = "<missing>"  # the value of a flag given last, without one
-_EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json"}
+_EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json",
+            "--teacher-model-config": "tests/data/qwen3_8b_config.json"}
 
 
 def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
@@ -277,7 +284,13 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
     """
     values: dict = {"--num-processes": None, "--gpu-memory-gb": None, "--model-config": None}
     problems = [f"{flag} needs a value (for example {flag} {_EXAMPLE[flag]})" for flag, given in flags.items() if given == _MISSING]
-    processes, gpu_gb, config_file = (None if flags[f] == _MISSING else flags[f] for f in values)
+    processes, gpu_gb, config_file = (None if flags.get(f) == _MISSING else flags.get(f) for f in values)
+    teacher_file = flags.get("--teacher-model-config")
+    if teacher_file not in (None, _MISSING):
+        values["--teacher-model-config"] = teacher_file
+        if not Path(teacher_file).expanduser().is_file():
+            problems.append(f"--teacher-model-config {teacher_file!r}: no such file; give the distillation teacher's "
+                            "config.json (for example --teacher-model-config tests/data/qwen3_8b_config.json)")
     if processes is not None:
         try:
             values["--num-processes"] = int(processes)
@@ -308,7 +321,7 @@ def print_plan(argv: list[str], measure=None) -> int:
     `measure`: with --measure, a function (cfg, config.json dict, sizes, world_size, parts, gpu_bytes) -> lines that measures the
     training phase (grpo_lib.plan_measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.plan_measure`,
     so this module stays light)."""
-    args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None}
+    args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None, "--teacher-model-config": None}
     wants_measure = "--measure" in argv
     if wants_measure and measure is None:
         print("error: --measure needs the measuring module: python train_grpo.py RECIPE --print-plan --measure, or "
@@ -372,7 +385,8 @@ def print_plan(argv: list[str], measure=None) -> int:
     if sizes is None:
         out += [f"  the memory plan needs the model's config.json: {where}; pass --model-config FILE"]
     else:
-        lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)
+        lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb,
+                                   teacher_config=values.get("--teacher-model-config"))
         out += [f"  config: {where}"] + [f"  {line}" for line in lines]
         out += ["", "FSDP2 collectives of the update:"] + [f"  {line}" for line in
                                                           collective_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)]

@@ -211,8 +211,8 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     parts["generation phase"] = (0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref + parts["vLLM share"] + ctx
     if "teacher" in parts:  # the teacher's pass, with the engine asleep, before the old-logprob pass and the update
         phases["teacher pass"] = ((0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref
-                                  + engine_in_training + ctx + parts.pop("teacher gathered units")
-                                  + parts.pop("teacher head chunk") + parts.pop("teacher activations"))
+                                  + engine_in_training + ctx + parts["teacher gathered units"]
+                                  + parts["teacher head chunk"] + parts["teacher activations"])
     parts.update(phases)
     parts["training phase"] = max(phases.values())
     parts["training phase at"] = max(phases, key=phases.get)  # type: ignore[assignment]  (a name, not bytes)

@@ -138,7 +138,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if d.train_batch_size % world_size:
         p.append(f"data.train_batch_size={d.train_batch_size} prompts does not split across {world_size} processes "
                  "(a group never straddles processes): make it a multiple of the process count")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
+    distill_alone = cfg.distillation.enabled and not cfg.distillation.distillation_loss.use_task_rewards  # no GRPO loss
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2 and not distill_alone:
         p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
                  "need at least 2 responses per prompt; set rollout.n=5 (or more)")
     need = d.max_prompt_length + d.max_response_length
