@@ -104,38 +104,6 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
 SUMMED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "distillation/loss")
 
 
-def distillation_topk_ids(cfg, mb: RolloutBatch) -> torch.Tensor | None:
-    """The teacher's top-k ids [b, T, k] that the student's forward scores as well (forward_kl_topk), else None."""
-    ds = cfg.distillation
-    return mb.teacher_topk_ids if ds.enabled and distillation.uses_topk(ds.distillation_loss.loss_mode) else None
-
-
-def distillation_loss(cfg, mb: RolloutBatch, task_loss: torch.Tensor, lp: torch.Tensor, student_topk: torch.Tensor | None,
-                      old: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor, counts: dict, metrics: dict, *,
-                      device: torch.device) -> torch.Tensor:
-    """The micro-batch's loss with the teacher's term (grpo_lib/distillation.py), its metrics added to `metrics`.
-
-    lp [b, T]: the student's logprobs (with grad); student_topk [b, T, k]: its log-probabilities at the teacher's top-k
-    ids (forward_kl_topk), from the same forward; counts: the mini-batch's global ones (micro-batching never changes the
-    gradient)."""
-    dl = cfg.distillation.distillation_loss
-    topk = distillation.uses_topk(dl.loss_mode)
-    divergence = distillation.token_divergence(
-        dl.loss_mode, logprobs=lp, teacher_logprobs=None if topk else mb.teacher_logprobs.to(device),
-        student_topk_logprobs=student_topk, teacher_topk_logprobs=mb.teacher_topk_logprobs.to(device) if topk else None,
-        log_prob_min_clamp=dl.log_prob_min_clamp)  # [b, T]
-    term, term_metrics = distillation.distillation_term(
-        divergence, lp, old, mask, use_policy_gradient=dl.use_policy_gradient, loss_max_clamp=dl.loss_max_clamp,
-        clip_ratio_low=dl.clip_ratio_low, clip_ratio_high=dl.clip_ratio_high, loss_agg_mode=cfg.actor.loss_agg_mode,
-        is_weights=is_weights, **counts)
-    metrics.update(term_metrics)
-    if topk:
-        metrics.update(distillation.topk_mass_metrics(student_topk, mb.teacher_topk_logprobs.to(device), mask))
-    metrics["distillation/loss"] = term.item()
-    return distillation.total_loss(task_loss, term, use_task_rewards=dl.use_task_rewards,
-                                   distillation_loss_coef=dl.distillation_loss_coef)
-
-
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
 # recompute costs time and saves little memory (bench/results_cpu.md); under it the head also runs as one chunk. A 152k
 # vocabulary is above it from ~220 loss tokens per micro-batch on.
@@ -317,7 +285,7 @@ class Actor:
         # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
         layout, computed = choose_layout(mb.input_ids, mb.attention_mask, score_mask,
                                          remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
-        teacher_ids = distillation_topk_ids(self.cfg, mb)  # [b, T, k]: forward_kl_topk scores the teacher's top-k too
+        teacher_ids = distillation.student_topk_ids(self.cfg.distillation, mb)  # [b, T, k]: forward_kl_topk's ids
         with self.autocast():
             lp, entropy, *topk = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
                                              temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
@@ -354,8 +322,9 @@ class Actor:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
         if self.cfg.distillation.enabled:  # the teacher's term beside (use_task_rewards) or instead of the GRPO loss
-            loss = distillation_loss(self.cfg, mb, loss, lp, topk[0] if topk else None, old, mask, is_weights, counts,
-                                     metrics, device=self.device)
+            loss = distillation.micro_batch_loss(self.cfg.distillation.distillation_loss, mb, loss, lp, topk[0] if topk else None,
+                                                 old, mask, is_weights, counts, metrics, loss_agg_mode=a.loss_agg_mode,
+                                                 device=self.device)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:

@@ -16,7 +16,7 @@ backpropagated directly and aggregated like every loss (`use_policy_gradient=fal
 advantage of a vanilla PPO clipped loss (`use_policy_gradient=true`: on-policy distillation's reward -KL per token).
 The trainer adds it to the GRPO loss x `distillation_loss_coef` (`use_task_rewards`) or uses it alone (`total_loss`).
 Every count is the mini-batch's global one (`num_tokens`, `num_seqs`), so micro-batching never changes the gradient.
-The training loop never branches on a loss name: it calls `token_divergence(loss_mode, ...)`.
+The training loop never branches on a loss name: the actor calls `micro_batch_loss` once per micro-batch.
 Run the tests with `.venv/bin/python -m pytest tests/test_distillation.py`.
 """
 
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from grpo_lib import algorithms, names
+from grpo_lib.types import RolloutBatch
 
 
 def _estimator(kl_type: str) -> Callable[..., Tensor]:
@@ -138,3 +139,36 @@ def topk_mass_metrics(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tens
         if not student.numel():
             return {"distillation/student_mass": 0.0, "distillation/teacher_mass": 0.0}
         return {"distillation/student_mass": float(student.mean()), "distillation/teacher_mass": float(teacher.mean())}
+
+
+# ------------------------------------------------------------------ the actor's one call (grpo_lib/actor.py)
+
+
+def student_topk_ids(ds, mb: RolloutBatch) -> Tensor | None:
+    """The teacher's top-k ids [b, T, k] that the student's forward scores too (forward_kl_topk), else None.
+    `ds`: the config's distillation section."""
+    return mb.teacher_topk_ids if ds.enabled and uses_topk(ds.distillation_loss.loss_mode) else None
+
+
+def micro_batch_loss(dl, mb: RolloutBatch, task_loss: Tensor, lp: Tensor, student_topk: Tensor | None, old: Tensor,
+                     mask: Tensor, is_weights: Tensor, counts: dict, metrics: dict, *, loss_agg_mode: str,
+                     device: torch.device) -> Tensor:
+    """A micro-batch's loss with the teacher's term (`total_loss`), its metrics added to `metrics`.
+
+    `dl`: the config's distillation_loss section; lp [b, T]: the student's logprobs (with grad); student_topk [b, T, k]:
+    its log-probabilities at the teacher's top-k ids (forward_kl_topk), from the same forward; `mb` holds the teacher's
+    scores; counts: the mini-batch's global ones (micro-batching never changes the gradient)."""
+    topk = uses_topk(dl.loss_mode)
+    teacher_topk = mb.teacher_topk_logprobs.to(device) if topk else None  # [b, T, k]
+    divergence = token_divergence(dl.loss_mode, logprobs=lp, teacher_logprobs=None if topk else mb.teacher_logprobs.to(device),
+                                  student_topk_logprobs=student_topk, teacher_topk_logprobs=teacher_topk,
+                                  log_prob_min_clamp=dl.log_prob_min_clamp)  # [b, T]
+    term, term_metrics = distillation_term(
+        divergence, lp, old, mask, use_policy_gradient=dl.use_policy_gradient, loss_max_clamp=dl.loss_max_clamp,
+        clip_ratio_low=dl.clip_ratio_low, clip_ratio_high=dl.clip_ratio_high, loss_agg_mode=loss_agg_mode,
+        is_weights=is_weights, **counts)
+    metrics.update(term_metrics)
+    if topk:
+        metrics.update(topk_mass_metrics(student_topk, teacher_topk, mask))
+    metrics["distillation/loss"] = term.item()
+    return total_loss(task_loss, term, use_task_rewards=dl.use_task_rewards, distillation_loss_coef=dl.distillation_loss_coef)

@@ -10,12 +10,10 @@ log-probabilities, from the same head call.
 
 Before anything loads (train_grpo.py's setup): `tokenizer_problem` refuses a teacher whose tokenizer is not the
 student's, naming both; `grpo_lib.plan_memory.teacher_fit_problem` refuses a teacher that does not fit the GPU.
-The per-token math is grpo_lib/distillation.py; the term joins the loss in `actor.distillation_loss`.
+The per-token math is grpo_lib/distillation.py; the term joins the loss in `distillation.micro_batch_loss`.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -96,7 +94,7 @@ class Teacher:
             score_mask = response_scores(mb)
             layout, _ = choose_layout(mb.input_ids, mb.attention_mask, score_mask, remove_padding=remove_padding,
                                       share_prefixes=share)
-            with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+            with self.autocast():
                 out = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
                                   temperature=TEACHER_TEMPERATURE, **layout_kwargs(layout),
                                   score_mask=None if score_mask is None else score_mask.to(self.device),
