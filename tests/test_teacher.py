@@ -138,3 +138,33 @@ def test_tiny_distillation_run_trains_with_the_teacher(tiny_model_dir, arith_dat
         assert m["timing_s/teacher"] > 0 and m["distillation/kl_mean"] > 0
         assert m["distillation/loss_min"] <= m["distillation/kl_mean"] <= m["distillation/loss_max"]
         assert 0 < m["distillation/teacher_mass"] <= 1 + 1e-6 and 0 < m["distillation/student_mass"] <= 1 + 1e-6
+
+
+# verl's examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh, its EXTRA block as the script expands it
+VERL_DISTILL_LINES = [
+    "distillation.enabled=True", "distillation.n_gpus_per_node=4", "distillation.nnodes=1",
+    "distillation.teacher_models.teacher_model.model_path=Qwen/Qwen3-8B",
+    "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2",
+    "distillation.teacher_models.teacher_model.inference.name=vllm",
+    "distillation.teacher_models.teacher_model.inference.gpu_memory_utilization=0.4",
+    "distillation.teacher_models.teacher_model.inference.max_model_len=3073",
+    "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.topk=64",
+    "distillation.distillation_loss.use_task_rewards=False", "distillation.distillation_loss.use_policy_gradient=True",
+    "distillation.distillation_loss.loss_max_clamp=10.0", "distillation.distillation_loss.log_prob_min_clamp=-10.0",
+]
+
+
+def test_verls_distillation_lines_pass_print_plan_with_the_resolved_values(capsys):
+    flags = ("--model-config", str(DATA / "qwen3_4b_config.json"), "--teacher-model-config", str(DATA / "qwen3_8b_config.json"))
+    code, out = plan(capsys, str(REPO / "recipes/qwen3_4b_gsm8k.yaml"), *VERL_DISTILL_LINES, *flags)
+    assert code == 0, out
+    for needle in ("teacher pass: runs (distillation, loss_mode=k1; the negative divergence as the advantage of a PPO clip)",
+                   "loss = the distillation term alone", "distillation.distillation_loss.clip_ratio_low=0.2 clip_ratio_high=0.2",
+                   "distillation.n_gpus_per_node=4: the teacher's GPU pool",
+                   "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2: the teacher's inference server",
+                   "teacher: 8.19B parameters"):
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    cfg = load_config(REPO / "recipes/qwen3_4b_gsm8k.yaml", VERL_DISTILL_LINES, world_size=4)
+    dl = cfg.distillation.distillation_loss
+    assert (dl.loss_mode, dl.topk, dl.use_task_rewards, dl.use_policy_gradient, dl.loss_max_clamp, dl.log_prob_min_clamp) == \
+        ("k1", 64, False, True, 10.0, -10.0)
