@@ -4,7 +4,8 @@ The Actor's loss path (`Actor.accumulate_gradients`) on `tests/scripts/grad_case
 scores on the batch (sampled-token logprobs and a top-k), must give the gradient of the plain full-batch loss: the
 GRPO loss of `grad_case.reference_loss` + coef x the distillation term written from full-vocabulary logits (or the
 distillation term alone without task rewards), for each loss mode, direct and as a policy gradient, with and without
-loss-mask holes. Run: `.venv/bin/python -m pytest tests/test_distillation_invariance.py`.
+loss-mask holes. 2 processes = 1: tests/test_multiprocess.py runs DISTILL_CASES in tests/scripts/grad_worker.py.
+Run: `.venv/bin/python -m pytest tests/test_distillation_invariance.py`.
 """
 
 from __future__ import annotations
@@ -69,10 +70,23 @@ def setup(tmp_path_factory, request):
     return dict(model_dir=model_dir, actor=actor, batch=batch)
 
 
+def distill_extra(model_dir, *extra) -> tuple[str, ...]:
+    """The overrides of a distillation case on top of grad_case's config."""
+    return ("distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={model_dir}",
+            f"distillation.distillation_loss.distillation_loss_coef={COEF}", f"distillation.distillation_loss.topk={K}", *extra)
+
+
 def distill_config(model_dir, *extra, **kwargs):
-    base = ("distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={model_dir}",
-            f"distillation.distillation_loss.distillation_loss_coef={COEF}", f"distillation.distillation_loss.topk={K}")
-    return case.make_config(model_dir, extra=base + extra, **kwargs)
+    return case.make_config(model_dir, extra=distill_extra(model_dir, *extra), **kwargs)
+
+
+# The cases tests/test_multiprocess.py runs on 2 processes (tests/scripts/grad_worker.py)
+DISTILL_CASES = {
+    "k3": ("distillation.distillation_loss.loss_mode=k3",),
+    "forward_kl_topk": ("distillation.distillation_loss.loss_mode=forward_kl_topk",),
+    "k1-pg-alone": ("distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=true",
+                    "distillation.distillation_loss.use_task_rewards=false"),
+}
 
 
 @pytest.mark.parametrize("extra", [
