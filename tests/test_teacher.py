@@ -53,6 +53,26 @@ def test_the_same_tokenizer_passes_the_check(tiny_model_dir):
     assert tokenizer_problem(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)) is None
 
 
+def test_forward_kl_topk_refuses_a_teacher_with_another_head_width(tiny_model_dir, tmp_path):
+    """The same tokenizer but a wider head (Qwen2.5-0.5B's 151936 against 7B's 152064 logits, say): its top-k ids could
+    index past the student's head, so forward_kl_topk refuses it naming both; k3 reads the sampled token only."""
+    from transformers import AutoTokenizer
+
+    from grpo_lib.teacher import tokenizer_problem
+
+    wider = tmp_path / "wider_teacher"
+    shutil.copytree(tiny_model_dir, wider)
+    config = json.loads((wider / "config.json").read_text())
+    config["vocab_size"] += 64
+    (wider / "config.json").write_text(json.dumps(config))
+    overrides = [f"model.path={tiny_model_dir}", "distillation.enabled=true", f"{TEACHER_KEY}={wider}"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    topk = load_config(REPO / "recipes/tiny_cpu.yaml", [*overrides, "distillation.distillation_loss.loss_mode=forward_kl_topk"])
+    problem = tokenizer_problem(topk, tokenizer)
+    assert problem and "forward_kl_topk" in problem and str(wider) in problem and str(tiny_model_dir) in problem, problem
+    assert tokenizer_problem(load_config(REPO / "recipes/tiny_cpu.yaml", overrides), tokenizer) is None
+
+
 def folders(tmp_path: Path) -> tuple[Path, Path]:
     """Model folders holding only Qwen3-1.7B's and Qwen3-8B's config.json (the plan reads nothing else)."""
     student, teacher = tmp_path / "student", tmp_path / "teacher"
