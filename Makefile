@@ -50,7 +50,7 @@ demo-tool: artifacts/tiny_qwen3_tool/config.json artifacts/data/arith_tool/train
 # the on-policy distillation demo: make demo's student and data, and a teacher trained further (more warm-up steps on
 # mostly correct answers; the same tokenizer, built from the same corpus)
 artifacts/tiny_qwen3_teacher/config.json: $(STAMP) data_prep/tiny_model.py data_prep/synthetic.py
-	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3_teacher --warmup-steps 1500 --warmup-correct-prob 0.95
+	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3_teacher --warmup-steps 600 --warmup-correct-prob 0.95
 
 demo-distill: artifacts/tiny_qwen3/config.json artifacts/tiny_qwen3_teacher/config.json artifacts/data/arith/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu_distill.yaml
