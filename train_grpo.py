@@ -5,7 +5,7 @@ colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (s
 -> close, as torchtune's recipe classes do); `GRPOTrainer.step` holds the step order of docs/DESIGN.md:
 
     prompts -> generate (rollout.n per prompt) -> reward -> weight probe -> engine sleeps -> reference logprobs (if KL)
-    -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
+    -> teacher logprobs (if distillation) -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
 Config problems, and a run folder that holds another run (or is in use by one: the run lock), exit with code 2 before
@@ -70,6 +70,7 @@ class RunParts:
     device: Any  # torch.device
     episodes: Any = None  # grpo_lib.episodes.EpisodeRunner with rollout.multi_turn.enable, else None
     probe: Any = None  # grpo_lib.weight_probe.WeightProbe (trainer.weight_probe), else None
+    teacher: Any = None  # grpo_lib.teacher.Teacher (distillation.enabled), else None
 
 
 class GRPOTrainer:
@@ -145,10 +146,23 @@ class GRPOTrainer:
                                           gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None):
                 if rank == 0:
                     print(note, file=sys.stderr)
+            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load (after `auto` budgets resolve)
+                from grpo_lib.plan_memory import teacher_fit_problem
+                from grpo_lib.teacher import tokenizer_problem
+
+                problem = tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(
+                    cfg, world_size=self.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
+                if problem:
+                    raise SetupError(problem)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
+            teacher = None
+            if cfg.distillation.enabled:  # sharded and offloaded like the reference (grpo_lib/teacher.py)
+                from grpo_lib.teacher import Teacher
+
+                teacher = Teacher(cfg, device=device)
             probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
                 if cfg.trainer.weight_probe else None  # after every push: does the engine serve the actor's weights?
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
@@ -157,7 +171,7 @@ class GRPOTrainer:
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
                               actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
-                              probe=probe)
+                              probe=probe, teacher=teacher)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -289,6 +303,10 @@ class GRPOTrainer:
             if reference is not None:
                 with timed(timings, "ref"):
                     batch.ref_logprobs = reference.compute_logprobs(batch)
+            # 4b. teacher logprobs (only with distillation): the batch's teacher_* fields
+            if p.teacher is not None:
+                with timed(timings, "teacher"):
+                    p.teacher.score(batch)
             # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
             if needs_old_logprobs(cfg):
                 with timed(timings, "old_logprob"):

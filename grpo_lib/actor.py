@@ -31,7 +31,7 @@ from dataclasses import fields
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
+from grpo_lib import algorithms, attention, distillation, dtypes, fsdp, lora, perf
 from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices, restore_order
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
@@ -89,7 +89,7 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
     for f in fields(template):
         value = getattr(template, f.name)
         if isinstance(value, torch.Tensor):
-            shape = (1, 2) if value.dim() == 2 else (1, *value.shape[1:])
+            shape = (1, 2, *value.shape[2:]) if value.dim() >= 2 else (1, *value.shape[1:])  # per-token: two tokens
             out[f.name] = torch.zeros(shape, dtype=value.dtype)
         elif isinstance(value, list):
             out[f.name] = [value[0] if value else None]
@@ -97,6 +97,11 @@ def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
             out[f.name] = value
     out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
     return RolloutBatch(**out)
+
+
+# Losses already normalised by the mini-batch's global counts: their micro-batch values add up (the other metrics are
+# token-weighted means, perf/ counts, or the ranges of distillation.EXTREMA).
+SUMMED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "distillation/loss")
 
 
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
@@ -310,12 +315,14 @@ class Actor:
         # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
         layout, computed = choose_layout(mb.input_ids, mb.attention_mask, score_mask,
                                          remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
+        teacher_ids = distillation.student_topk_ids(self.cfg.distillation, mb)  # [b, T, k]: forward_kl_topk's ids
         with self.autocast():
-            lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                      temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
-                                      compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
-                                      score_mask=None if score_mask is None else score_mask.to(self.device),
-                                      score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
+            lp, entropy, *topk = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                             temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
+                                             compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
+                                             score_mask=None if score_mask is None else score_mask.to(self.device),
+                                             score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES,
+                                             **({} if teacher_ids is None else {"extra_ids": teacher_ids.to(self.device)}))
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -342,6 +349,10 @@ class Actor:
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
+        if self.cfg.distillation.enabled:  # the teacher's term beside (use_task_rewards) or instead of the GRPO loss
+            loss = distillation.micro_batch_loss(self.cfg.distillation.distillation_loss, mb, loss, lp, topk[0] if topk else None,
+                                                 old, mask, is_weights, counts, metrics, loss_agg_mode=a.loss_agg_mode,
+                                                 device=self.device)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
@@ -383,6 +394,7 @@ class Actor:
             fsdp.move_optimizer_state(self.optimizer, self.device)
         self.policy.train()
         summed: dict[str, float] = defaultdict(float)
+        extrema: dict[str, float] = {}  # distillation.EXTREMA's metrics
         num_updates = 0
         if self.collective_bytes is not None:
             self.collective_bytes.update(all_gather=0, reduce_scatter=0)
@@ -392,11 +404,14 @@ class Actor:
                 summed_step = self._optimizer_step(batch.select(rows))
                 for k, v in summed_step.items():
                     summed[k] += v
+                    if k in distillation.EXTREMA:
+                        extrema[k] = (min if distillation.EXTREMA[k] == "min" else max)(extrema.get(k, v), v)
                 num_updates += 1
         self.steps_done += 1
         if a.fsdp_config.optimizer_offload:  # not needed again before the next update: make room for the push
             fsdp.move_optimizer_state(self.optimizer, self.offload_device)
         metrics = {k: v / num_updates for k, v in summed.items()}
+        metrics.update(extrema)  # the range over the step's updates, not their mean
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
         if self.collective_bytes is not None:  # this process's FSDP2 traffic of the update, per optimizer step
             metrics["perf/collective_mb_per_update"] = sum(self.collective_bytes.values()) / fsdp.MB / max(num_updates, 1)
@@ -465,9 +480,13 @@ class Actor:
         # The same keys on every process (the dummy reports them too), reduced in sorted order.
         for k in sorted(weighted):
             metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        for k in SUMMED_LOSSES:
             if k in metrics:
                 metrics[k] = all_reduce_sum(metrics[k])
+        for k in sorted(k for k in metrics if k in distillation.EXTREMA):  # the range over every process's loss tokens
+            low = distillation.EXTREMA[k] == "min"
+            value = -all_reduce_max(-metrics[k]) if low else all_reduce_max(metrics[k])
+            metrics[k] = value if math.isfinite(value) else 0.0  # no loss token anywhere
         # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
         totals = {k: all_reduce_sum(perf_counts[k])
                   for k in ("micro_batches", "perf/packed", "perf/shared_prefix", "perf/real_tokens", "perf/computed_tokens")}
@@ -485,7 +504,11 @@ class Actor:
         for k, v in mb_metrics.items():
             if k.startswith("perf/"):
                 perf_counts[k] += weight * v
-            elif k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            elif k in distillation.EXTREMA:  # a range: the dummy (weight 0) adds nothing
+                pick = min if distillation.EXTREMA[k] == "min" else max
+                neutral = math.inf if distillation.EXTREMA[k] == "min" else -math.inf
+                metrics[k] = pick(metrics.get(k, neutral), v if weight else neutral)
+            elif k in SUMMED_LOSSES:
                 metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
             else:
                 weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean

@@ -15,6 +15,10 @@ Metric names are namespaced and documented once here:
 | `response/length_mean`, `response/length_max`, `response/clip_ratio` | tokens after the prompt (`response_mask`: a hole of the loss mask, e.g. a tool's output, counts); fraction cut at max_response_length |
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
 | `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (weighted by loss tokens, `loss_mask`) |
+| `distillation/loss` | distillation only (`distillation.enabled`): the distillation term as it trains (global normalisation, before distillation_loss_coef; with use_policy_gradient the PPO surrogate of the advantage -divergence), averaged over updates |
+| `distillation/kl_mean`, `distillation/loss_min`, `distillation/loss_max`, `distillation/abs_loss` | the per-token divergence student vs teacher (distillation_loss.loss_mode, before loss_max_clamp) over the loss tokens: mean, range (min / max over every process and update), mean of its absolute value (k1 can be negative) |
+| `distillation/student_mass`, `distillation/teacher_mass` | forward_kl_topk: mean probability mass the student / the teacher puts on the teacher's top-k tokens (a teacher mass far below 1: topk too small) |
+| `distillation/pg_clipfrac`, `distillation/pg_clipfrac_lower`, `distillation/ppo_kl` | use_policy_gradient: the distillation surrogate's clip statistics, as actor/pg_clipfrac |
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
 | `perf/packed`, `perf/shared_prefix`, `perf/real_token_fraction` | update: share of micro-batches packed (`model.use_remove_padding` packs one only when that computes < 90% of its padded block, `logprobs.choose_layout`); share packed with every prompt computed once for its rows (grpo_varlen); real tokens / tokens the forwards computed (1.0: no padding computed; above 1.0: shared prompts ran once for their responses) |
 | `actor/skipped_nonfinite_steps` | optimizer updates of the step skipped on every process (non-finite loss or grad norm) |
@@ -29,7 +33,7 @@ Metric names are namespaced and documented once here:
 | `tools/abandoned` | multi-turn, count: calls of plain (sync) tool methods left running in their threads at tool_timeout_s (a thread cannot be killed; 64 of one tool still running stop the run, exit 3) |
 | `tools/reward_error_fraction` | multi-turn: fraction of episodes with a tool calc_reward that raised, timed out or returned no finite number (scored 0; over `reward.max_error_fraction` stops the run, exit 3) |
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
-| `timing_s/<phase>` | seconds of gen, gen_max (remax's greedy generation and its rewards), reward, ref, old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
+| `timing_s/<phase>` | seconds of gen, gen_max (remax's greedy generation and its rewards), reward, ref, teacher (distillation's teacher pass), old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (wall time running tools, inside gen); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/gen_peak_mb`, `memory/update_peak_mb`, `memory/push_peak_mb` | largest process's peak memory in each phase of the step, measured from the phase's start (gen: generate + reward + release; update: everything while the engine sleeps; push: the weight push and wake): CUDA max allocated since `reset_peak_memory_stats`, less the engine's memory that sleep unmapped, on GPU; peak resident set (VmHWM, reset through /proc/self/clear_refs) on CPU (`grpo_lib/perf.py`) |
 | `memory/peak_mb` | the largest of the step's three phase peaks |
@@ -67,7 +71,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "reward/error_fraction", "response/length_mean", "actor/pg_loss",
-                "actor/kl_loss", "actor/entropy", "actor/grad_norm", "timing_s/step")
+                "actor/kl_loss", "actor/entropy", "distillation/kl_mean", "actor/grad_norm", "timing_s/step")
 CONSOLE_IF_NONZERO = ("reward/error_fraction",)  # shown only when > 0: up to reward.max_error_fraction of the responses
                                                  # may fail to score and train as 0, and the step line says so
 

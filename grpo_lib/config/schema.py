@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from grpo_lib.config.schema_distillation import DistillationConfig
+
 # --------------------------------------------------------------------------------------------- field metadata
 
 
@@ -543,6 +545,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
     ignored: dict[str, str] = field(default_factory=dict, metadata={"runtime": True, "resume_may_change": True})
     """Runtime value, not a key: verl keys accepted without effect (key=value -> reason), printed once at start; may
     change on resume."""
@@ -595,13 +598,14 @@ def reference_markdown() -> str:
     import inspect
 
     docs: dict[str, dict[str, str]] = {}
-    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body, docs[node.name] = node.body, {}
-            for a, b in zip(body, body[1:]):
-                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                    docs[node.name][a.target.id] = " ".join(str(b.value.value).split())
+    for module in (__name__, DistillationConfig.__module__):  # the sections' modules (distillation has its own)
+        tree = ast.parse(inspect.getsource(__import__(module, fromlist=["x"])))
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                body, docs[node.name] = node.body, {}
+                for a, b in zip(body, body[1:]):
+                    if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                        docs[node.name][a.target.id] = " ".join(str(b.value.value).split())
 
     lines = []
 
