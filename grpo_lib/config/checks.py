@@ -246,6 +246,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     for key, value, supported in checks:
         if key == "actor.policy_loss.loss_mode" and value in names.REFUSED_POLICY_LOSS_MODES:
             p.append(f"{key}={value!r} is not supported: {names.REFUSED_POLICY_LOSS_MODES[value]}")
+        elif key == "algorithm.adv_estimator" and value in names.REFUSED_ADV_ESTIMATORS:
+            continue  # refused above with its reason
         elif value not in supported:
             p.append(f"{key}={value!r} is not supported: use one of {sorted(supported)}")
     for i, fn in enumerate(cfg.reward.functions):
