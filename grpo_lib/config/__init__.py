@@ -15,10 +15,11 @@ re-exports them. Nothing here imports torch, so a bad config exits before anythi
 from grpo_lib.config.checks import (engine_logprobs_needed, environment_problems, mini_batch_sizes, resolve_defaults,
                                     validate)
 from grpo_lib.config.load import launch_world_size, load_config, parse_overrides, read_raw
+from grpo_lib.config.reference import reference_markdown
 from grpo_lib.config.schema import (ActorConfig, ActorFSDPConfig, AlgorithmConfig, Config, ConfigError, CustomRewardConfig,
                                     DataConfig, FilterGroupsConfig, Gsm8kRewardConfig, KLCtrlConfig, ModelConfig,
                                     PolicyLossConfig, RefConfig, RefFSDPConfig, RewardConfig, RolloutConfig,
-                                    RolloutCorrectionConfig, TrainerConfig, ValKwargsConfig, reference_markdown)
+                                    RolloutCorrectionConfig, TrainerConfig, ValKwargsConfig)
 
 __all__ = [
     "ActorConfig", "ActorFSDPConfig", "AlgorithmConfig", "Config", "ConfigError", "CustomRewardConfig", "DataConfig",

@@ -2,7 +2,7 @@
 
 import sys
 
-from grpo_lib.config.schema import reference_markdown, update_readme
+from grpo_lib.config.reference import reference_markdown, update_readme
 
 if "--update-readme" in sys.argv:
     update_readme()
