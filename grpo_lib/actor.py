@@ -177,29 +177,65 @@ class Actor:
     """
 
     def __init__(self, cfg, *, device: torch.device):
-        self.cfg, self.device = cfg, device
+        """A run's actor: model.path loaded, then built by `_build` (the one path `from_model` takes too)."""
         fc = cfg.actor.fsdp_config
-        self.param_dtype, reduce_dtype = dtypes.torch_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
+        param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
         # Read on the host by process 0 only (the others build it on the meta device); `fsdp.shard` shards it unit by
         # unit and broadcasts process 0's weights into every process's shards: neither the device nor another process's
         # host memory ever holds it whole.
-        self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
-        self.attn_implementation, self.attn_reason = attention.choose_attn_implementation(
-            device, self.param_dtype, remove_padding=cfg.model.use_remove_padding)
-        reads = fsdp.reads_weights()
-        self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation,
-                                empty=not reads)
+        attn = attention.choose_attn_implementation(device, param_dtype, remove_padding=cfg.model.use_remove_padding)
+        model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
+                           trust_remote_code=cfg.model.trust_remote_code, attn_implementation=attn[0],
+                           empty=not fsdp.reads_weights())
+        self._build(cfg, model, device=device, param_dtype=param_dtype,
+                    compute_dtype=dtypes.torch_dtype(fc.param_dtype, device, cpu_auto=next(model.parameters()).dtype),
+                    optimizer_device_type=device.type, attn=attn,
+                    export_dtype=saved_dtype(cfg.model.path, cfg.model.trust_remote_code),  # the HF export's dtype
+                    fill=True, check_packing=cfg.model.use_remove_padding)
+        print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
+        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)} "
+              f"({self.attn_reason}); "
+              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block"
+                 + ("; responses to one prompt share its forward (one copy per micro-batch)" if self.share_prefixes else "")
+                 if cfg.model.use_remove_padding else "packing off (model.use_remove_padding)"), flush=True)
+
+    @classmethod
+    def from_model(cls, cfg, model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dtype,
+                   compute_dtype: torch.dtype, optimizer_device_type: str, attn: tuple[str, str],
+                   export_dtype: torch.dtype, fill: bool, check_packing: bool) -> Actor:
+        """An actor around an already-built float32 `model`, through the same `_build` as a run's: what
+        `--print-plan --measure` measures (a model from its config on fake tensors, the GPU's dtypes and optimizer on
+        the CPU, `fill=False`, no packing check). The arguments are `_build`'s."""
+        actor = cls.__new__(cls)
+        actor._build(cfg, model, device=device, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                     optimizer_device_type=optimizer_device_type, attn=attn, export_dtype=export_dtype, fill=fill,
+                     check_packing=check_packing)
+        return actor
+
+    def _build(self, cfg, model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dtype,
+               compute_dtype: torch.dtype, optimizer_device_type: str, attn: tuple[str, str], export_dtype: torch.dtype,
+               fill: bool, check_packing: bool) -> None:
+        """Every attribute of an actor, set here and only here: `model` prepared (checkpointing, compile, LoRA), sharded
+        (`fill`: broadcast process 0's weights into the shards), the packing isolation check (`check_packing`), AdamW
+        (`optimizer_device_type`'s implementation, `make_optimizer`) and its LR schedule.
+
+        `param_dtype`: FSDP2's gather dtype; `compute_dtype`: the autocast dtype on CPU (the master dtype: none);
+        `attn`: (implementation the model was built with, why); `export_dtype`: the Hugging Face export's dtype."""
+        self.cfg, self.device = cfg, device
+        self.param_dtype, reduce_dtype = param_dtype, getattr(torch, cfg.actor.fsdp_config.reduce_dtype)
+        self.export_dtype = export_dtype
+        self.attn_implementation, self.attn_reason = attn
+        self.model = model
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         self.master_dtype = next(self.model.parameters()).dtype
         self.share_prefixes = attention.shares_prefixes(self.model)  # rows sharing a prompt compute it once
-        self.compute_dtype = dtypes.torch_dtype(cfg.actor.fsdp_config.param_dtype, device, cpu_auto=self.master_dtype)
+        self.compute_dtype = compute_dtype
         if device.type == "cpu" and self.compute_dtype != self.master_dtype and not perf.native_bf16_cpu():
             warnings.warn(f"actor.fsdp_config.param_dtype={cfg.actor.fsdp_config.param_dtype} on a CPU without native bf16 "
-                          f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=2)
+                          f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=3)
         if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
@@ -207,23 +243,18 @@ class Actor:
         with warnings.catch_warnings():  # on the meta build, loading model.lora_adapter_path is a no-op (process 0's counts)
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
             self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
-        self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
-        if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
+        self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype, fill=fill)
+        if check_packing:  # fails loudly if this attention backend lets packed rows attend to each other
             self.check_packing()
         a = cfg.actor
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], a, device_type=device.type)
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], a,
+                                        device_type=optimizer_device_type)
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = _world_size()
         self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
         self.offload_device = torch.device("cpu")
         self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
-        print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
-        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)} "
-              f"({self.attn_reason}); "
-              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block"
-                 + ("; responses to one prompt share its forward (one copy per micro-batch)" if self.share_prefixes else "")
-                 if cfg.model.use_remove_padding else "packing off (model.use_remove_padding)"), flush=True)
 
     def check_packing(self) -> None:
         """The start-up packing isolation check where the run runs: on the sharded policy (its root's parameters
