@@ -274,6 +274,7 @@ class GRPOTrainer:
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
+            plan = actor.plan_step(batch)  # the step's mini-batches and micro-batches, decided once for steps 5 and 7
             # 4. reference logprobs (only with a KL term)
             if reference is not None:
                 with timed(timings, "ref"):
@@ -281,12 +282,12 @@ class GRPOTrainer:
             # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
             if needs_old_logprobs(cfg):
                 with timed(timings, "old_logprob"):
-                    batch.old_logprobs = actor.compute_logprobs(batch)
+                    batch.old_logprobs = actor.compute_logprobs(batch, plan)
             # 6. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards, hence after 4-5)
             adv_metrics = S.compute_advantages(cfg, batch)
             # 7. update
             with timed(timings, "update"):
-                train_metrics = actor.update(batch)
+                train_metrics = actor.update(batch, plan)
             if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
                 with timed(timings, "weight_probe"):
                     p.probe.expect(actor)

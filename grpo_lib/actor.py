@@ -32,7 +32,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
-from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices, restore_order
+from grpo_lib.batching import (
+    StepPlan,
+    agree_num_micro_batches,
+    make_step_plan,
+    micro_batch_indices,
+    restore_order,
+    split_mini_batches,
+)
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout, layout_kwargs
@@ -120,18 +127,22 @@ def response_scores(mb: RolloutBatch) -> torch.Tensor | None:
 
 @torch.no_grad()
 def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
-                        micro_batch_size: int | None, device: torch.device, autocast=None) -> torch.Tensor:
+                        micro_batch_size: int | None, device: torch.device, autocast=None,
+                        planned: list[list[int]] | None = None) -> torch.Tensor:
     """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel.
     Inside `autocast()` when given (the actor's compute dtype on CPU). Loss tokens are scored in the same chunks as the
     update scores them (so the first update's ratio is bitwise 1), the other tokens (prompt, response holes) after them
     in chunks of their own (`response_scores`).
 
-    An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
+    `planned`: the micro-batches already cut (the old-logprob pass's, from the step's `StepPlan`); else cut here under
+    `max_tokens` / `micro_batch_size`. An empty micro-batch (this process has fewer rows than the agreed count) runs a
+    dummy forward, discarded.
     """
     width = batch.input_ids.shape[1]
     share = attention.shares_prefixes(policy.model)
-    index_lists = micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
-                                groups=batch.group_ids if remove_padding and share else None)
+    index_lists = planned if planned is not None else micro_batches(
+        batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+        groups=batch.group_ids if remove_padding and share else None)
     chunks = []
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
@@ -252,7 +263,7 @@ class Actor:
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = _world_size()
-        self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
+        self.steps_done = 0  # update() calls so far (seeds the step's mini-batch shuffle, `plan_step`)
         self.offload_device = torch.device("cpu")
         self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
 
@@ -299,26 +310,24 @@ class Actor:
     # -- logprobs --------------------------------------------------------------------------------------
 
     @perf.with_trainer_threads
-    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Old logprobs (before this step's updates), [B, T].
-
-        Cut into the mini-batches of the update's first epoch (same shuffle seed), each micro-batched as the update
-        does: the first update then sees every row in the same micro-batch at the same padded / packed width, so
-        its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2; tests/test_ratio.py).
+    def compute_logprobs(self, batch: RolloutBatch, plan: StepPlan | None = None) -> torch.Tensor:
+        """Old logprobs (before this step's updates), [B, T], over `plan.old_logprob` (the step's `StepPlan`; None: this
+        step's `plan_step`): the update's first-epoch mini-batches, micro-batched as the update does them (rollout.log_prob_*
+        default to the update's budget): the first update then sees every row in the same micro-batch at the same
+        padded / packed width, so its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2;
+        tests/test_ratio.py).
         """
-        r = self.cfg.rollout  # verl's home of the old-logprob pass's knobs (resolved in config validation)
+        plan = plan or self.plan_step(batch)
         self.load_params()
         self.policy.eval()
-        index_lists = self.mini_batch_rows(batch, self._shuffle_generator())
         chunks = []
-        for rows in index_lists:
+        for mini in plan.old_logprob:
             lp = logprobs_over_batch(
-                self.policy, batch.select(rows), temperature=self.cfg.rollout.temperature,
-                remove_padding=self.cfg.model.use_remove_padding,
-                max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)
+                self.policy, batch.select(mini.rows), temperature=self.cfg.rollout.temperature,
+                remove_padding=self.cfg.model.use_remove_padding, max_tokens=None, micro_batch_size=None,
+                device=self.device, autocast=self.autocast, planned=mini.micro_batches)
             chunks.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - lp.shape[1])))  # [b, T]
-        return restore_order(chunks, index_lists)  # [B, T]
+        return restore_order(chunks, [mini.rows for mini in plan.old_logprob])  # [B, T]
 
     def named_weights(self):
         """(Hugging Face name, full tensor) pairs for the engine push and the export, gathered one at a time.
@@ -376,39 +385,45 @@ class Actor:
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
-        """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
-
-        Global mini-batches hold actor.ppo_mini_batch_size prompts each, the last one fewer when it does not divide
-        data.train_batch_size (verl's split; `config.checks.mini_batch_sizes`). Without shuffling, local mini-batch m of
-        every process holds that process's part of global mini-batch m (prompts are dealt out strided), so the
-        process count never changes what an update sees. Shuffling permutes each process's groups locally: the
-        mini-batches then depend on the process count.
+        """Row indices of each mini-batch of one epoch (`batching.split_mini_batches`): whole groups, actor.ppo_mini_batch_size
+        prompts per global mini-batch, shuffled with `generator` if actor.shuffle. Without a generator: the unshuffled
+        mini-batches that balancing keeps (`step.balance_batch`).
 
         Example (4 groups of 2 rows, 2 mini-batches, no shuffle): [[0, 1, 2, 3], [4, 5, 6, 7]].
         """
         a = self.cfg.actor
-        sizes = mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size)  # prompts, global
-        groups = list(dict.fromkeys(batch.group_ids))  # group order as generated
-        rows_of = defaultdict(list)
-        for i, g in enumerate(batch.group_ids):
-            rows_of[g].append(i)
-        if a.shuffle and generator is not None:
-            groups = [groups[j] for j in torch.randperm(len(groups), generator=generator).tolist()]
-        # this process's share of each mini-batch, in proportion (every process holds train_batch_size / world groups)
-        total, ends, seen = sum(sizes), [], 0
-        for size in sizes:
-            seen += size
-            ends.append(seen * len(groups) // total)
-        starts = [0, *ends[:-1]]
-        # A mini-batch left empty (DAPO kept fewer groups than there are mini-batches) is dropped: an optimizer step on
-        # zero gradients would still move the weights (weight decay, momentum). Every process holds the same number of
-        # groups, so all drop the same ones.
-        return [[i for g in groups[lo:hi] for i in rows_of[g]] for lo, hi in zip(starts, ends) if hi > lo]
+        return split_mini_batches(batch.group_ids, sizes=mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size),
+                                  generator=generator if a.shuffle else None)
+
+    def plan_step(self, batch: RolloutBatch) -> StepPlan:
+        """This step's mini-batches and micro-batches (`batching.StepPlan`), decided once, after balancing, for the
+        old-logprob pass and the update: actor.ppo_epochs passes of `mini_batch_rows`, shuffled (actor.shuffle) by this
+        step's generator (trainer.seed and `steps_done`, which a checkpoint saves: a resumed run draws the same), each
+        mini-batch cut under the actor.ppo_* budget; the old-logprob pass's are epoch 0's, cut under rollout.log_prob_*
+        (the update's own where those are the same budget, their default). A collective: the micro-batch counts are
+        agreed over processes (`micro_batches`)."""
+        a, r = self.cfg.actor, self.cfg.rollout
+        groups = batch.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None
+
+        def cutter(max_tokens: int | None, micro_batch_size: int | None):
+            def cut(rows: list[int]) -> list[list[int]]:
+                return micro_batches([batch.seq_lens[i] for i in rows], max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+                                     groups=None if groups is None else [groups[i] for i in rows])
+            return cut
+
+        # (max_tokens, micro_batch_size) as `micro_batches` reads them: a token budget ignores the size
+        update = (a.ppo_max_token_len_per_gpu, None) if a.use_dynamic_bsz else (None, a.ppo_micro_batch_size_per_gpu)
+        old = (r.log_prob_max_token_len_per_gpu, None) if r.log_prob_use_dynamic_bsz else (None, r.log_prob_micro_batch_size_per_gpu)
+        return make_step_plan(batch.group_ids, sizes=mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size),
+                              epochs=a.ppo_epochs, generator=self._shuffle_generator() if a.shuffle else None,
+                              cut=cutter(*update), cut_old_logprob=None if old == update else cutter(*old))
 
     @perf.with_trainer_threads
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
+    def update(self, batch: RolloutBatch, plan: StepPlan | None = None) -> dict[str, float]:
+        """The passes of `plan.epochs` over `batch` (the step's `StepPlan`; None: this step's `plan_step`), one optimizer
+        step per mini-batch; returns averaged metrics."""
         a = self.cfg.actor
+        plan = plan or self.plan_step(batch)  # before steps_done moves on
         self.load_params()
         if a.fsdp_config.optimizer_offload:
             fsdp.move_optimizer_state(self.optimizer, self.device)
@@ -417,10 +432,9 @@ class Actor:
         num_updates = 0
         if self.collective_bytes is not None:
             self.collective_bytes.update(all_gather=0, reduce_scatter=0)
-        generator = self._shuffle_generator()  # compute_logprobs replayed this step's first epoch with the same seed
-        for _epoch in range(a.ppo_epochs):
-            for rows in self.mini_batch_rows(batch, generator):
-                summed_step = self._optimizer_step(batch.select(rows))
+        for epoch in plan.epochs:
+            for mini in epoch:
+                summed_step = self._optimizer_step(batch.select(mini.rows), micro=mini.micro_batches)
                 for k, v in summed_step.items():
                     summed[k] += v
                 num_updates += 1
@@ -436,13 +450,13 @@ class Actor:
         return metrics
 
     def _shuffle_generator(self) -> torch.Generator:
-        """Mini-batch shuffle order of the current step (a new permutation every step, reproducible)."""
+        """Mini-batch shuffle order of the current step (a new permutation every step, reproducible; `plan_step`)."""
         return torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.steps_done)
 
-    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
-        """Backward over the micro-batches of one mini-batch, then one optimizer step."""
+    def _optimizer_step(self, mini: RolloutBatch, micro: list[list[int]] | None = None) -> dict[str, float]:
+        """Backward over the micro-batches of one mini-batch (`micro`: the plan's, else cut here), then one optimizer step."""
         a = self.cfg.actor
-        metrics = self.accumulate_gradients(mini)
+        metrics = self.accumulate_gradients(mini, micro)
         params = [p for p in self.model.parameters() if p.grad is not None]
         # Norm of the sharded gradients: each DTensor norm is a partial result; full_tensor() reduces it over processes.
         grad_norm = fsdp.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
@@ -459,9 +473,10 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
-    def accumulate_gradients(self, mini: RolloutBatch) -> dict[str, float]:
-        """Backward over the micro-batches of this process's share of one mini-batch, gradients averaged over
-        processes; leaves the mini-batch gradient in `.grad` (no optimizer step) and returns its metrics.
+    def accumulate_gradients(self, mini: RolloutBatch, micro: list[list[int]] | None = None) -> dict[str, float]:
+        """Backward over the micro-batches of this process's share of one mini-batch (`micro`: positions in `mini`, the
+        step plan's; None: cut here under the actor.ppo_* budget), gradients averaged over processes; leaves the
+        mini-batch gradient in `.grad` (no optimizer step) and returns its metrics.
 
         Loss sums are divided by the mini-batch's global token / sequence counts and multiplied by the world size
         (undone by the average), so `.grad` is the gradient of the whole mini-batch's loss on every process, for
@@ -476,9 +491,10 @@ class Actor:
         metrics: dict[str, float] = defaultdict(float)
         weighted: dict[str, float] = defaultdict(float)
         perf_counts: dict[str, float] = defaultdict(float)
-        idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu,
-                                  groups=mini.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None)
+        idx_lists = micro if micro is not None else micro_batches(
+            mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+            micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+            groups=mini.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None)
         fc = a.fsdp_config  # which all-gathers / reduce-scatters the micro-batches share (fsdp.mini_batch_collectives)
         with fsdp.mini_batch_collectives(self.policy, keep_root_gathered=fc.keep_root_gathered,
                                          reshard_after_forward=fc.reshard_after_forward,
