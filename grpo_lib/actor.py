@@ -41,7 +41,7 @@ from grpo_lib.batching import (
     split_mini_batches,
 )
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
-from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
+from grpo_lib.distributed import Reduction, all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout, layout_kwargs
 from grpo_lib.packing import check_packing_isolated
 from grpo_lib.types import RolloutBatch
@@ -485,8 +485,10 @@ class Actor:
         a = self.cfg.actor
         # Loss tokens, and rows with at least one (a row whose loss mask is all 0, e.g. a masked truncation, is no
         # sequence of the loss: aggregate_loss's own default count, so the gradient equals the plain batch loss's).
-        num_tokens = all_reduce_sum(mini.loss_mask.sum().item())
-        num_seqs = all_reduce_sum(int((mini.loss_mask.sum(-1) > 0).sum().item()))
+        counts = Reduction()  # both in one all-reduce
+        counts.sum("tokens", mini.loss_mask.sum().item())
+        counts.sum("seqs", int((mini.loss_mask.sum(-1) > 0).sum().item()))
+        num_tokens, num_seqs = counts.reduce().values()
         compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
         metrics: dict[str, float] = defaultdict(float)
         weighted: dict[str, float] = defaultdict(float)
@@ -509,18 +511,21 @@ class Actor:
                 perf_counts["micro_batches"] += weight
                 self._add_micro_batch_metrics(metrics, weighted, perf_counts, mb_metrics, weight=weight,
                                               mb_tokens=mb_tokens)
-        # The same keys on every process (the dummy reports them too), reduced in sorted order.
-        for k in sorted(weighted):
-            metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
+        # The same keys on every process (the dummy reports them too), in sorted order: one all-reduce for all of them.
+        reduction = Reduction()
+        reduction.count("loss_tokens", mini.loss_mask.sum().item())  # this process's share of num_tokens
+        for k in sorted(weighted):  # per-micro-batch fractions: token-weighted means
+            reduction.mean(k, weighted[k], over="loss_tokens")
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-            if k in metrics:
-                metrics[k] = all_reduce_sum(metrics[k])
+            if k in metrics:  # normalised by the global counts already: the processes' shares add up
+                reduction.sum(k, metrics[k])
         # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
-        totals = {k: all_reduce_sum(perf_counts[k])
-                  for k in ("micro_batches", "perf/packed", "perf/shared_prefix", "perf/real_tokens", "perf/computed_tokens")}
-        metrics["perf/packed"] = totals["perf/packed"] / max(totals["micro_batches"], 1.0)
-        metrics["perf/shared_prefix"] = totals["perf/shared_prefix"] / max(totals["micro_batches"], 1.0)
-        metrics["perf/real_token_fraction"] = totals["perf/real_tokens"] / max(totals["perf/computed_tokens"], 1.0)
+        reduction.count("micro_batches", perf_counts["micro_batches"])
+        reduction.count("computed_tokens", perf_counts["perf/computed_tokens"])
+        reduction.mean("perf/packed", perf_counts["perf/packed"], over="micro_batches")
+        reduction.mean("perf/shared_prefix", perf_counts["perf/shared_prefix"], over="micro_batches")
+        reduction.mean("perf/real_token_fraction", perf_counts["perf/real_tokens"], over="computed_tokens")
+        metrics.update(reduction.reduce())
         return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
 
     @staticmethod

@@ -320,11 +320,14 @@ class PhaseMemory:
 
     def metrics(self) -> dict[str, float]:
         """memory/<phase>_peak_mb of every phase, the largest process's, and memory/peak_mb (their maximum)."""
-        from grpo_lib.distributed import all_reduce_max  # torch: imported here, perf's start-up functions stay light
+        from grpo_lib.distributed import Reduction  # torch: imported here, perf's start-up functions stay light
 
         self.end()
         if not self.resettable or not self.peaks:
             return {}
-        out = {f"memory/{name}_peak_mb": all_reduce_max(mb) for name, mb in sorted(self.peaks.items())}
+        reduction = Reduction()  # one all-reduce for every phase
+        for name, mb in sorted(self.peaks.items()):
+            reduction.max(f"memory/{name}_peak_mb", mb)
+        out = reduction.reduce()
         out["memory/peak_mb"] = max(out.values())
         return out
