@@ -26,7 +26,6 @@ import math
 import sys
 import warnings
 from collections import defaultdict
-from dataclasses import fields
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -35,6 +34,7 @@ from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
 from grpo_lib.batching import (
     StepPlan,
     agree_num_micro_batches,
+    dummy_micro_batch,
     make_step_plan,
     micro_batch_indices,
     restore_order,
@@ -84,26 +84,6 @@ def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_si
     local = micro_batch_indices(seq_lens, **budget)
     agreed = agree_num_micro_batches(len(local))
     return local if agreed == len(local) else micro_batch_indices(seq_lens, **budget, min_num_micro_batches=agreed)
-
-
-def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
-    """One two-token row (token id 0, real tokens, EMPTY response and loss masks) shaped like `template`'s fields.
-
-    Run in place of an empty micro-batch so this process makes the same forward/backward calls as the others;
-    its loss is multiplied by 0. Two tokens, so one token is scored and the output head is part of the graph.
-    """
-    out = {}
-    for f in fields(template):
-        value = getattr(template, f.name)
-        if isinstance(value, torch.Tensor):
-            shape = (1, 2) if value.dim() == 2 else (1, *value.shape[1:])
-            out[f.name] = torch.zeros(shape, dtype=value.dtype)
-        elif isinstance(value, list):
-            out[f.name] = [value[0] if value else None]
-        else:
-            out[f.name] = value
-    out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
-    return RolloutBatch(**out)
 
 
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the

@@ -15,6 +15,7 @@ a forward like any token); nothing here reads `response_mask` or `loss_mask`.
   each process computes its own count, `agree_num_micro_batches` takes the MAX, and each process calls again
   with that number.
 - `restore_order` / `restore_order_list`: put per-micro-batch results back into the original row order.
+- `dummy_micro_batch`: the zero-weighted two-token row an empty micro-batch runs (every process makes the same calls).
 - `StepPlan` (`make_step_plan`, from `split_mini_batches`): a step's mini-batches of every epoch and each one's
   micro-batches, decided once after balancing and handed to the old-logprob pass and the update (one decision, not
   one per pass kept in step by a seed).
@@ -253,6 +254,26 @@ def agree_num_micro_batches(n_local: int, *, group: dist.ProcessGroup | None = N
     count = torch.tensor([n_local], dtype=torch.long, device=device)  # [1]
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
+
+
+def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
+    """One two-token row (token id 0, real tokens, EMPTY response and loss masks) shaped like `template`'s fields.
+
+    Run in place of an empty micro-batch so this process makes the same forward/backward calls as the others;
+    its loss is multiplied by 0. Two tokens, so one token is scored and the output head is part of the graph.
+    """
+    out = {}
+    for f in fields(template):
+        value = getattr(template, f.name)
+        if isinstance(value, torch.Tensor):
+            shape = (1, 2) if value.dim() == 2 else (1, *value.shape[1:])
+            out[f.name] = torch.zeros(shape, dtype=value.dtype)
+        elif isinstance(value, list):
+            out[f.name] = [value[0] if value else None]
+        else:
+            out[f.name] = value
+    out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
+    return RolloutBatch(**out)
 
 
 # ------------------------------------------------------------------------------------------------ the step plan
