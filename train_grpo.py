@@ -33,13 +33,28 @@ import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
 from grpo_lib.config.checks import environment_problems, multi_turn_warnings, needs_old_logprobs  # noqa: E402
+
+if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, vLLM's engine), for readers and checkers only
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_lib.actor import Actor, AdapterDisabledReference, Reference
+    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.config import Config
+    from grpo_lib.data import PromptDataset, PromptSampler
+    from grpo_lib.engines.base import RolloutEngine
+    from grpo_lib.episodes import EpisodeRunner
+    from grpo_lib.metrics import MetricLogger
+    from grpo_lib.rewards.scorer import RewardScorer
+    from grpo_lib.teacher import Teacher
+    from grpo_lib.weight_probe import WeightProbe
 
 
 class SetupError(RuntimeError):
@@ -57,28 +72,28 @@ def timed(timings: dict, name: str):
 class RunParts:
     """What a set-up run is made of (built once by `GRPOTrainer.setup`)."""
 
-    tokenizer: Any  # transformers tokenizer of model.path
-    train: Any  # grpo_lib.data.PromptDataset
-    val: Any  # PromptDataset | None (no data.val_files)
-    sampler: Any  # grpo_lib.data.PromptSampler over `train` (resumable)
+    tokenizer: PreTrainedTokenizerBase  # of model.path
+    train: PromptDataset
+    val: PromptDataset | None  # None: no data.val_files
+    sampler: PromptSampler  # over `train` (resumable)
     total_steps: int
-    engine: Any  # grpo_lib.engines RolloutEngine, ready (weights + cache on the device) after setup
-    actor: Any  # grpo_lib.actor.Actor
-    reference: Any  # frozen reference (Reference or the adapters-disabled actor), None without a KL term
-    scorer: Any  # grpo_lib.rewards.RewardScorer
-    logger: Any  # grpo_lib.metrics.MetricLogger
-    device: Any  # torch.device
-    episodes: Any = None  # grpo_lib.episodes.EpisodeRunner with rollout.multi_turn.enable, else None
-    probe: Any = None  # grpo_lib.weight_probe.WeightProbe (trainer.weight_probe), else None
-    teacher: Any = None  # grpo_lib.teacher.Teacher (distillation.enabled), else None
+    engine: RolloutEngine  # ready (weights + cache on the device) after setup
+    actor: Actor
+    reference: Reference | AdapterDisabledReference | None  # a frozen copy (LoRA: the actor, adapters off); None: no KL
+    scorer: RewardScorer
+    logger: MetricLogger
+    device: torch.device
+    episodes: EpisodeRunner | None = None  # with rollout.multi_turn.enable
+    probe: WeightProbe | None = None  # with trainer.weight_probe
+    teacher: Teacher | None = None  # with distillation.enabled
 
 
 class GRPOTrainer:
     """One run on this process: `setup()` builds the parts (and loads the checkpoint to resume), `train()` runs the
     steps and returns the exit code, `close()` stops the reward workers and flushes the metrics."""
 
-    def __init__(self, cfg, *, world_size: int, rank: int, resume):
-        self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume  # resume: checkpoint.ResumePlan
+    def __init__(self, cfg: Config, *, world_size: int, rank: int, resume: ResumePlan):
+        self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume
         self.parts: RunParts | None = None
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -299,6 +314,7 @@ class GRPOTrainer:
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
+            plan = actor.plan_step(batch)  # the step's mini-batches and micro-batches, decided once for steps 5 and 7
             # 4. reference logprobs (only with a KL term)
             if reference is not None:
                 with timed(timings, "ref"):
@@ -310,12 +326,12 @@ class GRPOTrainer:
             # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
             if needs_old_logprobs(cfg):
                 with timed(timings, "old_logprob"):
-                    batch.old_logprobs = actor.compute_logprobs(batch)
+                    batch.old_logprobs = actor.compute_logprobs(batch, plan)
             # 6. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards, hence after 4-5)
             adv_metrics = S.compute_advantages(cfg, batch)
             # 7. update
             with timed(timings, "update"):
-                train_metrics = actor.update(batch)
+                train_metrics = actor.update(batch, plan)
             if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
                 with timed(timings, "weight_probe"):
                     p.probe.expect(actor)

@@ -329,13 +329,18 @@ class PhaseMemory:
 
     def metrics(self) -> dict[str, float]:
         """memory/<phase>_peak_mb of every phase, the largest process's, and memory/peak_mb (their maximum)."""
-        from grpo_lib.distributed import all_reduce_max, all_reduce_min  # torch: imported here, perf's start-up functions stay light
+        from grpo_lib.distributed import Reduction  # torch: imported here, perf's start-up functions stay light
 
         self.end()
         if not self.resettable or not self.peaks:
             return {}
-        out = {f"memory/{name}_peak_mb": all_reduce_max(mb) for name, mb in sorted(self.peaks.items())}
-        out["memory/peak_mb"] = max(out.values())
-        out.update({f"memory/{name}_reserved_mb": all_reduce_max(mb) for name, mb in sorted(self.reserved.items())})
-        out.update({f"memory/{name}_device_free_mb": all_reduce_min(mb) for name, mb in sorted(self.free.items())})
+        reduction = Reduction()  # one all-reduce per kind for every phase
+        for name, mb in sorted(self.peaks.items()):
+            reduction.max(f"memory/{name}_peak_mb", mb)
+        for name, mb in sorted(self.reserved.items()):  # CUDA only: the allocator's reserve, the device's free bytes
+            reduction.max(f"memory/{name}_reserved_mb", mb)
+        for name, mb in sorted(self.free.items()):
+            reduction.min(f"memory/{name}_device_free_mb", mb)
+        out = reduction.reduce()
+        out["memory/peak_mb"] = max(v for k, v in out.items() if k.endswith("_peak_mb"))
         return out
