@@ -141,12 +141,12 @@ def test_cli_missing_recipe_exits_2(monkeypatch):
 
 
 def test_readme_config_reference_is_current():
-    """README's config reference is the generated one: a new or changed field must be documented there."""
+    """docs/REFERENCE.md's config reference is the generated one: a new or changed field must be documented there."""
     from grpo_lib.config import reference_markdown
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "REFERENCE.md").read_text()
     missing = [line for line in reference_markdown().splitlines() if line.startswith("| `") and line not in readme]
-    assert not missing, "README.md config reference is stale; regenerate with `python -m grpo_lib.config --update-readme`:\n" + "\n".join(missing)
+    assert not missing, "docs/REFERENCE.md's config reference is stale; regenerate with `python -m grpo_lib.config --update-docs`:\n" + "\n".join(missing)
 
 
 def test_cli_missing_model_exits_2_naming_it(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-"""The README's config reference, generated from the schema's field docstrings: `python -m grpo_lib.config` prints it,
-`--update-readme` rewrites README.md's tables (tests/test_config.py checks README holds every line)."""
+"""The config reference (docs/REFERENCE.md), generated from the schema's field docstrings: `python -m grpo_lib.config`
+prints it, `--update-docs` rewrites docs/REFERENCE.md's tables (tests/test_config.py checks the page holds every line)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from grpo_lib.config.schema_distillation import DistillationConfig
 
 
 def reference_markdown() -> str:
-    """The config reference table (README.md embeds it): key, default, meaning — read from the field docstrings."""
+    """The config reference table (docs/REFERENCE.md embeds it): key, default, meaning — read from the field docstrings."""
     import ast
     import inspect
 
@@ -47,9 +47,9 @@ def reference_markdown() -> str:
     return "\n".join(lines).strip() + "\n"
 
 
-def update_readme(readme: str | Path = "README.md") -> None:
+def update_docs(page: str | Path = "docs/REFERENCE.md") -> None:
     """Rewrite the tables between '## Config reference' (after its intro paragraph) and the next '## '."""
-    path = Path(readme)
+    path = Path(page)
     text = path.read_text()
     start = text.index("## Config reference")
     first_table = text.index("**data**", start)

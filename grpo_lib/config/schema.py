@@ -7,7 +7,7 @@ metadata declares what the code must know about the key beyond its type:
     may_change_on_resume(default)     may differ between a checkpoint and the run resuming it (speed, memory, logging,
                                       length of the run); grpo_lib/checkpoint.py reads `resume_may_change_keys()`
 
-The README's config reference is generated from the field docstrings (`python -m grpo_lib.config --update-readme`).
+The config reference (docs/REFERENCE.md) is generated from the field docstrings (`python -m grpo_lib.config --update-docs`).
 
 Units (docs/DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
 `actor.ppo_micro_batch_size_per_gpu` counts *trajectories* per process; token budgets count prompt +

@@ -9,7 +9,7 @@ implemented. verl serves the teacher from its own GPU pool; here it is sharded w
 processes like the KL reference (grpo_lib/teacher.py), so verl's pool and inference-server keys are accepted and
 ignored (grpo_lib/config/verl_keys.py says why).
 
-Field docstrings feed the README's config reference, as in `grpo_lib.config.schema` (which includes this section).
+Field docstrings feed the config reference (docs/REFERENCE.md), as in `grpo_lib.config.schema` (which includes this section).
 """
 
 from __future__ import annotations
