@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: demo demo-lora demo-tool test test-fast venv clean
+.PHONY: demo demo-lora demo-tool demo-distill test test-fast venv clean
 
 $(STAMP): requirements-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -46,6 +46,14 @@ artifacts/data/arith_tool/train.parquet: $(STAMP) data_prep/synthetic.py data_pr
 
 demo-tool: artifacts/tiny_qwen3_tool/config.json artifacts/data/arith_tool/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu_tool.yaml
+
+# the on-policy distillation demo: make demo's student and data, and a teacher trained further (more warm-up steps on
+# mostly correct answers; the same tokenizer, built from the same corpus)
+artifacts/tiny_qwen3_teacher/config.json: $(STAMP) data_prep/tiny_model.py data_prep/synthetic.py
+	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3_teacher --warmup-steps 600 --warmup-correct-prob 0.95
+
+demo-distill: artifacts/tiny_qwen3/config.json artifacts/tiny_qwen3_teacher/config.json artifacts/data/arith/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu_distill.yaml
 
 # The suite in two phases: everything but the wall-clock-bound tests on $(TEST_WORKERS) pytest-xdist workers, one test
 # file per worker at a time (--dist loadfile keeps a file's module-scoped runs shared by its tests), then the

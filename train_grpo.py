@@ -5,7 +5,7 @@ colocated engine (vLLM or hf) and the actor. `GRPOTrainer` below owns the run (s
 -> close, as torchtune's recipe classes do); `GRPOTrainer.step` holds the step order of docs/DESIGN.md:
 
     prompts -> generate (rollout.n per prompt) -> reward -> weight probe -> engine sleeps -> reference logprobs (if KL)
-    -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
+    -> teacher logprobs (if distillation) -> old logprobs (if several updates) -> advantages (group-relative) -> update (mini/micro-batches)
     -> push weights to the engine (it wakes with them) -> log / validate / checkpoint / stop?
 
 Config problems, and a run folder that holds another run (or is in use by one: the run lock), exit with code 2 before
@@ -33,13 +33,28 @@ import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config.checks import environment_problems, needs_old_logprobs  # noqa: E402
+from grpo_lib.config.checks import environment_problems, multi_turn_warnings, needs_old_logprobs  # noqa: E402
+
+if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, vLLM's engine), for readers and checkers only
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_lib.actor import Actor, AdapterDisabledReference, Reference
+    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.config import Config
+    from grpo_lib.data import PromptDataset, PromptSampler
+    from grpo_lib.engines.base import RolloutEngine
+    from grpo_lib.episodes import EpisodeRunner
+    from grpo_lib.metrics import MetricLogger
+    from grpo_lib.rewards.scorer import RewardScorer
+    from grpo_lib.teacher import Teacher
+    from grpo_lib.weight_probe import WeightProbe
 
 
 class SetupError(RuntimeError):
@@ -57,27 +72,28 @@ def timed(timings: dict, name: str):
 class RunParts:
     """What a set-up run is made of (built once by `GRPOTrainer.setup`)."""
 
-    tokenizer: Any  # transformers tokenizer of model.path
-    train: Any  # grpo_lib.data.PromptDataset
-    val: Any  # PromptDataset | None (no data.val_files)
-    sampler: Any  # grpo_lib.data.PromptSampler over `train` (resumable)
+    tokenizer: PreTrainedTokenizerBase  # of model.path
+    train: PromptDataset
+    val: PromptDataset | None  # None: no data.val_files
+    sampler: PromptSampler  # over `train` (resumable)
     total_steps: int
-    engine: Any  # grpo_lib.engines RolloutEngine, ready (weights + cache on the device) after setup
-    actor: Any  # grpo_lib.actor.Actor
-    reference: Any  # frozen reference (Reference or the adapters-disabled actor), None without a KL term
-    scorer: Any  # grpo_lib.rewards.RewardScorer
-    logger: Any  # grpo_lib.metrics.MetricLogger
-    device: Any  # torch.device
-    episodes: Any = None  # grpo_lib.episodes.EpisodeRunner with rollout.multi_turn.enable, else None
-    probe: Any = None  # grpo_lib.weight_probe.WeightProbe (trainer.weight_probe), else None
+    engine: RolloutEngine  # ready (weights + cache on the device) after setup
+    actor: Actor
+    reference: Reference | AdapterDisabledReference | None  # a frozen copy (LoRA: the actor, adapters off); None: no KL
+    scorer: RewardScorer
+    logger: MetricLogger
+    device: torch.device
+    episodes: EpisodeRunner | None = None  # with rollout.multi_turn.enable
+    probe: WeightProbe | None = None  # with trainer.weight_probe
+    teacher: Teacher | None = None  # with distillation.enabled
 
 
 class GRPOTrainer:
     """One run on this process: `setup()` builds the parts (and loads the checkpoint to resume), `train()` runs the
     steps and returns the exit code, `close()` stops the reward workers and flushes the metrics."""
 
-    def __init__(self, cfg, *, world_size: int, rank: int, resume):
-        self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume  # resume: checkpoint.ResumePlan
+    def __init__(self, cfg: Config, *, world_size: int, rank: int, resume: ResumePlan):
+        self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume
         self.parts: RunParts | None = None
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -145,10 +161,23 @@ class GRPOTrainer:
                                           gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None):
                 if rank == 0:
                     print(note, file=sys.stderr)
+            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load (after `auto` budgets resolve)
+                from grpo_lib.plan_memory import teacher_fit_problem
+                from grpo_lib.teacher import tokenizer_problem
+
+                problem = tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(
+                    cfg, world_size=self.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
+                if problem:
+                    raise SetupError(problem)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
+            teacher = None
+            if cfg.distillation.enabled:  # sharded and offloaded like the reference (grpo_lib/teacher.py)
+                from grpo_lib.teacher import Teacher
+
+                teacher = Teacher(cfg, device=device)
             probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
                 if cfg.trainer.weight_probe else None  # after every push: does the engine serve the actor's weights?
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,
@@ -157,7 +186,7 @@ class GRPOTrainer:
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
                               actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
-                              probe=probe)
+                              probe=probe, teacher=teacher)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -181,6 +210,10 @@ class GRPOTrainer:
             probe.send(engine)
         if self.resume.path is not None:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
+            if episodes is not None and rank == 0:  # a tool's state is no part of a checkpoint
+                print("note: the resumed episodes match the uninterrupted run's only if the tools keep no state across "
+                      "episodes (each episode's state under its instance_id, dropped at release) and answer the same "
+                      "call the same way", file=sys.stderr)
 
     # -- the run --------------------------------------------------------------------------------------
 
@@ -252,6 +285,7 @@ class GRPOTrainer:
         from grpo_lib import step as S
         from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
+        from grpo_lib.tools.calls import ToolStallError
         from grpo_lib.weight_probe import worse_probe
 
         cfg, p = self.cfg, self.parts
@@ -267,29 +301,37 @@ class GRPOTrainer:
                 engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
                 S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
                 if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
-                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step)
+                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step,
+                                        max_error_fraction=cfg.reward.max_error_fraction)
             except S.RunAborted:
                 if gen_metrics:
                     p.logger.log(step, gen_metrics)
                 raise
             except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
                 raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
+            except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
+                raise S.RunAborted(f"step {step}: {error}") from error
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
+            plan = actor.plan_step(batch)  # the step's mini-batches and micro-batches, decided once for steps 5 and 7
             # 4. reference logprobs (only with a KL term)
             if reference is not None:
                 with timed(timings, "ref"):
                     batch.ref_logprobs = reference.compute_logprobs(batch)
+            # 4b. teacher logprobs (only with distillation): the batch's teacher_* fields
+            if p.teacher is not None:
+                with timed(timings, "teacher"):
+                    p.teacher.score(batch)
             # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
             if needs_old_logprobs(cfg):
                 with timed(timings, "old_logprob"):
-                    batch.old_logprobs = actor.compute_logprobs(batch)
+                    batch.old_logprobs = actor.compute_logprobs(batch, plan)
             # 6. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards, hence after 4-5)
             adv_metrics = S.compute_advantages(cfg, batch)
             # 7. update
             with timed(timings, "update"):
-                train_metrics = actor.update(batch)
+                train_metrics = actor.update(batch, plan)
             if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
                 with timed(timings, "weight_probe"):
                     p.probe.expect(actor)
@@ -430,6 +472,9 @@ def main(argv: list[str]) -> int:
 
     if rank == 0 and (warning := launcher_timeout_warning()):  # accelerate launch would kill us before a stop saves
         print(warning, file=sys.stderr, flush=True)
+    if rank == 0:
+        for warning in multi_turn_warnings(cfg):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     if cfg.ignored and rank == 0:  # once, at start
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
               flush=True)

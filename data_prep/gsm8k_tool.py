@@ -59,7 +59,13 @@ def make_rows(records: Iterable[dict], split: str, data_source: str = DATA_SOURC
     "train")[0]["extra_info"]["tools_kwargs"] -> {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "2"}}}
     """
     rows = gsm8k.make_rows(records, split, data_source=data_source)  # the same checks, ground truths and user turn
-    system = {"role": "system", "content": system_prompt.format(tool=tool_name)}
+    return with_tool(rows, system_prompt.format(tool=tool_name), tool_name)
+
+
+def with_tool(rows: list[dict], system_prompt: str, tool_name: str) -> list[dict]:
+    """verl's multi-turn fields on single-turn rows (in place): the system turn first, the tool's create_kwargs and the
+    interaction kwargs carrying each row's ground truth. Shared by the calculator and the Python tool data preps."""
+    system = {"role": "system", "content": system_prompt}
     for row in rows:
         ground_truth = row["reward_model"]["ground_truth"]
         row["prompt"] = [system, *row["prompt"]]

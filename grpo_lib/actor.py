@@ -26,15 +26,22 @@ import math
 import sys
 import warnings
 from collections import defaultdict
-from dataclasses import fields
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, attention, dtypes, fsdp, lora, perf
-from grpo_lib.batching import agree_num_micro_batches, micro_batch_indices, restore_order
+from grpo_lib import algorithms, attention, distillation, dtypes, fsdp, lora, perf
+from grpo_lib.batching import (
+    StepPlan,
+    agree_num_micro_batches,
+    dummy_micro_batch,
+    make_step_plan,
+    micro_batch_indices,
+    restore_order,
+    split_mini_batches,
+)
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
-from grpo_lib.distributed import all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
+from grpo_lib.distributed import Reduction, all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
 from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout, layout_kwargs
 from grpo_lib.packing import check_packing_isolated
 from grpo_lib.types import RolloutBatch
@@ -79,24 +86,9 @@ def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_si
     return local if agreed == len(local) else micro_batch_indices(seq_lens, **budget, min_num_micro_batches=agreed)
 
 
-def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
-    """One two-token row (token id 0, real tokens, EMPTY response and loss masks) shaped like `template`'s fields.
-
-    Run in place of an empty micro-batch so this process makes the same forward/backward calls as the others;
-    its loss is multiplied by 0. Two tokens, so one token is scored and the output head is part of the graph.
-    """
-    out = {}
-    for f in fields(template):
-        value = getattr(template, f.name)
-        if isinstance(value, torch.Tensor):
-            shape = (1, 2) if value.dim() == 2 else (1, *value.shape[1:])
-            out[f.name] = torch.zeros(shape, dtype=value.dtype)
-        elif isinstance(value, list):
-            out[f.name] = [value[0] if value else None]
-        else:
-            out[f.name] = value
-    out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
-    return RolloutBatch(**out)
+# Losses already normalised by the mini-batch's global counts: their micro-batch values add up (the other metrics are
+# token-weighted means, perf/ counts, or the ranges of distillation.EXTREMA).
+SUMMED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "distillation/loss")
 
 
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
@@ -120,18 +112,22 @@ def response_scores(mb: RolloutBatch) -> torch.Tensor | None:
 
 @torch.no_grad()
 def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remove_padding: bool, max_tokens: int | None,
-                        micro_batch_size: int | None, device: torch.device, autocast=None) -> torch.Tensor:
+                        micro_batch_size: int | None, device: torch.device, autocast=None,
+                        planned: list[list[int]] | None = None) -> torch.Tensor:
     """No-grad logprobs of every row of `batch` ([B, T], original order) over micro-batches; `policy` is a LogprobModel.
     Inside `autocast()` when given (the actor's compute dtype on CPU). Loss tokens are scored in the same chunks as the
     update scores them (so the first update's ratio is bitwise 1), the other tokens (prompt, response holes) after them
     in chunks of their own (`response_scores`).
 
-    An empty micro-batch (this process has fewer rows than the agreed count) runs a dummy forward, discarded.
+    `planned`: the micro-batches already cut (the old-logprob pass's, from the step's `StepPlan`); else cut here under
+    `max_tokens` / `micro_batch_size`. An empty micro-batch (this process has fewer rows than the agreed count) runs a
+    dummy forward, discarded.
     """
     width = batch.input_ids.shape[1]
     share = attention.shares_prefixes(policy.model)
-    index_lists = micro_batches(batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
-                                groups=batch.group_ids if remove_padding and share else None)
+    index_lists = planned if planned is not None else micro_batches(
+        batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+        groups=batch.group_ids if remove_padding and share else None)
     chunks = []
     for idx in index_lists:
         mb = batch.select(idx) if idx else dummy_micro_batch(batch)
@@ -177,29 +173,65 @@ class Actor:
     """
 
     def __init__(self, cfg, *, device: torch.device):
-        self.cfg, self.device = cfg, device
+        """A run's actor: model.path loaded, then built by `_build` (the one path `from_model` takes too)."""
         fc = cfg.actor.fsdp_config
-        self.param_dtype, reduce_dtype = dtypes.torch_dtype(fc.param_dtype, device), getattr(torch, fc.reduce_dtype)
+        param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
         # Master weights are float32 on every device: bf16 weights + bf16 AdamW state round a 1e-6 update to nothing.
         # Read on the host by process 0 only (the others build it on the meta device); `fsdp.shard` shards it unit by
         # unit and broadcasts process 0's weights into every process's shards: neither the device nor another process's
         # host memory ever holds it whole.
-        self.export_dtype = saved_dtype(cfg.model.path, cfg.model.trust_remote_code)  # the HF export's dtype
-        self.attn_implementation, self.attn_reason = attention.choose_attn_implementation(
-            device, self.param_dtype, remove_padding=cfg.model.use_remove_padding)
-        reads = fsdp.reads_weights()
-        self.model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=self.attn_implementation,
-                                empty=not reads)
+        attn = attention.choose_attn_implementation(device, param_dtype, remove_padding=cfg.model.use_remove_padding)
+        model = load_model(cfg.model.path, dtype=torch.float32, device=torch.device("cpu"),
+                           trust_remote_code=cfg.model.trust_remote_code, attn_implementation=attn[0],
+                           empty=not fsdp.reads_weights())
+        self._build(cfg, model, device=device, param_dtype=param_dtype,
+                    compute_dtype=dtypes.torch_dtype(fc.param_dtype, device, cpu_auto=next(model.parameters()).dtype),
+                    optimizer_device_type=device.type, attn=attn,
+                    export_dtype=saved_dtype(cfg.model.path, cfg.model.trust_remote_code),  # the HF export's dtype
+                    fill=True, check_packing=cfg.model.use_remove_padding)
+        print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
+        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)} "
+              f"({self.attn_reason}); "
+              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block"
+                 + ("; responses to one prompt share its forward (one copy per micro-batch)" if self.share_prefixes else "")
+                 if cfg.model.use_remove_padding else "packing off (model.use_remove_padding)"), flush=True)
+
+    @classmethod
+    def from_model(cls, cfg, model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dtype,
+                   compute_dtype: torch.dtype, optimizer_device_type: str, attn: tuple[str, str],
+                   export_dtype: torch.dtype, fill: bool, check_packing: bool) -> Actor:
+        """An actor around an already-built float32 `model`, through the same `_build` as a run's: what
+        `--print-plan --measure` measures (a model from its config on fake tensors, the GPU's dtypes and optimizer on
+        the CPU, `fill=False`, no packing check). The arguments are `_build`'s."""
+        actor = cls.__new__(cls)
+        actor._build(cfg, model, device=device, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                     optimizer_device_type=optimizer_device_type, attn=attn, export_dtype=export_dtype, fill=fill,
+                     check_packing=check_packing)
+        return actor
+
+    def _build(self, cfg, model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dtype,
+               compute_dtype: torch.dtype, optimizer_device_type: str, attn: tuple[str, str], export_dtype: torch.dtype,
+               fill: bool, check_packing: bool) -> None:
+        """Every attribute of an actor, set here and only here: `model` prepared (checkpointing, compile, LoRA), sharded
+        (`fill`: broadcast process 0's weights into the shards), the packing isolation check (`check_packing`), AdamW
+        (`optimizer_device_type`'s implementation, `make_optimizer`) and its LR schedule.
+
+        `param_dtype`: FSDP2's gather dtype; `compute_dtype`: the autocast dtype on CPU (the master dtype: none);
+        `attn`: (implementation the model was built with, why); `export_dtype`: the Hugging Face export's dtype."""
+        self.cfg, self.device = cfg, device
+        self.param_dtype, reduce_dtype = param_dtype, getattr(torch, cfg.actor.fsdp_config.reduce_dtype)
+        self.export_dtype = export_dtype
+        self.attn_implementation, self.attn_reason = attn
+        self.model = model
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         self.master_dtype = next(self.model.parameters()).dtype
         self.share_prefixes = attention.shares_prefixes(self.model)  # rows sharing a prompt compute it once
-        self.compute_dtype = dtypes.torch_dtype(cfg.actor.fsdp_config.param_dtype, device, cpu_auto=self.master_dtype)
+        self.compute_dtype = compute_dtype
         if device.type == "cpu" and self.compute_dtype != self.master_dtype and not perf.native_bf16_cpu():
             warnings.warn(f"actor.fsdp_config.param_dtype={cfg.actor.fsdp_config.param_dtype} on a CPU without native bf16 "
-                          f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=2)
+                          f"({torch.backends.cpu.get_cpu_capability()}): emulated, slower than float32; set it to auto", stacklevel=3)
         if cfg.actor.use_torch_compile:  # verl's name; each decoder layer, dynamic shapes (lengths vary every micro-batch)
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
@@ -207,23 +239,18 @@ class Actor:
         with warnings.catch_warnings():  # on the meta build, loading model.lora_adapter_path is a no-op (process 0's counts)
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
             self.model = self.weights.wrap(self.model)  # LoRA: base frozen, only the adapters train; sharded like the full model
-        self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
-        if cfg.model.use_remove_padding:  # fails loudly if this attention backend lets packed rows attend to each other
+        self.policy = fsdp.shard(self.model, device=device, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype, fill=fill)
+        if check_packing:  # fails loudly if this attention backend lets packed rows attend to each other
             self.check_packing()
         a = cfg.actor
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], a, device_type=device.type)
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], a,
+                                        device_type=optimizer_device_type)
         warmup = max(0, a.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.world_size = _world_size()
-        self.steps_done = 0  # update() calls so far (seeds the mini-batch shuffle)
+        self.steps_done = 0  # update() calls so far (seeds the step's mini-batch shuffle, `plan_step`)
         self.offload_device = torch.device("cpu")
         self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
-        print(fsdp.describe(self.model, name="actor", param_dtype=self.param_dtype, trainable=True), flush=True)
-        print(f"[rank {_rank()}] attention: {attention.describe(self.attn_implementation, device, self.param_dtype)} "
-              f"({self.attn_reason}); "
-              + (f"packing on: a micro-batch packs when its real tokens are < {PACK_BELOW_REAL_FRACTION:.0%} of its padded block"
-                 + ("; responses to one prompt share its forward (one copy per micro-batch)" if self.share_prefixes else "")
-                 if cfg.model.use_remove_padding else "packing off (model.use_remove_padding)"), flush=True)
 
     def check_packing(self) -> None:
         """The start-up packing isolation check where the run runs: on the sharded policy (its root's parameters
@@ -268,26 +295,24 @@ class Actor:
     # -- logprobs --------------------------------------------------------------------------------------
 
     @perf.with_trainer_threads
-    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Old logprobs (before this step's updates), [B, T].
-
-        Cut into the mini-batches of the update's first epoch (same shuffle seed), each micro-batched as the update
-        does: the first update then sees every row in the same micro-batch at the same padded / packed width, so
-        its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2; tests/test_ratio.py).
+    def compute_logprobs(self, batch: RolloutBatch, plan: StepPlan | None = None) -> torch.Tensor:
+        """Old logprobs (before this step's updates), [B, T], over `plan.old_logprob` (the step's `StepPlan`; None: this
+        step's `plan_step`): the update's first-epoch mini-batches, micro-batched as the update does them (rollout.log_prob_*
+        default to the update's budget): the first update then sees every row in the same micro-batch at the same
+        padded / packed width, so its logprobs are bit-identical and its ratio is exactly 1 (DESIGN invariant 2;
+        tests/test_ratio.py).
         """
-        r = self.cfg.rollout  # verl's home of the old-logprob pass's knobs (resolved in config validation)
+        plan = plan or self.plan_step(batch)
         self.load_params()
         self.policy.eval()
-        index_lists = self.mini_batch_rows(batch, self._shuffle_generator())
         chunks = []
-        for rows in index_lists:
+        for mini in plan.old_logprob:
             lp = logprobs_over_batch(
-                self.policy, batch.select(rows), temperature=self.cfg.rollout.temperature,
-                remove_padding=self.cfg.model.use_remove_padding,
-                max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)
+                self.policy, batch.select(mini.rows), temperature=self.cfg.rollout.temperature,
+                remove_padding=self.cfg.model.use_remove_padding, max_tokens=None, micro_batch_size=None,
+                device=self.device, autocast=self.autocast, planned=mini.micro_batches)
             chunks.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - lp.shape[1])))  # [b, T]
-        return restore_order(chunks, index_lists)  # [B, T]
+        return restore_order(chunks, [mini.rows for mini in plan.old_logprob])  # [B, T]
 
     def named_weights(self):
         """(Hugging Face name, full tensor) pairs for the engine push and the export, gathered one at a time.
@@ -310,12 +335,14 @@ class Actor:
         # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
         layout, computed = choose_layout(mb.input_ids, mb.attention_mask, score_mask,
                                          remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
+        teacher_ids = distillation.student_topk_ids(self.cfg.distillation, mb)  # [b, T, k]: forward_kl_topk's ids
         with self.autocast():
-            lp, entropy = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                      temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
-                                      compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
-                                      score_mask=None if score_mask is None else score_mask.to(self.device),
-                                      score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)
+            lp, entropy, *topk = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                             temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
+                                             compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
+                                             score_mask=None if score_mask is None else score_mask.to(self.device),
+                                             score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES,
+                                             **({} if teacher_ids is None else {"extra_ids": teacher_ids.to(self.device)}))
         lp = lp.float()  # [b, T]
         old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
@@ -342,61 +369,74 @@ class Actor:
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
             metrics["actor/entropy"] = ent.item()
+        if self.cfg.distillation.enabled:  # the teacher's term beside (use_task_rewards) or instead of the GRPO loss
+            loss = distillation.micro_batch_loss(self.cfg.distillation.distillation_loss, mb, loss, lp, topk[0] if topk else None,
+                                                 old, mask, is_weights, counts, metrics, loss_agg_mode=a.loss_agg_mode,
+                                                 device=self.device)
         return loss, metrics, int(mask.sum().item())
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
-        """Row indices of each mini-batch of one epoch: whole groups, shuffled with `generator` if actor.shuffle.
-
-        Global mini-batches hold actor.ppo_mini_batch_size prompts each, the last one fewer when it does not divide
-        data.train_batch_size (verl's split; `config.checks.mini_batch_sizes`). Without shuffling, local mini-batch m of
-        every process holds that process's part of global mini-batch m (prompts are dealt out strided), so the
-        process count never changes what an update sees. Shuffling permutes each process's groups locally: the
-        mini-batches then depend on the process count.
+        """Row indices of each mini-batch of one epoch (`batching.split_mini_batches`): whole groups, actor.ppo_mini_batch_size
+        prompts per global mini-batch, shuffled with `generator` if actor.shuffle. Without a generator: the unshuffled
+        mini-batches that balancing keeps (`step.balance_batch`).
 
         Example (4 groups of 2 rows, 2 mini-batches, no shuffle): [[0, 1, 2, 3], [4, 5, 6, 7]].
         """
         a = self.cfg.actor
-        sizes = mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size)  # prompts, global
-        groups = list(dict.fromkeys(batch.group_ids))  # group order as generated
-        rows_of = defaultdict(list)
-        for i, g in enumerate(batch.group_ids):
-            rows_of[g].append(i)
-        if a.shuffle and generator is not None:
-            groups = [groups[j] for j in torch.randperm(len(groups), generator=generator).tolist()]
-        # this process's share of each mini-batch, in proportion (every process holds train_batch_size / world groups)
-        total, ends, seen = sum(sizes), [], 0
-        for size in sizes:
-            seen += size
-            ends.append(seen * len(groups) // total)
-        starts = [0, *ends[:-1]]
-        # A mini-batch left empty (DAPO kept fewer groups than there are mini-batches) is dropped: an optimizer step on
-        # zero gradients would still move the weights (weight decay, momentum). Every process holds the same number of
-        # groups, so all drop the same ones.
-        return [[i for g in groups[lo:hi] for i in rows_of[g]] for lo, hi in zip(starts, ends) if hi > lo]
+        return split_mini_batches(batch.group_ids, sizes=mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size),
+                                  generator=generator if a.shuffle else None)
+
+    def plan_step(self, batch: RolloutBatch) -> StepPlan:
+        """This step's mini-batches and micro-batches (`batching.StepPlan`), decided once, after balancing, for the
+        old-logprob pass and the update: actor.ppo_epochs passes of `mini_batch_rows`, shuffled (actor.shuffle) by this
+        step's generator (trainer.seed and `steps_done`, which a checkpoint saves: a resumed run draws the same), each
+        mini-batch cut under the actor.ppo_* budget; the old-logprob pass's are epoch 0's, cut under rollout.log_prob_*
+        (the update's own where those are the same budget, their default). A collective: the micro-batch counts are
+        agreed over processes (`micro_batches`)."""
+        a, r = self.cfg.actor, self.cfg.rollout
+        groups = batch.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None
+
+        def cutter(max_tokens: int | None, micro_batch_size: int | None):
+            def cut(rows: list[int]) -> list[list[int]]:
+                return micro_batches([batch.seq_lens[i] for i in rows], max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+                                     groups=None if groups is None else [groups[i] for i in rows])
+            return cut
+
+        # (max_tokens, micro_batch_size) as `micro_batches` reads them: a token budget ignores the size
+        update = (a.ppo_max_token_len_per_gpu, None) if a.use_dynamic_bsz else (None, a.ppo_micro_batch_size_per_gpu)
+        old = (r.log_prob_max_token_len_per_gpu, None) if r.log_prob_use_dynamic_bsz else (None, r.log_prob_micro_batch_size_per_gpu)
+        return make_step_plan(batch.group_ids, sizes=mini_batch_sizes(self.cfg.data.train_batch_size, a.ppo_mini_batch_size),
+                              epochs=a.ppo_epochs, generator=self._shuffle_generator() if a.shuffle else None,
+                              cut=cutter(*update), cut_old_logprob=None if old == update else cutter(*old))
 
     @perf.with_trainer_threads
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """ppo_epochs passes over `batch`, one optimizer step per mini-batch; returns averaged metrics."""
+    def update(self, batch: RolloutBatch, plan: StepPlan | None = None) -> dict[str, float]:
+        """The passes of `plan.epochs` over `batch` (the step's `StepPlan`; None: this step's `plan_step`), one optimizer
+        step per mini-batch; returns averaged metrics."""
         a = self.cfg.actor
+        plan = plan or self.plan_step(batch)  # before steps_done moves on
         self.load_params()
         if a.fsdp_config.optimizer_offload:
             fsdp.move_optimizer_state(self.optimizer, self.device)
         self.policy.train()
         summed: dict[str, float] = defaultdict(float)
+        extrema: dict[str, float] = {}  # distillation.EXTREMA's metrics
         num_updates = 0
         if self.collective_bytes is not None:
             self.collective_bytes.update(all_gather=0, reduce_scatter=0)
-        generator = self._shuffle_generator()  # compute_logprobs replayed this step's first epoch with the same seed
-        for _epoch in range(a.ppo_epochs):
-            for rows in self.mini_batch_rows(batch, generator):
-                summed_step = self._optimizer_step(batch.select(rows))
+        for epoch in plan.epochs:
+            for mini in epoch:
+                summed_step = self._optimizer_step(batch.select(mini.rows), micro=mini.micro_batches)
                 for k, v in summed_step.items():
                     summed[k] += v
+                    if k in distillation.EXTREMA:
+                        extrema[k] = (min if distillation.EXTREMA[k] == "min" else max)(extrema.get(k, v), v)
                 num_updates += 1
         self.steps_done += 1
         if a.fsdp_config.optimizer_offload:  # not needed again before the next update: make room for the push
             fsdp.move_optimizer_state(self.optimizer, self.offload_device)
         metrics = {k: v / num_updates for k, v in summed.items()}
+        metrics.update(extrema)  # the range over the step's updates, not their mean
         metrics["memory/actor_params_mb"] = fsdp.local_bytes(self.model.parameters()) / fsdp.MB  # this process's shard
         if self.collective_bytes is not None:  # this process's FSDP2 traffic of the update, per optimizer step
             metrics["perf/collective_mb_per_update"] = sum(self.collective_bytes.values()) / fsdp.MB / max(num_updates, 1)
@@ -405,13 +445,13 @@ class Actor:
         return metrics
 
     def _shuffle_generator(self) -> torch.Generator:
-        """Mini-batch shuffle order of the current step (a new permutation every step, reproducible)."""
+        """Mini-batch shuffle order of the current step (a new permutation every step, reproducible; `plan_step`)."""
         return torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.steps_done)
 
-    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
-        """Backward over the micro-batches of one mini-batch, then one optimizer step."""
+    def _optimizer_step(self, mini: RolloutBatch, micro: list[list[int]] | None = None) -> dict[str, float]:
+        """Backward over the micro-batches of one mini-batch (`micro`: the plan's, else cut here), then one optimizer step."""
         a = self.cfg.actor
-        metrics = self.accumulate_gradients(mini)
+        metrics = self.accumulate_gradients(mini, micro)
         params = [p for p in self.model.parameters() if p.grad is not None]
         # Norm of the sharded gradients: each DTensor norm is a partial result; full_tensor() reduces it over processes.
         grad_norm = fsdp.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
@@ -428,9 +468,10 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
-    def accumulate_gradients(self, mini: RolloutBatch) -> dict[str, float]:
-        """Backward over the micro-batches of this process's share of one mini-batch, gradients averaged over
-        processes; leaves the mini-batch gradient in `.grad` (no optimizer step) and returns its metrics.
+    def accumulate_gradients(self, mini: RolloutBatch, micro: list[list[int]] | None = None) -> dict[str, float]:
+        """Backward over the micro-batches of this process's share of one mini-batch (`micro`: positions in `mini`, the
+        step plan's; None: cut here under the actor.ppo_* budget), gradients averaged over processes; leaves the
+        mini-batch gradient in `.grad` (no optimizer step) and returns its metrics.
 
         Loss sums are divided by the mini-batch's global token / sequence counts and multiplied by the world size
         (undone by the average), so `.grad` is the gradient of the whole mini-batch's loss on every process, for
@@ -439,15 +480,18 @@ class Actor:
         a = self.cfg.actor
         # Loss tokens, and rows with at least one (a row whose loss mask is all 0, e.g. a masked truncation, is no
         # sequence of the loss: aggregate_loss's own default count, so the gradient equals the plain batch loss's).
-        num_tokens = all_reduce_sum(mini.loss_mask.sum().item())
-        num_seqs = all_reduce_sum(int((mini.loss_mask.sum(-1) > 0).sum().item()))
+        counts = Reduction()  # both in one all-reduce
+        counts.sum("tokens", mini.loss_mask.sum().item())
+        counts.sum("seqs", int((mini.loss_mask.sum(-1) > 0).sum().item()))
+        num_tokens, num_seqs = counts.reduce().values()
         compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
         metrics: dict[str, float] = defaultdict(float)
         weighted: dict[str, float] = defaultdict(float)
         perf_counts: dict[str, float] = defaultdict(float)
-        idx_lists = micro_batches(mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                                  micro_batch_size=a.ppo_micro_batch_size_per_gpu,
-                                  groups=mini.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None)
+        idx_lists = micro if micro is not None else micro_batches(
+            mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+            micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+            groups=mini.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None)
         fc = a.fsdp_config  # which all-gathers / reduce-scatters the micro-batches share (fsdp.mini_batch_collectives)
         with fsdp.mini_batch_collectives(self.policy, keep_root_gathered=fc.keep_root_gathered,
                                          reshard_after_forward=fc.reshard_after_forward,
@@ -462,18 +506,26 @@ class Actor:
                 perf_counts["micro_batches"] += weight
                 self._add_micro_batch_metrics(metrics, weighted, perf_counts, mb_metrics, weight=weight,
                                               mb_tokens=mb_tokens)
-        # The same keys on every process (the dummy reports them too), reduced in sorted order.
-        for k in sorted(weighted):
-            metrics[k] = all_reduce_sum(weighted[k]) / max(num_tokens, 1.0)
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-            if k in metrics:
-                metrics[k] = all_reduce_sum(metrics[k])
+        # The same keys on every process (the dummy reports them too), in sorted order: one all-reduce per kind.
+        reduction = Reduction()
+        reduction.count("loss_tokens", mini.loss_mask.sum().item())  # this process's share of num_tokens
+        for k in sorted(weighted):  # per-micro-batch fractions: token-weighted means
+            reduction.mean(k, weighted[k], over="loss_tokens")
+        for k in SUMMED_LOSSES:
+            if k in metrics:  # normalised by the global counts already: the processes' shares add up
+                reduction.sum(k, metrics[k])
+        extrema = sorted(k for k in metrics if k in distillation.EXTREMA)
+        for k in extrema:  # the range over every process's loss tokens
+            (reduction.min if distillation.EXTREMA[k] == "min" else reduction.max)(k, metrics[k])
         # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
-        totals = {k: all_reduce_sum(perf_counts[k])
-                  for k in ("micro_batches", "perf/packed", "perf/shared_prefix", "perf/real_tokens", "perf/computed_tokens")}
-        metrics["perf/packed"] = totals["perf/packed"] / max(totals["micro_batches"], 1.0)
-        metrics["perf/shared_prefix"] = totals["perf/shared_prefix"] / max(totals["micro_batches"], 1.0)
-        metrics["perf/real_token_fraction"] = totals["perf/real_tokens"] / max(totals["perf/computed_tokens"], 1.0)
+        reduction.count("micro_batches", perf_counts["micro_batches"])
+        reduction.count("computed_tokens", perf_counts["perf/computed_tokens"])
+        reduction.mean("perf/packed", perf_counts["perf/packed"], over="micro_batches")
+        reduction.mean("perf/shared_prefix", perf_counts["perf/shared_prefix"], over="micro_batches")
+        reduction.mean("perf/real_token_fraction", perf_counts["perf/real_tokens"], over="computed_tokens")
+        metrics.update(reduction.reduce())
+        for k in extrema:
+            metrics[k] = metrics[k] if math.isfinite(metrics[k]) else 0.0  # no loss token on any process
         return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
 
     @staticmethod
@@ -485,7 +537,11 @@ class Actor:
         for k, v in mb_metrics.items():
             if k.startswith("perf/"):
                 perf_counts[k] += weight * v
-            elif k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            elif k in distillation.EXTREMA:  # a range: the dummy (weight 0) adds nothing
+                pick = min if distillation.EXTREMA[k] == "min" else max
+                neutral = math.inf if distillation.EXTREMA[k] == "min" else -math.inf
+                metrics[k] = pick(metrics.get(k, neutral), v if weight else neutral)
+            elif k in SUMMED_LOSSES:
                 metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
             else:
                 weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean

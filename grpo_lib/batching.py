@@ -15,6 +15,10 @@ a forward like any token); nothing here reads `response_mask` or `loss_mask`.
   each process computes its own count, `agree_num_micro_batches` takes the MAX, and each process calls again
   with that number.
 - `restore_order` / `restore_order_list`: put per-micro-batch results back into the original row order.
+- `dummy_micro_batch`: the zero-weighted two-token row an empty micro-batch runs (every process makes the same calls).
+- `StepPlan` (`make_step_plan`, from `split_mini_batches`): a step's mini-batches of every epoch and each one's
+  micro-batches, decided once after balancing and handed to the old-logprob pass and the update (one decision, not
+  one per pass kept in step by a seed).
 - `balance_across_ranks` (`trainer.balance_batch`): trajectories are generated on the process that owns the
   prompt; this moves whole groups between processes so that every process holds the same number of
   trajectories and nearly the same number of tokens (`plan_rank_balance` is the pure planning step).
@@ -26,7 +30,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -249,6 +254,105 @@ def agree_num_micro_batches(n_local: int, *, group: dist.ProcessGroup | None = N
     count = torch.tensor([n_local], dtype=torch.long, device=device)  # [1]
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
+
+
+def dummy_micro_batch(template: RolloutBatch) -> RolloutBatch:
+    """One two-token row (token id 0, real tokens, EMPTY response and loss masks) shaped like `template`'s fields.
+
+    Run in place of an empty micro-batch so this process makes the same forward/backward calls as the others;
+    its loss is multiplied by 0. Two tokens, so one token is scored and the output head is part of the graph.
+    """
+    out = {}
+    for f in fields(template):
+        value = getattr(template, f.name)
+        if isinstance(value, torch.Tensor):
+            shape = (1, 2, *value.shape[2:]) if value.dim() >= 2 else (1, *value.shape[1:])  # per-token: two tokens
+            out[f.name] = torch.zeros(shape, dtype=value.dtype)
+        elif isinstance(value, list):
+            out[f.name] = [value[0] if value else None]
+        else:
+            out[f.name] = value
+    out["attention_mask"] = torch.ones(1, 2, dtype=template.attention_mask.dtype)  # [1, 2]
+    return RolloutBatch(**out)
+
+
+# ------------------------------------------------------------------------------------------------ the step plan
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """This process's share of one global mini-batch: `rows` of the step's batch, cut into `micro_batches` (positions in
+    `rows`, one list per forward; an empty one, where this process holds fewer rows than the agreed count, runs a
+    zero-weighted dummy row so every process makes the same forward / backward calls)."""
+
+    rows: list[int]
+    micro_batches: list[list[int]]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's mini-batches and micro-batches, decided once after balancing (`make_step_plan`) and handed to the
+    old-logprob pass and the update, so both cut the batch alike: the first update sees every row in the same
+    micro-batch at the same padded / packed width as the old-logprob pass did, its ratio bitwise 1 (DESIGN invariant 2).
+
+    `epochs[e]`: the update's e-th pass over the batch (actor.ppo_epochs), one optimizer step per MiniBatch, shuffled
+    anew each epoch with actor.shuffle. `old_logprob`: the old-logprob pass, epoch 0's mini-batches cut under its own
+    budget (rollout.log_prob_*); the very MiniBatch objects of epoch 0 where that budget is the update's (the default).
+
+    Example (2 groups of 2 rows, 1 epoch, mini-batches of one prompt, 1 row per micro-batch):
+    epochs [[MiniBatch([0, 1], [[0], [1]]), MiniBatch([2, 3], [[0], [1]])]], old_logprob = epochs[0].
+    """
+
+    epochs: list[list[MiniBatch]]
+    old_logprob: list[MiniBatch]
+
+
+def split_mini_batches(group_ids: list, *, sizes: list[int], generator: torch.Generator | None = None) -> list[list[int]]:
+    """Row indices of each mini-batch of one epoch: whole groups (rows of one `group_ids` value), the groups shuffled
+    with `generator` when given (one permutation drawn from it per call).
+
+    `sizes`: prompts per global mini-batch (`config.checks.mini_batch_sizes`: actor.ppo_mini_batch_size each, the last
+    one fewer when it does not divide data.train_batch_size, verl's split). Without shuffling, local mini-batch m of
+    every process holds that process's part of global mini-batch m (prompts are dealt out strided), so the process count
+    never changes what an update sees. Shuffling permutes each process's groups locally: the mini-batches then depend on
+    the process count.
+
+    Example (4 groups of 2 rows, sizes [2, 2], no shuffle): [[0, 1, 2, 3], [4, 5, 6, 7]].
+    """
+    groups = list(dict.fromkeys(group_ids))  # group order as generated
+    rows_of: dict = {}
+    for i, g in enumerate(group_ids):
+        rows_of.setdefault(g, []).append(i)
+    if generator is not None:
+        groups = [groups[j] for j in torch.randperm(len(groups), generator=generator).tolist()]
+    # this process's share of each mini-batch, in proportion (every process holds train_batch_size / world groups)
+    total, ends, seen = sum(sizes), [], 0
+    for size in sizes:
+        seen += size
+        ends.append(seen * len(groups) // total)
+    starts = [0, *ends[:-1]]
+    # A mini-batch left empty (DAPO kept fewer groups than there are mini-batches) is dropped: an optimizer step on
+    # zero gradients would still move the weights (weight decay, momentum). Every process holds the same number of
+    # groups, so all drop the same ones.
+    return [[i for g in groups[lo:hi] for i in rows_of[g]] for lo, hi in zip(starts, ends) if hi > lo]
+
+
+def make_step_plan(group_ids: list, *, sizes: list[int], epochs: int, generator: torch.Generator | None,
+                   cut: Callable[[list[int]], list[list[int]]],
+                   cut_old_logprob: Callable[[list[int]], list[list[int]]] | None = None) -> StepPlan:
+    """The step's `StepPlan`: `epochs` passes of `split_mini_batches` (each drawing its permutation from `generator`, in
+    epoch order; None: no shuffle, every epoch the same mini-batches), each mini-batch's rows cut into micro-batches by
+    `cut(rows)` (positions in rows; the caller's budget, agreed over processes); the old-logprob pass's by
+    `cut_old_logprob` (None: its budget is the update's, epoch 0's MiniBatch objects are its own)."""
+    planned: list[list[MiniBatch]] = []
+    for _ in range(epochs):
+        if generator is None and planned:  # unshuffled: the same mini-batches every epoch, cut once
+            planned.append(planned[0])
+            continue
+        planned.append([MiniBatch(rows, cut(rows)) for rows in split_mini_batches(group_ids, sizes=sizes, generator=generator)])
+    first = planned[0] if planned else []
+    old = first if cut_old_logprob is None else [MiniBatch(m.rows, cut_old_logprob(m.rows)) for m in first]
+    return StepPlan(epochs=planned, old_logprob=old)
 
 
 def plan_rank_balance(groups_per_rank: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:

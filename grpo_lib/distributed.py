@@ -1,4 +1,5 @@
-"""Process-group helpers: start-up under `accelerate launch` / torchrun, and small reductions.
+"""Process-group helpers: start-up under `accelerate launch` / torchrun, small reductions, and `Reduction` (a phase's
+metrics reduced in one packed all-reduce per kind).
 
 One rule for collectives: the group is created with one backend per device type, "cpu:gloo,cuda:nccl" on a
 GPU machine and "cpu:gloo" on CPU. A collective on a CPU tensor then runs over gloo and one on a CUDA tensor
@@ -156,10 +157,17 @@ def broadcast_object(obj, src: int = 0):
 
 
 class _LeaderError:
-    """A leader's exception, carried to its group so every member raises it (no member left waiting)."""
+    """A leader's exception, carried to its group so every member raises it too (no member left waiting): the same
+    exception where it pickles (a ToolStallError stays one: exit 3 on every process), else a RuntimeError naming it."""
 
     def __init__(self, exc: BaseException):
+        import pickle
+
         self.text = f"{type(exc).__name__}: {exc}"
+        try:
+            self.exc = pickle.loads(pickle.dumps(exc)) if isinstance(exc, Exception) else None
+        except Exception:  # noqa: BLE001 - an exception that does not pickle is named instead
+            self.exc = None
 
 
 def group_leader_call(group_size: int) -> Callable[[Callable[[], T]], T]:
@@ -191,7 +199,7 @@ def group_leader_call(group_size: int) -> Callable[[Callable[[], T]], T]:
                 raise
         dist.broadcast_object_list(box, src=leader, group=group)
         if isinstance(box[0], _LeaderError):
-            raise RuntimeError(f"process {leader}, which runs this group's tools, failed: {box[0].text}")
+            raise box[0].exc or RuntimeError(f"process {leader}, which runs this group's work, failed: {box[0].text}")
         return box[0]
 
     return call
@@ -200,3 +208,65 @@ def group_leader_call(group_size: int) -> Callable[[Callable[[], T]], T]:
 def barrier() -> None:
     if is_on():
         dist.barrier()
+
+
+class Reduction:
+    """Metrics reduced over processes in one packed all-reduce per kind of reduction, whatever their number.
+
+    Each metric declares its kind once, where it is added:
+      `sum(key, v)`: a sum or a count over processes (errors, calls, kept groups);
+      `max(key, v)` / `min(key, v)`: the largest / smallest process's value (a slowest phase, a longest response);
+      `mean(key, total, over=name)`: a mean over tokens or over samples: `total` and the count `count(name, n)` (the
+      tokens or samples it is over) are both summed over processes, then divided (by at least 1).
+    `reduce()` packs every value of a kind into one float64 CPU tensor (gloo on every machine, as `all_reduce_sum`) and
+    makes at most three all-reduces (SUM, MAX, MIN); element by element that is the same reduction as one all-reduce
+    per number, so the values are those of `all_reduce_sum` / `max` / `min`. Every process adds the same keys in the same
+    order (the packing follows it). Without a process group: the same arithmetic, no collective.
+
+    Example: r.count("samples", 4); r.mean("reward/mean", 3.0, over="samples"); r.sum("reward/errors", 1)
+    -> r.reduce() on 2 processes holding the same: {"reward/mean": 0.75, "reward/errors": 2.0} (one all-reduce).
+    """
+
+    def __init__(self):
+        self._sums: dict[str, float] = {}  # sums, counts, means' totals and their denominators (under "count:<name>")
+        self._max: dict[str, float] = {}
+        self._min: dict[str, float] = {}
+        self._means: dict[str, str] = {}  # mean key -> the count it is over
+        self._order: dict[str, None] = {}  # the metrics in the order they were added (the result's order)
+
+    def sum(self, key: str, value: float) -> None:
+        self._sums[key] = float(value)
+        self._order[key] = None
+
+    def max(self, key: str, value: float) -> None:
+        self._max[key] = float(value)
+        self._order[key] = None
+
+    def min(self, key: str, value: float) -> None:
+        self._min[key] = float(value)
+        self._order[key] = None
+
+    def count(self, name: str, value: float) -> None:
+        """The tokens or samples `name` that means are over (summed over processes; not itself a metric)."""
+        self._sums[f"count:{name}"] = float(value)
+
+    def mean(self, key: str, total: float, *, over: str) -> None:
+        self._sums[f"total:{key}"] = float(total)
+        self._means[key] = over
+        self._order[key] = None
+
+    def reduce(self) -> dict[str, float]:
+        sums, maxes, mins = (_reduce_many(d, op) for d, op in ((self._sums, "SUM"), (self._max, "MAX"), (self._min, "MIN")))
+        out = {**{k: v for k, v in sums.items() if not k.startswith(("count:", "total:"))}, **maxes, **mins}
+        for key, over in self._means.items():
+            out[key] = sums[f"total:{key}"] / max(sums[f"count:{over}"], 1.0)
+        return {key: out[key] for key in self._order}
+
+
+def _reduce_many(values: dict[str, float], op: str) -> dict[str, float]:
+    """`values` reduced over processes by `op` ("SUM", "MAX", "MIN") in one all-reduce (none when empty or alone)."""
+    if not values or not is_on():
+        return dict(values)
+    t = torch.tensor(list(values.values()), dtype=torch.float64)  # [n] CPU tensor: gloo on every machine
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    return dict(zip(values, t.tolist()))

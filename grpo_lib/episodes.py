@@ -27,6 +27,11 @@ Either way each episode's context grows by the chat template's rendering of its 
 ends is finished at once (its tools' calc_reward and release) and handed to `on_finished` (the reward stream scores
 it while the others go on).
 
+Creation responses (verl 0.9): a tool whose create returns (instance_id, ToolResponse) with text has it shown to the
+model before the episode's first turn, as tool messages (verl's rollout adds them after the prompt's messages); the
+prompt's tokens end in the generation prompt, so they join as the delta after an empty assistant turn (loss_mask 0),
+counted as no user turn.
+
 Tokens are never re-tokenized: the model's sampled ids stay as they are. The tool responses join as the token delta of
 the chat template (`EpisodeRunner.template_delta`): the prompt's messages are rendered without and with the newest
 assistant turn (its decoded text) and its tool messages (`add_generation_prompt` on the longer). Only the prompt's
@@ -58,8 +63,8 @@ from dataclasses import dataclass, field
 from grpo_lib.distributed import group_leader_call
 from grpo_lib.engines.base import OnFinished
 from grpo_lib.seeds import turn_seed
-from grpo_lib.tools.calls import CallOutcome, ToolBox
-from grpo_lib.tools.config import load_tools
+from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
+from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch
 
@@ -105,18 +110,22 @@ class EpisodeRunner:
         self.leader_call = leader_call or (lambda fn: fn())
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model = getattr(tokenizer, "name_or_path", "?")
+        added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]  # tool text is data: these escaped
+        self.control_tokens = sorted({*getattr(tokenizer, "all_special_tokens", []), *added}, key=len, reverse=True)
         self.turn_end = self._turn_end_ids()
         self.check_template()
 
     @classmethod
     def from_config(cls, cfg, *, tokenizer) -> EpisodeRunner | None:
-        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path, checked against the chat template;
-        None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot load) or TemplateError (a
-        template that cannot extend an episode), both before the engine starts; the tools are closed on a failure."""
+        """The run's episode loop: the tools of rollout.multi_turn.tool_config_path and function_tool_path, checked
+        against the chat template; None unless rollout.multi_turn.enable. Raises ToolConfigError (a config that cannot
+        load) or TemplateError (a template that cannot extend an episode), both before the engine starts; the tools
+        are closed on a failure."""
         mt = cfg.rollout.multi_turn
         if not mt.enable:
             return None
-        toolbox = ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
+        tools = load_all_tools(mt.tool_config_path, mt.function_tool_path, import_timeout_s=cfg.reward.import_timeout_s)
+        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
@@ -151,9 +160,16 @@ class EpisodeRunner:
         timings = timings if timings is not None else {}
         started = time.perf_counter()
         tools_kwargs = [(prompts.extra_infos[i] or {}).get("tools_kwargs") or {} for i in range(len(prompts)) for _ in range(n)]
-        started_tools = self.leader_call(lambda: self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)]))
+        def start_tools():  # the failures and the creation responses: under TP both come from the group's leader
+            failures = self.toolbox.start([(ep.instance_id, kw) for ep, kw in zip(episodes, tools_kwargs)])
+            return failures, {ep.instance_id: self.toolbox.created.get(ep.instance_id) for ep in episodes}
+
+        started_tools, created_responses = self.leader_call(start_tools)
         for ep, failed in zip(episodes, started_tools):
             self._count_failures(ep.stats, failed)
+            if created := created_responses.get(ep.instance_id):  # verl 0.9: creation responses, read before turn 0
+                self._append_tool_turn(ep, "", [], created, budget=max_tokens)
+                ep.stats.user_turns -= 1  # verl counts no turn for them
         tool_seconds = time.perf_counter() - started
         done: list[Generation | None] = [None] * len(episodes)
 
@@ -177,7 +193,12 @@ class EpisodeRunner:
     def _turn_loop(self, engine, episodes: list[_Episode], sampling: dict, *, seeded: bool, max_tokens: int, report) -> float:
         """One engine call per turn for every running episode, then all their tool calls at once; the episodes that
         ended in a turn are finished (calc_reward, release) and reported after it. Returns the tools' seconds."""
-        active, turn, tool_seconds = list(range(len(episodes))), 0, 0.0
+        active, turn, tool_seconds = [j for j in range(len(episodes)) if not episodes[j].stats.stop], 0, 0.0
+        ended = [j for j in range(len(episodes)) if episodes[j].stats.stop]  # e.g. a creation response past the budget
+        if ended:
+            finished = self.leader_call(lambda: self.toolbox.finish([episodes[j].instance_id for j in ended]))
+            for j, result in zip(ended, finished):
+                report(j, self._final(episodes[j], result))
         while active:
             outputs = engine.generate([episodes[j].prompt_ids + episodes[j].tokens for j in active], n=1,
                                       max_tokens=[max_tokens - len(episodes[j].tokens) for j in active],
@@ -223,7 +244,7 @@ class EpisodeRunner:
                 running[_in_thread(self.toolbox.finish, [episodes[j].instance_id])] = (j, None, None)
 
             for j in range(len(episodes)):
-                add(j)
+                end(j) if episodes[j].stats.stop else add(j)  # stopped before turn 0: a creation response past the budget
             while session.unfinished or running:
                 for j, out in session.step() if session.unfinished else []:
                     calls = self._end_turn(episodes[j], out, max_tokens=max_tokens)
@@ -288,7 +309,7 @@ class EpisodeRunner:
     def _append_tool_turn(self, ep: _Episode, text: str, sampled: list[int], answered: list[CallOutcome], *,
                           budget: int) -> None:
         """The template's end of the assistant turn and its rendering of the tool messages, cut to the budget."""
-        tool_messages = [{"role": "tool", "content": o.text} for o in answered]
+        tool_messages = [{"role": "tool", "content": escape_control_tokens(o.text, self.control_tokens)[0]} for o in answered]
         # Rendered after the prompt's messages alone, not the whole conversation so far: what the template writes after
         # an assistant turn depends on that turn and its tool messages (checked: the tokens before them stay a prefix),
         # so each turn renders and tokenizes a window of constant size (linear in the turns, not quadratic).
@@ -383,6 +404,7 @@ class EpisodeRunner:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
             stats.truncated_responses += o.truncated
+            stats.abandoned_calls += o.abandoned
             if o.kind == "ok":
                 stats.step_rewards = (stats.step_rewards or []) + [o.step_reward]
 
@@ -392,6 +414,8 @@ class EpisodeRunner:
         for o in failed:
             stats.errors += o.kind == "error"
             stats.timeouts += o.kind == "timeout"
+            stats.abandoned_calls += o.abandoned
+            stats.reward_errors += o.method == "calc_reward"
 
 
 def _in_thread(fn, *args) -> Future:
@@ -424,7 +448,9 @@ def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> 
             "tools/timeouts": float(sum(e.timeouts for e in episodes)),
             "tools/invalid_calls": float(sum(e.invalid_calls for e in episodes)),
             "tools/truncated_responses": float(sum(e.truncated_responses for e in episodes)),
-            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes))}
+            "tools/dropped_calls": float(sum(e.dropped_calls for e in episodes)),
+            "tools/abandoned": float(sum(e.abandoned_calls for e in episodes)),
+            "tools/reward_errors": float(sum(e.reward_errors for e in episodes))}
     for name in tool_names:
         sums[f"tools/{name}/calls"] = float(sum(e.calls.get(name, 0) for e in episodes))
         sums[f"tools/{name}/failures"] = float(sum(e.failures.get(name, 0) for e in episodes))

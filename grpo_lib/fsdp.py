@@ -50,14 +50,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from grpo_lib.distributed import broadcast_object, has_group
-from grpo_lib.logprobs import token_logprobs
+from grpo_lib.logprobs import TokenScores, token_logprobs, token_scores
 from grpo_lib.perf import vm_hwm_mb
 
 
 class LogprobModel(nn.Module):
     """FSDP2 root: `forward` = `token_logprobs(self.model, ...)`, so decoder and chunked head share one root forward.
 
-    Example: `policy(ids, mask, temperature=1.0)` -> (logprobs [b, T], entropy or None), as `token_logprobs`.
+    Example: `policy(ids, mask, temperature=1.0)` -> (logprobs [b, T], entropy or None), as `token_logprobs`; with
+    `extra_ids` or `topk` (on-policy distillation's top-k) the whole `TokenScores` of `token_scores`.
     """
 
     def __init__(self, model: nn.Module):
@@ -65,6 +66,9 @@ class LogprobModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+        if kwargs.get("extra_ids") is not None or kwargs.get("topk", 0) > 0:
+            scores = token_scores(self.model, input_ids, attention_mask, **kwargs)
+            return TokenScores(*(t.clone() if t is not None else None for t in scores))  # not views (below)
         logprobs, entropy = token_logprobs(self.model, input_ids, attention_mask, **kwargs)  # [b, T] each
         # Not views: FSDP2 hangs its pre-backward hook (root re-gather) on the outputs; a view loses it to in-place ops.
         return logprobs.clone(), (entropy.clone() if entropy is not None else None)

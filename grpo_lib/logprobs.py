@@ -26,6 +26,8 @@ position 0 of every sequence and pad positions are 0. Entropy uses the same alig
 Run: `python -m pytest tests/test_logprobs.py`.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -64,6 +66,9 @@ class _TargetLogprobs(torch.autograd.Function):
     log-softmax's closed form, -softmax * g with g added at the target, from the probabilities kept by the forward (the
     [c, V] block autograd would keep anyway): one pass where autograd's logsumexp + gather take five (a zero fill, a
     scatter, exp, product, sum), and on a small model the head's element-wise work is several percent of the update.
+    Targets [c] give [c]; targets [c, m] (several ids per row: the sampled token and a teacher's top-k) give [c, m],
+    each column the same gather minus the same logsumexp as a [c] call (bit-identical), and the backward
+    -softmax * sum_j g_j with each g_j added at its id (d log p_j / d z = e_j - softmax).
     Example: logits [[0, 0]], target [1] -> log p = log 0.5; its gradient with g = 1: [[-0.5, 0.5]]."""
 
     @staticmethod
@@ -72,7 +77,10 @@ class _TargetLogprobs(torch.autograd.Function):
         probs = torch.sub(logits, top).exp_()  # [c, V], unnormalised
         total = probs.sum(dim=-1, keepdim=True)  # [c, 1]
         log_norm = (top + total.log()).squeeze(-1)  # [c]: logsumexp
-        logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
+        if targets.dim() == 1:
+            logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm  # [c]
+        else:
+            logprobs = logits.gather(-1, targets) - log_norm.unsqueeze(-1)  # [c, m]
         probs = probs.div_(total)  # [c, V]: softmax
         # entropy = logsumexp(z) - sum(softmax(z) * z); [0] when not asked (an output must be a tensor)
         # (a product and a sum, not linalg.vecdot: CPU autocast would run that in bf16)
@@ -85,29 +93,41 @@ class _TargetLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the backward treats the kept softmax as a constant
     def backward(ctx, grad: Tensor, _entropy_grad: Tensor | None) -> tuple[Tensor, None, None]:
         probs, targets = ctx.saved_tensors
-        grad_logits = probs * grad.neg().unsqueeze(-1)  # [c, V]
-        return grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1)), None, None
+        if targets.dim() == 1:
+            grad_logits = probs * grad.neg().unsqueeze(-1)  # [c, V]
+            return grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1)), None, None
+        grad_logits = probs * grad.sum(dim=-1).neg().unsqueeze(-1)  # [c, V]
+        return grad_logits.scatter_add_(-1, targets, grad), None, None  # grad [c, m]
 
 
 def _head_logprobs(
     head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool,
-    entropy_grad: bool = True,
-) -> tuple[Tensor, Tensor | None]:
-    """log p(target) and entropy for one chunk, log-softmax in float32.
+    entropy_grad: bool = True, extra_ids: Tensor | None = None, topk: int = 0,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """log p(target), entropy, log p at `extra_ids` [c, k] and the `topk` ids [c, k] for one chunk, log-softmax in float32.
 
     Written for few passes over the [c, V] block (the head is a large share of a small model's step): no division
     when temperature == 1 (x / 1.0 == x exactly), and `_TargetLogprobs`' fused forward and closed-form backward. The
     log-probabilities come from the same function with grad or without (the first ratio stays bitwise 1); an entropy
-    that carries a gradient (entropy_coeff != 0) is built by autograd beside them.
+    that carries a gradient (entropy_coeff != 0) is built by autograd beside them. `extra_ids` (a teacher's top-k ids at
+    these positions) or `topk` (this model's own k most likely ids, found without grad) are scored by the same call as
+    the targets, as further columns: log p(target) is the same value as without them.
     """
     logits = head(hidden).float()  # [c, V]
     if temperature != 1.0:
         logits = logits / temperature  # [c, V]
     entropy_with_grad = compute_entropy and entropy_grad and torch.is_grad_enabled()
-    logprobs, entropy = _TargetLogprobs.apply(logits, targets, compute_entropy and not entropy_with_grad)  # [c], [c]
+    if topk > 0:
+        with torch.no_grad():
+            extra_ids = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # [c, k]
+    ids = targets if extra_ids is None else torch.cat([targets.unsqueeze(-1), extra_ids], dim=-1)  # [c] or [c, 1 + k]
+    logprobs, entropy = _TargetLogprobs.apply(logits, ids, compute_entropy and not entropy_with_grad)  # [c] or [c, 1+k], [c]
+    extra = None
+    if extra_ids is not None:
+        logprobs, extra = logprobs[:, 0], logprobs[:, 1:]  # [c], [c, k]
     if entropy_with_grad:
         entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)  # [c]
-    return logprobs, (entropy if compute_entropy else None)
+    return logprobs, (entropy if compute_entropy else None), extra, (extra_ids if topk > 0 else None)
 
 
 def _chunked_head(
@@ -120,29 +140,36 @@ def _chunked_head(
     chunk_size: int,
     entropy_grad: bool = True,
     checkpoint_min_bytes: int = 0,
-) -> tuple[Tensor, Tensor | None]:
+    extra_ids: Tensor | None = None,
+    topk: int = 0,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """`_head_logprobs` over [N, hidden] in chunks, each recomputed in backward when grads are on and the float32
     logits of all N tokens would exceed `checkpoint_min_bytes`; within it, one chunk of all N (with or without grad,
-    so a no-grad pass given the same bound scores in the same chunks as the update)."""
+    so a no-grad pass given the same bound scores in the same chunks as the update). Returns logprobs [N], entropy [N]
+    or None, the log-probabilities at `extra_ids` [N, k] (or at the `topk` ids) or None, the `topk` ids [N, k] or None."""
     vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1 << 20])[0]  # peft wraps Linear
     small = 0 < hidden.shape[0] * vocab * 4 <= checkpoint_min_bytes  # float32 logits of all N tokens under the bound
     recompute = torch.is_grad_enabled() and not small
     if small:  # one chunk: with grad every chunk's logits would be kept for the backward anyway (fewer, larger calls)
         chunk_size = max(chunk_size, hidden.shape[0])
-    logprob_chunks, entropy_chunks = [], []
+    chunks: list[tuple] = []
     for start in range(0, hidden.shape[0], chunk_size):
         args = (head, hidden[start : start + chunk_size], targets[start : start + chunk_size])  # [c, hidden], [c]
+        ids = None if extra_ids is None else extra_ids[start : start + chunk_size]  # [c, k]
         if recompute:
-            logprobs, entropy = checkpoint(_head_logprobs, *args, temperature, compute_entropy, entropy_grad, use_reentrant=False)
+            chunks.append(checkpoint(_head_logprobs, *args, temperature, compute_entropy, entropy_grad, ids, topk,
+                                     use_reentrant=False))
         else:
-            logprobs, entropy = _head_logprobs(*args, temperature, compute_entropy, entropy_grad)
-        logprob_chunks.append(logprobs)
-        entropy_chunks.append(entropy)
-    if not logprob_chunks:  # no token has a predecessor (empty or one-token sequences)
+            chunks.append(_head_logprobs(*args, temperature, compute_entropy, entropy_grad, ids, topk))
+    if not chunks:  # no token has a predecessor (empty or one-token sequences)
         empty = hidden.new_zeros(0, dtype=torch.float32)  # [0]
-        return empty, (empty if compute_entropy else None)
-    logprobs = torch.cat(logprob_chunks)  # [N]
-    return logprobs, (torch.cat(entropy_chunks) if compute_entropy else None)
+        width = extra_ids.shape[-1] if extra_ids is not None else topk
+        extra = hidden.new_zeros(0, width, dtype=torch.float32) if (extra_ids is not None or topk > 0) else None  # [0, k]
+        top = targets.new_zeros(0, topk) if topk > 0 else None  # [0, k]
+        return empty, (empty if compute_entropy else None), extra, top
+    logprobs, entropy, extra, top = zip(*chunks)
+    return (torch.cat(logprobs), torch.cat(entropy) if compute_entropy else None,  # [N], [N]
+            torch.cat(extra) if extra[0] is not None else None, torch.cat(top) if top[0] is not None else None)  # [N, k] x 2
 
 
 def num_packed_rows(mask: Tensor, packed_row_tokens: int | None) -> int:
@@ -222,7 +249,24 @@ def layout_kwargs(layout: str) -> dict:
     return dict(remove_padding=layout != "padded", share_prefixes=layout == "shared_prefix")
 
 
-def token_logprobs(
+class TokenScores(NamedTuple):
+    """What `token_scores` returns (a NamedTuple, so FSDP2 finds its tensors for its backward hooks). Entry t of each
+    tensor is about token t, from the distribution that predicted it (position 0 and unscored positions are 0)."""
+
+    logprobs: Tensor  # [b, T] float32, log p(input_ids[:, t])
+    entropy: Tensor | None  # [b, T] float32 with compute_entropy, else None
+    extra_logprobs: Tensor | None  # [b, T, k] float32: log p at extra_ids (or at the topk ids), else None
+    topk_ids: Tensor | None  # [b, T, k] long: this model's k most likely ids (with topk > 0), else None
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """(logprobs, entropy) of `token_scores` (same arguments): the actor's, the reference's and the old-logprob pass's
+    call. Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> ([[0, log p(6 | 5), log p(7 | 5 6)]], None)."""
+    scores = token_scores(model, input_ids, attention_mask, **kwargs)
+    return scores.logprobs, scores.entropy
+
+
+def token_scores(
     model: torch.nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor,
@@ -237,7 +281,9 @@ def token_logprobs(
     entropy_grad: bool = True,
     checkpoint_min_bytes: int = 0,
     share_prefixes: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    extra_ids: Tensor | None = None,
+    topk: int = 0,
+) -> TokenScores:
     """Per-token log-probabilities (and optionally entropies) of `input_ids` under `model`, float32 [b, T].
 
     logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) with logits / temperature; 0 at position 0 and
@@ -268,7 +314,12 @@ def token_logprobs(
     entropy_grad=False: entropy without grad (logged only). checkpoint_min_bytes: recompute the head in the backward
     only when the scored tokens' float32 logits exceed this size (0: always, the most memory-frugal); under it the
     head runs in one chunk.
-    Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> [[0, log p(6 | 5), log p(7 | 5 6)]].
+    On-policy distillation's top-k forward KL (grpo_lib/distillation.py) reads two more outputs, from the same head
+    call: topk=k gives the k most likely ids of each scored position's distribution (`topk_ids` [b, T, k], found
+    without grad) and their log-probabilities (`extra_logprobs`): the teacher's pass; extra_ids [b, T, k] gives the
+    log-probabilities at those ids, with grad (`extra_logprobs`): the student's update at the teacher's top-k. Either
+    way `logprobs` holds the same values as without them.
+    Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> logprobs [[0, log p(6 | 5), log p(7 | 5 6)]].
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
         f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]"
@@ -328,9 +379,12 @@ def token_logprobs(
     # flash attention's backward is, not bitwise.)
     predicting = hidden.reshape(-1, hidden.shape[-1])  # [rows * width, hidden]
     assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"
+    assert extra_ids is None or (extra_ids.shape[:2] == input_ids.shape and extra_ids.dim() == 3), (
+        f"extra_ids {tuple(extra_ids.shape)} must be [b, T, k] like input_ids {tuple(input_ids.shape)}")
+    assert extra_ids is None or topk == 0, "extra_ids (ids to score) and topk (ids to find) exclude each other"
     head = model.get_output_embeddings()
     head_kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_size=chunk_size,
-                       entropy_grad=entropy_grad, checkpoint_min_bytes=checkpoint_min_bytes)
+                       entropy_grad=entropy_grad, checkpoint_min_bytes=checkpoint_min_bytes, topk=topk)
     groups = [scored]  # [b, T - 1] masks of the positions scored together, each in its own chunks
     if score_mask is not None:
         assert score_mask.shape == input_ids.shape, f"score_mask {tuple(score_mask.shape)} must be [b, T] like input_ids"
@@ -346,15 +400,28 @@ def token_logprobs(
         shifted = shifted.masked_scatter(where, values)  # [b, T - 1]
         return F.pad(shifted, (1, 0))[:, :seq_len]  # [b, T], position 0 is 0
 
-    logprobs, entropy = None, None
+    def to_padded_k(values: Tensor, where: Tensor) -> Tensor:  # [n, k] -> [b, T, k], unscored rows 0
+        shifted = values.new_zeros(batch_size, max(seq_len - 1, 0), values.shape[-1])  # [b, T - 1, k]
+        shifted = shifted.index_put((where,), values)  # [b, T - 1, k]
+        return F.pad(shifted, (0, 0, 1, 0))[:, :seq_len]  # [b, T, k], position 0 is 0
+
+    logprobs, entropy, extra, top = None, None, None, None
     for i, (where, sel) in enumerate(zip(groups, selections)):
         group_hidden = predicting.index_select(0, source if sel is None else source[sel])  # [n, hidden]
         group_targets = targets if sel is None else targets[sel]  # [n]
+        group_extra = None if extra_ids is None else extra_ids[:, 1:].to(device=where.device)[where]  # [n, k]
         with torch.set_grad_enabled(torch.is_grad_enabled() and i == 0):  # unmasked tokens: values only, no graph
-            lp, ent = _chunked_head(head, group_hidden, group_targets, **head_kwargs)  # [n], [n] or None
+            lp, ent, ex, tk = _chunked_head(head, group_hidden, group_targets, extra_ids=group_extra,
+                                            **head_kwargs)  # [n], [n] or None, [n, k] or None, [n, k] or None
         lp = to_padded(lp, where)  # [b, T]
         logprobs = lp if logprobs is None else logprobs + lp  # groups are disjoint
         if ent is not None:
             ent = to_padded(ent, where)  # [b, T]
             entropy = ent if entropy is None else entropy + ent
-    return logprobs, entropy
+        if ex is not None:
+            ex = to_padded_k(ex, where)  # [b, T, k]
+            extra = ex if extra is None else extra + ex
+        if tk is not None:
+            tk = to_padded_k(tk, where)  # [b, T, k]
+            top = tk if top is None else top + tk
+    return TokenScores(logprobs, entropy, extra, top)

@@ -15,6 +15,10 @@ Metric names are namespaced and documented once here:
 | `response/length_mean`, `response/length_max`, `response/clip_ratio` | tokens after the prompt (`response_mask`: a hole of the loss mask, e.g. a tool's output, counts); fraction cut at max_response_length |
 | `actor/pg_loss`, `actor/kl_loss`, `actor/entropy` | mini-batch losses (global normalisation), averaged over updates |
 | `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl` | PPO clip statistics (weighted by loss tokens, `loss_mask`) |
+| `distillation/loss` | distillation only (`distillation.enabled`): the distillation term as it trains (global normalisation, before distillation_loss_coef; with use_policy_gradient the PPO surrogate of the advantage -divergence), averaged over updates |
+| `distillation/kl_mean`, `distillation/loss_min`, `distillation/loss_max`, `distillation/abs_loss` | the per-token divergence student vs teacher (distillation_loss.loss_mode, before loss_max_clamp) over the loss tokens: mean, range (min / max over every process and update), mean of its absolute value (k1 can be negative) |
+| `distillation/student_mass`, `distillation/teacher_mass` | forward_kl_topk: mean probability mass the student / the teacher puts on the teacher's top-k tokens (a teacher mass far below 1: topk too small) |
+| `distillation/pg_clipfrac`, `distillation/pg_clipfrac_lower`, `distillation/ppo_kl` | use_policy_gradient: the distillation surrogate's clip statistics, as actor/pg_clipfrac |
 | `actor/grad_norm`, `actor/lr` | before clipping; learning rate used by the step |
 | `perf/packed`, `perf/shared_prefix`, `perf/real_token_fraction` | update: share of micro-batches packed (`model.use_remove_padding` packs one only when that computes < 90% of its padded block, `logprobs.choose_layout`); share packed with every prompt computed once for its rows (grpo_varlen); real tokens / tokens the forwards computed (1.0: no padding computed; above 1.0: shared prompts ran once for their responses) |
 | `actor/skipped_nonfinite_steps` | optimizer updates of the step skipped on every process (non-finite loss or grad norm) |
@@ -26,11 +30,16 @@ Metric names are namespaced and documented once here:
 | `episode/stopped_turn_limit`, `episode/stopped_length` | multi-turn: fraction of episodes ended by max_assistant_turns / max_user_turns with a call unanswered, and by the data.max_response_length budget |
 | `tools/invalid_calls`, `tools/errors`, `tools/timeouts` | multi-turn, counts per step: calls with malformed JSON, an unknown tool or arguments the schema refuses; tool methods that raised (or returned no text / number); tool methods stopped at rollout.multi_turn.tool_timeout_s |
 | `tools/truncated_responses`, `tools/dropped_calls` | multi-turn, counts: responses cut to max_tool_response_length; calls past max_parallel_calls in one turn (not run) |
+| `tools/abandoned` | multi-turn, count: calls of plain (sync) tool methods left running in their threads at tool_timeout_s (a thread cannot be killed; 64 of one tool still running stop the run, exit 3) |
+| `tools/reward_error_fraction` | multi-turn: fraction of episodes with a tool calc_reward that raised, timed out or returned no finite number (scored 0; over `reward.max_error_fraction` stops the run, exit 3) |
 | `tools/<name>/calls`, `tools/<name>/failures`, `tools/<name>/reward_mean` | multi-turn, per tool: calls that reached it, those that raised or timed out (all of them failing stops the run, exit 3), its calc_reward mean over episodes |
-| `timing_s/<phase>` | seconds of gen, gen_max (remax's greedy generation and its rewards), reward, ref, old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (the tools' time generation did not hide, inside gen: per-episode loop the seconds the engine sat idle waiting for tools, turn loop every tool batch's wall time; both plus creates and calc_reward); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
+| `timing_s/<phase>` | seconds of gen, gen_max (remax's greedy generation and its rewards), reward, ref, teacher (distillation's teacher pass), old_logprob, update, push, weight_probe, step; multi-turn: `timing_s/tools` (the tools' time generation did not hide, inside gen: per-episode loop the seconds the engine sat idle waiting for tools, turn loop every tool batch's wall time; both plus creates and calc_reward); `timing_s/reward_exposed`: the seconds spent waiting for rewards after generation (responses are scored as they finish, so this is the reward time generation did not hide; inside reward) |
 | `memory/actor_params_mb` | MiB of actor parameters held by process 0 (its FSDP2 shard: about 1/N of the model) |
 | `memory/gen_peak_mb`, `memory/update_peak_mb`, `memory/push_peak_mb` | largest process's peak memory in each phase of the step, measured from the phase's start (gen: generate + reward + release; update: everything while the engine sleeps; push: the weight push and wake): CUDA max allocated since `reset_peak_memory_stats`, less the engine's memory that sleep unmapped, on GPU; peak resident set (VmHWM, reset through /proc/self/clear_refs) on CPU (`grpo_lib/perf.py`) |
 | `memory/peak_mb` | the largest of the step's three phase peaks |
+| `memory/gen_reserved_mb`, `memory/update_reserved_mb`, `memory/push_reserved_mb` | CUDA only: the caching allocator's reserved peak in each phase, less the engine's unmapped sleep pool (reserved - allocated is fragmentation; largest process) |
+| `memory/gen_device_free_mb`, `memory/update_device_free_mb`, `memory/push_device_free_mb` | CUDA only: the device's free MiB at each phase's end (`mem_get_info`, every allocator on it; smallest process) |
+| `memory/sleep_residual_mb` | CUDA only: device MiB in use right after the engine's release that torch's allocator does not hold as live memory (the CUDA context, NCCL buffers, the engine's CUDA-graph pool and buffers outside its sleep pool; process 0) |
 | `perf/collective_mb_per_update` | MiB process 0 all-gathered and reduce-scattered (FSDP2: each call's full buffer) per optimizer update of the step; actor.fsdp_config.keep_root_gathered / reshard_after_forward / defer_grad_reduce lower it |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance`, `rollout/weight_probe_ratio`, `rollout/weight_probe_noise` | the weights that generated this step's rollouts: mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), its tolerance (3 x the noise measured at the set-up's known-good weights, within the compute dtype's bound), their ratio (above 1 the run stops before the update, exit 3) and that noise (grpo_lib/weight_probe.py) |
@@ -62,7 +71,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "reward/error_fraction", "response/length_mean", "actor/pg_loss",
-                "actor/kl_loss", "actor/entropy", "actor/grad_norm", "timing_s/step")
+                "actor/kl_loss", "actor/entropy", "distillation/kl_mean", "actor/grad_norm", "timing_s/step")
 CONSOLE_IF_NONZERO = ("reward/error_fraction",)  # shown only when > 0: up to reward.max_error_fraction of the responses
                                                  # may fail to score and train as 0, and the step line says so
 

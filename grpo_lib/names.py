@@ -48,3 +48,8 @@ ENGINE_NAMES: tuple[str, ...] = ("vllm", "hf")
 """rollout.name (grpo_lib/engines/__init__.py maps each to its class)."""
 REWARD_FUNCTIONS: tuple[str, ...] = ("accuracy", "format", "custom")
 """reward.functions[].name (grpo_lib/rewards/scorer.py combines them)."""
+DISTILLATION_LOSS_MODES: tuple[str, ...] = KL_BASE_TYPES + ("forward_kl_topk",)
+"""distillation.distillation_loss.loss_mode (grpo_lib/distillation.py): the sampled-token KL estimators and the teacher's
+top-k forward KL (verl's registered names)."""
+DISTILLATION_DIRECT_REFUSED: tuple[str, ...] = ("k1", "kl")
+"""loss modes refused with use_policy_gradient=false: their gradient does not depend on the teacher (verl refuses k1)."""

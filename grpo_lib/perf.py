@@ -303,6 +303,8 @@ class PhaseMemory:
     def __init__(self, device):
         self.device = device
         self.peaks: dict[str, float] = {}
+        self.reserved: dict[str, float] = {}  # CUDA: the caching allocator's reserved peak per phase (fragmentation)
+        self.free: dict[str, float] = {}  # CUDA: the device's free MiB at the phase's end (mem_get_info: every allocator)
         self.current: str | None = None
         self.resettable = True
 
@@ -316,15 +318,29 @@ class PhaseMemory:
             peak = peak_memory_mb(self.device)
             if peak is not None:
                 self.peaks[self.current] = max(peak, self.peaks.get(self.current, 0.0))
+            if self.device.type == "cuda":
+                import torch
+
+                reserved = (torch.cuda.max_memory_reserved(self.device) - engine_unmapped_bytes()) / MB
+                self.reserved[self.current] = max(reserved, self.reserved.get(self.current, 0.0))
+                free = torch.cuda.mem_get_info(self.device)[0] / MB
+                self.free[self.current] = min(free, self.free.get(self.current, free))
         self.current = None
 
     def metrics(self) -> dict[str, float]:
         """memory/<phase>_peak_mb of every phase, the largest process's, and memory/peak_mb (their maximum)."""
-        from grpo_lib.distributed import all_reduce_max  # torch: imported here, perf's start-up functions stay light
+        from grpo_lib.distributed import Reduction  # torch: imported here, perf's start-up functions stay light
 
         self.end()
         if not self.resettable or not self.peaks:
             return {}
-        out = {f"memory/{name}_peak_mb": all_reduce_max(mb) for name, mb in sorted(self.peaks.items())}
-        out["memory/peak_mb"] = max(out.values())
+        reduction = Reduction()  # one all-reduce per kind for every phase
+        for name, mb in sorted(self.peaks.items()):
+            reduction.max(f"memory/{name}_peak_mb", mb)
+        for name, mb in sorted(self.reserved.items()):  # CUDA only: the allocator's reserve, the device's free bytes
+            reduction.max(f"memory/{name}_reserved_mb", mb)
+        for name, mb in sorted(self.free.items()):
+            reduction.min(f"memory/{name}_device_free_mb", mb)
+        out = reduction.reduce()
+        out["memory/peak_mb"] = max(v for k, v in out.items() if k.endswith("_peak_mb"))
         return out

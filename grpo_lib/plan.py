@@ -7,9 +7,10 @@ config validation resolved it, the verl keys accepted without effect, and a memo
 `config.json` (a local folder, the Hugging Face hub cache, or `--model-config FILE`).
 
 Flags: `--num-processes N` (default: trainer.n_gpus_per_node x trainer.nnodes when given, else the current
-launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--measure` (the training phase measured
-on fake tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module
-imports neither torch nor transformers).
+launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--teacher-model-config FILE` (the
+distillation teacher's config.json; default: its model_path's), `--measure` (the training phase measured on fake
+tensors; train_grpo.py or `python -m grpo_lib.plan_measure` passes the measuring function in, so this module imports
+neither torch nor transformers).
 
 Exit codes, so a script can gate on the plan: 0 every part of the plan was computed and it fits; 2 a config or flag
 problem, as the run itself would report it; 4 (`EXIT_DOES_NOT_FIT`) the peak per GPU is larger than --gpu-memory-gb
@@ -34,7 +35,7 @@ from grpo_lib.dtypes import DTYPE_BYTES
 from grpo_lib.plan_memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, find_model_config, fitting_budget, fitting_logprob_budget,
                                   gpu_dtype_bytes, host_memory, lora_params, memory_plan, model_sizes,
-                                  resolve_auto_budgets)
+                                  resolve_auto_budgets, teacher_sizes)
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
@@ -98,6 +99,13 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = _micro_bound(cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu, cfg.ref.log_prob_micro_batch_size_per_gpu)
     lines.append(f"reference pass: {'runs (KL term on)' if kl else 'skipped (no KL term)'}; bound {ref}")
+    if cfg.distillation.enabled:
+        dl = cfg.distillation.distillation_loss
+        how = "the negative divergence as the advantage of a PPO clip" if dl.use_policy_gradient else "backpropagated directly"
+        loss = (f"GRPO loss + {dl.distillation_loss_coef} x distillation" if dl.use_task_rewards else
+                "the distillation term alone (rewards logged, not trained on)")
+        lines.append(f"teacher pass: runs (distillation, loss_mode={dl.loss_mode}"
+                     + (f", top {dl.topk}" if dl.loss_mode == "forward_kl_topk" else "") + f"; {how}); bound {ref}; loss = {loss}")
     fg = cfg.algorithm.filter_groups
     if fg.enable:
         rounds = fg.max_num_gen_batches or "unlimited"
@@ -187,14 +195,25 @@ def resolved_lines(cfg: Config) -> list[str]:
         f"ref.log_prob_use_dynamic_bsz={ref.log_prob_use_dynamic_bsz} ref.log_prob_max_token_len_per_gpu="
         f"{ref.log_prob_max_token_len_per_gpu} ref.log_prob_micro_batch_size_per_gpu={ref.log_prob_micro_batch_size_per_gpu}",
         f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} trainer.nnodes={cfg.trainer.nnodes} (None: from the launch)",
-    ]
+    ] + ([f"distillation.distillation_loss.clip_ratio_low={cfg.distillation.distillation_loss.clip_ratio_low} clip_ratio_high="
+          f"{cfg.distillation.distillation_loss.clip_ratio_high} (default: clip_ratio="
+          f"{cfg.distillation.distillation_loss.clip_ratio}; used by use_policy_gradient)"] if cfg.distillation.enabled else [])
 
 
-def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float) -> tuple[list[str], bool]:
-    """The memory plan's lines and whether its peak fits in `gpu_gb` GiB."""
-    parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
+def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float,
+                 teacher_config: str | None = None) -> tuple[list[str], bool]:
+    """The memory plan's lines and whether its peak fits in `gpu_gb` GiB; `teacher_config`: the distillation teacher's
+    config.json (--teacher-model-config; default: its model_path's)."""
+    teacher, teacher_where = teacher_sizes(cfg, teacher_config)
+    parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB, teacher=teacher)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
+    if cfg.distillation.enabled:
+        lines.append(f"teacher: {teacher.params / 1e9:.2f}B parameters ({teacher.layers} layers, hidden {teacher.hidden}, vocab "
+                     f"{teacher.vocab}; {teacher_where}); sharded like the reference, "
+                     + ("its shards on the host between uses (ref.fsdp_config.param_offload)" if cfg.ref.fsdp_config.param_offload
+                        else "resident on the GPU") if teacher is not None else
+                     f"teacher: not planned ({teacher_where}); its memory is missing from the plan below")
     lines += [f"  {name:<26} {value / GIB:7.2f} GiB" for name, value in parts.items() if name not in PHASES]
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
     offloaded = [name for name, on in (("actor weights", cfg.actor.fsdp_config.param_offload),
@@ -202,13 +221,16 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share", "CUDA context"])
     lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
+    if "teacher pass" in parts:
+        lines.append(f"  teacher pass               {parts['teacher pass'] / GIB:7.2f} GiB (the engine asleep: the actor and AdamW as "
+                     "held, the teacher's units gathered one at a time, its head chunk and no-grad activations)")
     lines.append(f"  training phase             {parts['training phase'] / GIB:7.2f} GiB (at the {parts['training phase at']}; "
                  f"{sleep})")
     lines.append(f"  resume phase               {parts['resume phase'] / GIB:7.2f} GiB (checkpoint.load creates AdamW's "
                  f"state; {'the engine released' if cfg.rollout.free_cache_engine else 'the engine stays resident'})")
     fits = parts["peak"] <= gpu_gb * GIB
     lines.append(f"  peak per GPU               {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
-    host = host_memory(cfg, sizes, world_size=world_size)
+    host = host_memory(cfg, sizes, world_size=world_size, teacher=teacher)
     lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start (process 0 reads the model in "
                  f"float32 once and broadcasts it into the shards), {host['resident'] / GIB:.2f} GiB resident after "
                  "(reference shards, vLLM's sleep backup, offloaded state)")
@@ -294,7 +316,8 @@ def collective_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb:
 
 
 _MISSING = "<missing>"  # the value of a flag given last, without one
-_EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json"}
+_EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json",
+            "--teacher-model-config": "tests/data/qwen3_8b_config.json"}
 
 
 def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
@@ -305,7 +328,13 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
     """
     values: dict = {"--num-processes": None, "--gpu-memory-gb": None, "--model-config": None}
     problems = [f"{flag} needs a value (for example {flag} {_EXAMPLE[flag]})" for flag, given in flags.items() if given == _MISSING]
-    processes, gpu_gb, config_file = (None if flags[f] == _MISSING else flags[f] for f in values)
+    processes, gpu_gb, config_file = (None if flags.get(f) == _MISSING else flags.get(f) for f in values)
+    teacher_file = flags.get("--teacher-model-config")
+    if teacher_file not in (None, _MISSING):
+        values["--teacher-model-config"] = teacher_file
+        if not Path(teacher_file).expanduser().is_file():
+            problems.append(f"--teacher-model-config {teacher_file!r}: no such file; give the distillation teacher's "
+                            "config.json (for example --teacher-model-config tests/data/qwen3_8b_config.json)")
     if processes is not None:
         try:
             values["--num-processes"] = int(processes)
@@ -337,7 +366,7 @@ def print_plan(argv: list[str], measure=None, engine_checks=None) -> int:
     training phase (grpo_lib.plan_measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.plan_measure`,
     so this module stays light). `engine_checks`: cfg -> problems of the engine's settings against the installed
     library (grpo_lib.engines.settings_problems, passed in by train_grpo.py), noted like the installation checks."""
-    args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None}
+    args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None, "--teacher-model-config": None}
     wants_measure = "--measure" in argv
     if wants_measure and measure is None:
         print("error: --measure needs the measuring module: python train_grpo.py RECIPE --print-plan --measure, or "
@@ -401,7 +430,8 @@ def print_plan(argv: list[str], measure=None, engine_checks=None) -> int:
     if sizes is None:
         out += [f"  the memory plan needs the model's config.json: {where}; pass --model-config FILE"]
     else:
-        lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)
+        lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb,
+                                   teacher_config=values.get("--teacher-model-config"))
         out += [f"  config: {where}"] + [f"  {line}" for line in lines]
         out += ["", "FSDP2 collectives of the update:"] + [f"  {line}" for line in
                                                           collective_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)]

@@ -1,8 +1,8 @@
 """`--print-plan --measure`: the training phase's memory per GPU MEASURED by running our real update at the real model
 size on fake tensors, on a CPU, in about a minute for Qwen3-4B (43-59 s on a shared 2-core machine) (`python -m grpo_lib.plan_measure RECIPE ...`).
 
-What runs is this project's own code, not a model of it: `fsdp.shard` (FSDP2 over a fake W-process group, this
-process = rank 0), `Actor.accumulate_gradients` (the packed logprob path through the FSDP2 root, the chunked
+What runs is this project's own code, not a model of it: the run's `Actor`, built by `Actor.from_model` through the
+same `Actor._build` as a run's (`fsdp.shard`: FSDP2 over a fake W-process group, this process = rank 0), `Actor.accumulate_gradients` (the packed logprob path through the FSDP2 root, the chunked
 checkpointed output head, the loss, backward) and `Actor._optimizer_step` (norm, clipping, AdamW), on ONE micro-batch
 that fills the token budget (`actor.ppo_max_token_len_per_gpu`: sequences of the longest allowed length and a last
 one with the rest), in the steady state: AdamW's moments exist and the earlier micro-batches' gradients are in place
@@ -215,28 +215,18 @@ def _batch(lengths: list[int], prompt_share: float, vocab: int, kl: bool):
 
 
 def _actor(cfg, model, device):
-    """An `Actor` around an already-built `model` (Actor.__init__ loads from model.path): the same update methods."""
-    from grpo_lib import attention, fsdp
-    from grpo_lib.actor import Actor, make_optimizer
+    """The run's `Actor` around the model built from its config (`Actor.from_model`: the same `_build` as a run's), with
+    the GPU's choices on the CPU: the GPU's compute dtype as FSDP2's gather dtype and no CPU autocast (on a GPU the
+    MixedPrecisionPolicy casts), the GPU's AdamW (fused), no broadcast into the shards (fake tensors hold no values),
+    and no packing isolation check (it compares values, which fake tensors do not have; the run makes it)."""
+    from grpo_lib.actor import Actor
     from grpo_lib.dtypes import torch_dtype
 
-    a = cfg.actor
-    actor = Actor.__new__(Actor)
-    actor.cfg, actor.device = cfg, device
-    actor.param_dtype = torch_dtype(a.fsdp_config.param_dtype, torch.device("cuda"))  # the GPU's compute dtype
-    actor.master_dtype = actor.compute_dtype = torch.float32
-    if cfg.model.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    actor.model = model
-    actor.share_prefixes = attention.shares_prefixes(model)  # as Actor.__init__: from the model's attention
-    actor.policy = fsdp.shard(model, device=device, param_dtype=actor.param_dtype, reduce_dtype=getattr(torch, a.fsdp_config.reduce_dtype),
-                              fill=False)  # fake tensors: no values to broadcast from process 0
-    actor.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], a, device_type="cuda")  # the GPU's path
-    actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda s: 1.0)
-    actor.world_size = torch.distributed.get_world_size()
-    actor.steps_done = 0
-    return actor
+    return Actor.from_model(cfg, model, device=device,
+                            param_dtype=torch_dtype(cfg.actor.fsdp_config.param_dtype, torch.device("cuda")),
+                            compute_dtype=torch.float32, optimizer_device_type="cuda",
+                            attn=("sdpa", "the measured model (from its config.json)"), export_dtype=torch.float32,
+                            fill=False, check_packing=False)
 
 
 def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = True,
@@ -250,6 +240,8 @@ def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = Tru
 
     if cfg.model.lora_rank > 0:
         raise MeasureError("--measure covers full fine-tuning; with LoRA (model.lora_rank > 0) read the analytic plan")
+    if cfg.actor.use_torch_compile:  # the actor would compile its layers on fake tensors: not what this measures
+        raise MeasureError("--measure measures the eager update; set actor.use_torch_compile=false for the measurement")
     start = time.perf_counter()
     d, a = cfg.data, cfg.actor
     max_seq = d.max_prompt_length + d.max_response_length

@@ -27,6 +27,9 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
     vLLM share             rollout.gpu_memory_utilization x GPU size during generation; with
                            rollout.free_cache_engine the KV cache is freed and the weights offloaded for training
     CUDA context + NCCL    1.5 GiB       per process, outside vLLM's share (an estimate)
+    teacher                2 P_t / W     distillation's teacher, sharded like the reference (0 when offloaded); its pass
+                           (a phase) gathers its units, its head chunk and one layer's no-grad activations
+                           (`teacher_terms`); a teacher that does not fit is refused at setup (`teacher_fit_problem`)
 
 
 Phases: generation (weights + AdamW + reference + vLLM share + context); training = the largest of the layers'
@@ -151,13 +154,15 @@ def logprob_bytes_per_token(sizes: ModelSizes, compute_bytes: int) -> int:
 
 
 def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int | None = None,
-                master_bytes: int = 4, with_engine: bool = True, tokens: int | None = None) -> dict[str, float]:
+                master_bytes: int = 4, with_engine: bool = True, tokens: int | None = None,
+                teacher: ModelSizes | None = None) -> dict[str, float]:
     """Bytes per GPU of each component, the phases and the peak (see the module docstring for the formulas).
 
     Components are their full sizes; the phases count what is on the GPU then: actor weights offloaded
     (actor.fsdp_config.param_offload) leave the GPU while vLLM generates, AdamW state offloaded
     (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step. `tokens`: the update's micro-batch
-    bound (default: the config's).
+    bound (default: the config's). `teacher`: the distillation teacher's sizes (its terms and its pass,
+    `teacher_terms`); None plans without one.
     """
     a, P, W = cfg.actor, sizes.params, world_size
     param_offload, optim_offload = a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload
@@ -192,7 +197,10 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
         "CUDA context + NCCL": ctx,
     }
-    weights, grads, adam, ref = parts["actor master weights"], parts["gradients"], parts["AdamW state"], parts["reference"]
+    if teacher is not None and cfg.distillation.enabled:
+        parts.update(teacher_terms(cfg, teacher, world_size=world_size, compute_bytes=compute_bytes, sharded=sharded))
+    weights, grads, adam = parts["actor master weights"], parts["gradients"], parts["AdamW state"]
+    ref = parts["reference"] + parts.get("teacher", 0.0)  # frozen models resident on the GPU through every phase
     engine_in_training = 0.0 if cfg.rollout.free_cache_engine else parts["vLLM share"]
     held = weights + grads + (0.0 if optim_offload else adam) + ref + engine_in_training + ctx
     phases = {
@@ -203,6 +211,10 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "optimizer step": weights + grads + adam + parts["AdamW step temporary"] + ref + engine_in_training + ctx,
     }
     parts["generation phase"] = (0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref + parts["vLLM share"] + ctx
+    if "teacher" in parts:  # the teacher's pass, with the engine asleep, before the old-logprob pass and the update
+        phases["teacher pass"] = ((0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref
+                                  + engine_in_training + ctx + parts["teacher gathered units"]
+                                  + parts["teacher head chunk"] + parts["teacher activations"])
     parts.update(phases)
     parts["training phase"] = max(phases.values())
     parts["training phase at"] = max(phases, key=phases.get)  # type: ignore[assignment]  (a name, not bytes)
@@ -213,8 +225,57 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     return parts
 
 
-PHASES = ("layers' backward", "root's backward", "optimizer step", "generation phase", "training phase", "training phase at",
-          "resume phase", "peak")
+PHASES = ("layers' backward", "root's backward", "optimizer step", "teacher pass", "generation phase", "training phase",
+          "training phase at", "resume phase", "peak")
+
+
+def teacher_terms(cfg: Config, teacher: ModelSizes, *, world_size: int, compute_bytes: int, sharded: bool) -> dict[str, float]:
+    """The distillation teacher's bytes per GPU (grpo_lib/teacher.py: sharded like the reference, no optimizer):
+
+        teacher                 d P_t / W      its shards in model.dtype (d: 2 in bf16); 0 with ref.fsdp_config.param_offload
+        teacher gathered units  c (root_t + one layer_t)   its pass gathers a unit at a time (copied in when offloaded)
+        teacher head chunk      12 x 1024 x V_t   its output head's float32 chunk (the logits, the softmax, the top-k)
+        teacher activations     tokens x one layer's transient tensors + the residual stream, no grad (the reference
+                                pass's token bound ref.log_prob_*)
+
+    Example: Qwen3-8B (8.19B parameters) in bf16 on 4 GPUs, not offloaded: 2 x 8.19e9 / 4 = 3.8 GiB resident."""
+    d = cfg.data
+    tokens = (cfg.ref.log_prob_max_token_len_per_gpu if cfg.ref.log_prob_use_dynamic_bsz else
+              (cfg.ref.log_prob_micro_batch_size_per_gpu or 1) * (d.max_prompt_length + d.max_response_length))
+    tokens = tokens if isinstance(tokens, int) else CPU_AUTO_BUDGET  # `auto` not resolved yet: the CPU default
+    return {
+        "teacher": 0.0 if cfg.ref.fsdp_config.param_offload else gpu_dtype_bytes(cfg.model.dtype) * teacher.params / world_size,
+        "teacher gathered units": float(compute_bytes * (root_params(teacher) + teacher.layer_params)) if sharded else 0.0,
+        "teacher head chunk": float(HEAD_BYTES_PER_LOGIT * min(tokens, HEAD_CHUNK_TOKENS) * teacher.vocab),
+        "teacher activations": float(tokens * (logprob_bytes_per_token(teacher, compute_bytes) + compute_bytes * teacher.hidden)),
+    }
+
+
+def teacher_sizes(cfg: Config, explicit: str | None = None) -> tuple[ModelSizes | None, str]:
+    """The distillation teacher's sizes from its config.json ((None, why) without distillation or without the file)."""
+    if not cfg.distillation.enabled:
+        return None, "distillation off"
+    config_json, where = find_model_config(cfg.distillation.teacher_models.teacher_model.model_path, explicit)
+    return (model_sizes(config_json) if config_json is not None else None), where
+
+
+def teacher_fit_problem(cfg: Config, *, world_size: int, gpu_bytes: float | None) -> str | None:
+    """At setup, before any weight loads: why the teacher does not fit this GPU (its memory plan's peak, with the
+    teacher, above the GPU), or None (it fits, no GPU to fit, distillation off, no config.json to plan from)."""
+    if gpu_bytes is None or not cfg.distillation.enabled:
+        return None
+    student_json, _ = find_model_config(cfg.model.path, None)
+    teacher, where = teacher_sizes(cfg)
+    if student_json is None or teacher is None:
+        return None
+    plan = memory_plan(cfg, model_sizes(student_json), world_size=world_size, gpu_bytes=gpu_bytes, teacher=teacher)
+    if plan["peak"] <= gpu_bytes:
+        return None
+    return (f"distillation.teacher_models.teacher_model.model_path={cfg.distillation.teacher_models.teacher_model.model_path!r}"
+            f" ({teacher.params / 1e9:.2f}B parameters, {where}) does not fit: the memory plan's peak is "
+            f"{plan['peak'] / GIB:.1f} GiB per GPU of {gpu_bytes / GIB:.0f} GiB (at the {plan['training phase at']}, teacher "
+            f"shards {plan['teacher'] / GIB:.1f} GiB); keep its shards on the host (ref.fsdp_config.param_offload=true), "
+            "lower ref.log_prob_max_token_len_per_gpu or launch more processes (`--print-plan` shows every term)")
 
 
 def update_tokens(cfg: Config) -> int:
@@ -224,7 +285,7 @@ def update_tokens(cfg: Config) -> int:
                                                                                                   d.max_response_length)
 
 
-def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int) -> dict[str, float]:
+def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int, teacher: ModelSizes | None = None) -> dict[str, float]:
     """Host bytes per machine (all W processes of one machine): what the start loads and what stays resident.
 
     Start: process 0 alone reads the whole model in float32 (and the reference in model.dtype) and broadcasts it into
@@ -236,6 +297,9 @@ def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int) -> dict[str,
     kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref_on_host = kl and cfg.model.lora_rank == 0
     ref_bytes = gpu_dtype_bytes(cfg.model.dtype) * P
+    if teacher is not None and cfg.distillation.enabled:  # the teacher is read and kept like the reference
+        teacher_bytes = gpu_dtype_bytes(cfg.model.dtype) * teacher.params
+        ref_bytes, ref_on_host = (ref_bytes if ref_on_host else 0.0) + teacher_bytes, True
     fc = cfg.actor.fsdp_config
     start = 4 * P + (ref_bytes if ref_on_host else 0)  # process 0's full copies, read once per machine
     resident = (ref_bytes if ref_on_host and cfg.ref.fsdp_config.param_offload else 0.0)

@@ -16,7 +16,7 @@ from torch import Tensor
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_needed
-from grpo_lib.distributed import all_reduce_min, all_reduce_sum, broadcast_object, is_on
+from grpo_lib.distributed import Reduction, all_reduce_min, all_reduce_sum, broadcast_object, is_on
 from grpo_lib.episodes import episode_sums, reward_extra_info
 from grpo_lib.seeds import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch
@@ -362,27 +362,32 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         keep = min(keep, per_rank)
         groups = list(dict.fromkeys(batch.group_ids))[:keep] if batch is not None else []
         batch = batch.select([i for i, g in enumerate(batch.group_ids) if g in set(groups)]) if groups else None
-        metrics.update({"batch/kept_groups": all_reduce_sum(len(groups)), "batch/dropped_groups": all_reduce_sum(dropped),
-                        "batch/gen_rounds": float(rounds)})
+        metrics["batch/gen_rounds"] = float(rounds)
         if batch is None:  # rewards that all failed score 0 everywhere: say so (exit 3), not "no group differs"
-            failed = {k: all_reduce_sum(sums[k]) for k in ("reward/error_fraction", "reward/errors", "reward/timeouts")}
-            failed["reward/error_fraction"] /= all_reduce_sum(sums["count"])
-            check_reward_errors(cfg, failed, step=step, samples=scorer.last_error_samples)
+            failed = Reduction()
+            failed.count("samples", sums["count"])
+            failed.mean("reward/error_fraction", sums["reward/error_fraction"], over="samples")
+            for k in ("reward/errors", "reward/timeouts"):
+                failed.sum(k, sums[k])
+            check_reward_errors(cfg, failed.reduce(), step=step, samples=scorer.last_error_samples)
             raise RunAborted(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds "
                              "(every response of each prompt scored the same); raise algorithm.filter_groups.max_num_gen_batches "
                              "or check the reward")
-    count = all_reduce_sum(sums.pop("count"))
-    max_len = sums.pop("response/length_max")
+    reduction = Reduction()  # every metric of the rollouts in one all-reduce per kind
+    if fg.enable:
+        reduction.sum("batch/kept_groups", len(groups))
+        reduction.sum("batch/dropped_groups", dropped)
+    reduction.count("samples", sums.pop("count"))
+    reduction.max("response/length_max", sums.pop("response/length_max"))
+    names = {"reward/sum": "reward/mean", "response/length_sum": "response/length_mean", "response/clipped": "response/clip_ratio"}
     for k, v in sums.items():
-        metrics[k] = all_reduce_sum(v) / count
-    metrics["reward/mean"] = metrics.pop("reward/sum")
-    metrics["response/length_mean"] = metrics.pop("response/length_sum")
-    metrics["response/clip_ratio"] = metrics.pop("response/clipped")
-    metrics["response/length_max"] = -all_reduce_min(-max_len)
-    for k in ("reward/errors", "reward/timeouts", "rollout/preemptions"):
-        metrics[k] = metrics[k] * count  # counts, not fractions
+        if k in ("reward/errors", "reward/timeouts", "rollout/preemptions"):  # counts
+            reduction.sum(k, v)
+        else:  # means over the responses
+            reduction.mean(names.get(k, k), v, over="samples")
     if episodes is not None:
-        metrics.update(reduce_episode_metrics(tool_sums, episodes.tool_names))
+        add_episode_metrics(reduction, tool_sums, episodes.tool_names)
+    metrics.update(reduction.reduce())
     if metrics["rollout/preemptions"] > 0:
         warnings.warn(f"step {step}: the engine preempted {int(metrics['rollout/preemptions'])} sequences for lack of KV cache "
                       "(recomputed later: a slower generation); raise rollout.kv_cache_memory_bytes (CPU) or "
@@ -391,33 +396,49 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     return batch, metrics
 
 
-def reduce_episode_metrics(sums: dict[str, float], tool_names: list[str]) -> dict[str, float]:
-    """This process's `episodes.episode_sums` -> the step's episode/* and tools/* metrics over all processes.
+def add_episode_metrics(reduction: Reduction, sums: dict[str, float], tool_names: list[str]) -> None:
+    """This process's `episodes.episode_sums` into `reduction`, each as its kind: the step's episode/* and tools/*
+    metrics over all processes once it is reduced.
 
     Example: 8 episodes with 12 assistant turns and 6 tool calls, one stopped by the turn limit ->
     episode/turns_mean 1.5, episode/tool_calls_mean 0.75, episode/stopped_turn_limit 0.125 (a fraction); the error
     counters (tools/errors, ...) and tools/<name>/calls are counts; tools/<name>/reward_mean is the mean over episodes.
     """
-    count = max(all_reduce_sum(sums["episode/count"]), 1.0)
-    out = {"episode/turns_mean": all_reduce_sum(sums["episode/turns_sum"]) / count,
-           "episode/turns_max": -all_reduce_min(-sums["episode/turns_max"]),
-           "episode/tool_calls_mean": all_reduce_sum(sums["episode/tool_calls_sum"]) / count,
-           "episode/stopped_turn_limit": all_reduce_sum(sums["episode/stopped_turn_limit"]) / count,
-           "episode/stopped_length": all_reduce_sum(sums["episode/stopped_length"]) / count}
-    for key in ("tools/errors", "tools/timeouts", "tools/invalid_calls", "tools/truncated_responses", "tools/dropped_calls"):
-        out[key] = all_reduce_sum(sums[key])
+    reduction.count("episodes", sums["episode/count"])
+    reduction.max("episode/turns_max", sums["episode/turns_max"])
+    for key, total in (("episode/turns_mean", "episode/turns_sum"), ("episode/tool_calls_mean", "episode/tool_calls_sum"),
+                       ("episode/stopped_turn_limit", "episode/stopped_turn_limit"),
+                       ("episode/stopped_length", "episode/stopped_length")):
+        reduction.mean(key, sums[total], over="episodes")
+    for key in ("tools/errors", "tools/timeouts", "tools/invalid_calls", "tools/truncated_responses", "tools/dropped_calls",
+                "tools/abandoned"):
+        reduction.sum(key, sums[key])
+    reduction.mean("tools/reward_error_fraction", sums["tools/reward_errors"], over="episodes")
     for name in tool_names:
-        out[f"tools/{name}/calls"] = all_reduce_sum(sums[f"tools/{name}/calls"])
-        out[f"tools/{name}/failures"] = all_reduce_sum(sums[f"tools/{name}/failures"])
-        out[f"tools/{name}/reward_mean"] = all_reduce_sum(sums[f"tools/{name}/reward_sum"]) / count
-    return out
+        reduction.sum(f"tools/{name}/calls", sums[f"tools/{name}/calls"])
+        reduction.sum(f"tools/{name}/failures", sums[f"tools/{name}/failures"])
+        reduction.mean(f"tools/{name}/reward_mean", sums[f"tools/{name}/reward_sum"], over="episodes")
 
 
-def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step: int) -> None:
+def reduce_episode_metrics(sums: dict[str, float], tool_names: list[str]) -> dict[str, float]:
+    """`add_episode_metrics` reduced on its own (one all-reduce per kind)."""
+    reduction = Reduction()
+    add_episode_metrics(reduction, sums, tool_names)
+    return reduction.reduce()
+
+
+def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step: int, max_error_fraction: float = 1.0) -> None:
     """Raise RunAborted (exit 3) when a tool failed (raised or timed out) on every call it got in the step: its
-    responses are all error messages, so the episodes would teach the model nothing about the tool. `metrics` are the
-    step's reduced metrics (the same on every process, so every process raises). Example: calculator 12 calls, 12
-    failures -> RunAborted; 12 calls, 11 failures -> nothing."""
+    responses are all error messages, so the episodes would teach the model nothing about the tool; or when more than
+    max_error_fraction (reward.max_error_fraction, as for rewards) of the episodes had a calc_reward that failed or
+    returned no finite number (NaN, inf, a bool), each scored 0. `metrics` are the step's reduced metrics (the same on
+    every process, so every process raises). Example: calculator 12 calls, 12 failures -> RunAborted; 12 calls, 11
+    failures -> nothing; tools/reward_error_fraction 0.75 with max_error_fraction 0.5 -> RunAborted."""
+    fraction = metrics.get("tools/reward_error_fraction", 0.0)
+    if fraction > max_error_fraction:
+        raise RunAborted(f"step {step}: {fraction:.0%} of episodes had a tool calc_reward that raised, timed out or "
+                         f"returned no finite number (NaN, inf, a bool), each scored 0 (reward.max_error_fraction="
+                         f"{max_error_fraction:g}). Make calc_reward return a float")
     for name in tool_names:
         calls, failures = metrics.get(f"tools/{name}/calls", 0.0), metrics.get(f"tools/{name}/failures", 0.0)
         if calls > 0 and failures >= calls:
@@ -428,8 +449,11 @@ def check_tool_errors(metrics: dict[str, float], tool_names: list[str], *, step:
 
 
 def _process_sum(x: Tensor) -> Tensor:
-    """Sum of a small tensor over the processes (the batch statistics of `advantages.token_advantages`)."""
-    return torch.tensor([all_reduce_sum(v) for v in x.tolist()], dtype=x.dtype, device=x.device)
+    """Sum of a small tensor over the processes (the batch statistics of `advantages.token_advantages`), in one all-reduce."""
+    reduction = Reduction()
+    for i, v in enumerate(x.tolist()):
+        reduction.sum(str(i), v)
+    return torch.tensor(list(reduction.reduce().values()), dtype=x.dtype, device=x.device)
 
 
 def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
@@ -444,11 +468,12 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
     last = (response * torch.arange(response.shape[1])).argmax(-1)  # [B] index of each row's last response token
     token_rewards = torch.zeros_like(mask)  # [B, T]
     token_rewards[torch.arange(len(batch)), last] = batch.scores
-    metrics = {}
+    reduction = Reduction()  # the critic/* metrics in one all-reduce
     if alg.use_kl_in_reward:
         kl = algorithms.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty) * mask  # [B, T]
         token_rewards = token_rewards - alg.kl_ctrl.kl_coef * kl
-        metrics["critic/kl_in_reward"] = all_reduce_sum(kl.sum().item()) / max(all_reduce_sum(mask.sum().item()), 1.0)
+        reduction.count("loss_tokens", mask.sum().item())
+        reduction.mean("critic/kl_in_reward", kl.sum().item(), over="loss_tokens")
     batch.token_rewards = token_rewards
     batch.advantages = algorithms.token_advantages(token_rewards, mask, batch.group_ids, estimator=alg.adv_estimator,
                                                    norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma,
@@ -456,9 +481,9 @@ def compute_advantages(cfg, batch: RolloutBatch) -> dict[str, float]:
     # per response: mean |A| over its loss tokens (a per-response estimator's |A_i|), over responses with loss tokens
     row_tokens = mask.sum(-1)  # [B]
     row_abs = (batch.advantages.abs() * mask).sum(-1) / row_tokens.clamp(min=1)  # [B]
-    metrics["critic/advantages_abs_mean"] = (all_reduce_sum(row_abs.sum().item())
-                                             / max(all_reduce_sum(float((row_tokens > 0).sum())), 1.0))
-    return metrics
+    reduction.count("responses_with_loss_tokens", float((row_tokens > 0).sum()))
+    reduction.mean("critic/advantages_abs_mean", row_abs.sum().item(), over="responses_with_loss_tokens")
+    return reduction.reduce()
 
 
 def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: int = 0,
@@ -509,5 +534,8 @@ def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
 
 
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:
-    """Slowest process's time per phase (the step waits for it)."""
-    return {k: -all_reduce_min(-v) for k, v in timings.items()}
+    """Slowest process's time per phase (the step waits for it), in one all-reduce."""
+    reduction = Reduction()
+    for k, v in timings.items():
+        reduction.max(k, v)
+    return reduction.reduce()

@@ -57,6 +57,8 @@ class EpisodeStats:
     timeouts: int = 0  # tool methods stopped at rollout.multi_turn.tool_timeout_s
     truncated_responses: int = 0  # tool responses cut to rollout.multi_turn.max_tool_response_length
     dropped_calls: int = 0  # calls past rollout.multi_turn.max_parallel_calls in one turn (not run)
+    abandoned_calls: int = 0  # timeouts of plain (sync) tool methods: their threads ran on
+    reward_errors: int = 0  # calc_reward calls that raised, timed out or returned no finite number (scored 0)
     tool_rewards: dict[str, float] | None = None  # tool name -> calc_reward at the episode's end
     step_rewards: list[float] | None = None  # execute's step reward of each call run, in order
 
@@ -96,6 +98,9 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None  # [B, T] float, algorithm.adv_estimator's advantage per loss token (0 elsewhere)
     old_logprobs: torch.Tensor | None = None  # [B, T] float, actor before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, frozen reference
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] float, distillation teacher (temperature 1), 0 off the loss mask
+    teacher_topk_logprobs: torch.Tensor | None = None  # [B, T, k] float, the teacher's k most likely tokens (forward_kl_topk)
+    teacher_topk_ids: torch.Tensor | None = None  # [B, T, k] long, their ids (0 off the loss mask)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -119,7 +124,7 @@ class RolloutBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[index]
-                if value.dim() == 2:
+                if value.dim() >= 2:  # per-token tensors ([B, T] and the teacher's [B, T, k])
                     value = value[:, :width]
             elif isinstance(value, list):
                 value = [value[i] for i in idx]
@@ -136,8 +141,8 @@ class RolloutBatch:
         for f in fields(RolloutBatch):
             values = [getattr(b, f.name) for b in batches]
             if isinstance(values[0], torch.Tensor):
-                if values[0].dim() == 2:
-                    values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+                if values[0].dim() >= 2:  # per-token tensors, padded along T
+                    values = [torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1])) for v in values]
                 out[f.name] = torch.cat(values)
             elif isinstance(values[0], list):
                 out[f.name] = [x for v in values for x in v]

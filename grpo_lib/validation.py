@@ -23,7 +23,7 @@ pass@2 0.5 (A has one correct). pass@n >= mean@n always: a prompt's best respons
 
 from __future__ import annotations
 
-from grpo_lib.distributed import all_reduce_sum, is_on
+from grpo_lib.distributed import Reduction, is_on
 
 
 def val_metrics(scorer, batch, *, sources: list[str], n: int, overlong_buffer=None,
@@ -57,24 +57,31 @@ def val_metrics(scorer, batch, *, sources: list[str], n: int, overlong_buffer=No
     groups: dict[str, list[int]] = {}  # prompt -> its rows (a prompt's n responses share its group id)
     for row, group in enumerate(batch.group_ids):
         groups.setdefault(group, []).append(row)
-    metrics: dict[str, float] = {}
+    counts = Reduction()  # rows and prompts per source, then every metric: two all-reduces
+    rows_of = {src: [i for i, d in enumerate(batch.data_sources) if d == src] for src in sources}
+    prompts_of = {src: [g for g, members in groups.items() if batch.data_sources[members[0]] == src] for src in sources}
     for src in sources:
-        rows = [i for i, d in enumerate(batch.data_sources) if d == src]
-        prompts = [g for g, members in groups.items() if batch.data_sources[members[0]] == src]
-        num_rows, num_prompts = all_reduce_sum(len(rows)), all_reduce_sum(len(prompts))
-        if not num_rows:
+        counts.sum(f"rows:{src}", len(rows_of[src]))
+    totals = counts.reduce()
+    reduction = Reduction()
+    for src in sources:
+        rows, prompts = rows_of[src], prompts_of[src]
+        if not totals[f"rows:{src}"]:
             continue
-        metrics[f"val/{src}/reward_mean"] = all_reduce_sum(sum(scores[i] for i in rows)) / num_rows
-        metrics[f"val/{src}/acc"] = all_reduce_sum(sum(correct[i] for i in rows)) / num_rows
+        reduction.count(f"rows:{src}", len(rows))
+        reduction.mean(f"val/{src}/reward_mean", sum(scores[i] for i in rows), over=f"rows:{src}")
+        reduction.mean(f"val/{src}/acc", sum(correct[i] for i in rows), over=f"rows:{src}")
         if penalties is not None:
-            metrics[f"val/{src}/overlong_penalty_mean"] = all_reduce_sum(float(sum(penalties[i] for i in rows))) / num_rows
+            reduction.mean(f"val/{src}/overlong_penalty_mean", float(sum(penalties[i] for i in rows)), over=f"rows:{src}")
         if n > 1:
-            mean_sum = sum(sum(correct[i] for i in groups[g]) / len(groups[g]) for g in prompts)
-            pass_sum = sum(max(correct[i] for i in groups[g]) for g in prompts)
-            metrics[f"val/{src}/mean@{n}"] = all_reduce_sum(mean_sum) / num_prompts
-            metrics[f"val/{src}/pass@{n}"] = all_reduce_sum(pass_sum) / num_prompts
-    metrics["val/reward_mean"] = all_reduce_sum(sum(scores)) / max(all_reduce_sum(len(scores)), 1.0)
-    metrics["val/reward_errors"] = all_reduce_sum(out.num_errors + out.num_timeouts)
+            reduction.count(f"prompts:{src}", len(prompts))
+            reduction.mean(f"val/{src}/mean@{n}", sum(sum(correct[i] for i in groups[g]) / len(groups[g]) for g in prompts),
+                           over=f"prompts:{src}")
+            reduction.mean(f"val/{src}/pass@{n}", sum(max(correct[i] for i in groups[g]) for g in prompts), over=f"prompts:{src}")
+    reduction.count("rows", len(scores))
+    reduction.mean("val/reward_mean", sum(scores), over="rows")
+    reduction.sum("val/reward_errors", out.num_errors + out.num_timeouts)
+    metrics = reduction.reduce()
     return metrics
 
 

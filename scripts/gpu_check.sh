@@ -16,6 +16,12 @@
 #   tiny     3 steps of recipes/tiny_cpu.yaml on N GPUs under accelerate launch (FSDP2, bf16 compute, fp32 master
 #            weights, the hf engine), the weight-sync check after every push (within WEIGHT_SYNC_TOL, default 5e-2:
 #            engine and actor both compute in bf16 on GPU); with vLLM and an even N again with tensor parallel 2
+#   attention  scripts/gpu_attention_check.py: grpo_varlen's shared prompts in one varlen_attn call against the
+#            per-continuation path (bf16 values and gradients, both timed at a Qwen3-4B layer's shape), and the start-up
+#            packing isolation check on the GPU in bf16
+#   packed   3 steps with model.use_remove_padding=true and bf16 compute on a warmed tiny model (its responses stop at
+#            spread lengths): packed and shared-prompt micro-batches (perf/shared_prefix > 0 required), the isolation
+#            check on the sharded policy, the weight probe's ratios (rollout/weight_probe_ratio) printed
 #   lora     recipes/tiny_cpu_lora.yaml, bf16 compute, 2 steps (adapters only, merged push), weight sync checked
 #   resume   2 steps saving a DCP checkpoint each step, then the same command to 3 steps: resumes from step 2 on CUDA
 #   gputest  the suite's GPU-only tests (pytest from .whl/): the offload of shards to the host and back
@@ -30,7 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 TOL=${WEIGHT_SYNC_TOL:-5e-2}
-STAGES=${STAGES:-env tiny lora resume gputest big}
+STAGES=${STAGES:-env attention tiny packed lora resume gputest big}
 WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 mkdir -p "$WORK"
 VERDICT="$WORK/verdict.tsv"
@@ -101,7 +107,7 @@ sys.exit(0 if score == 1.0 else f'math reward scored {score} for 1/2 == 0.5')" >
   if $PY scripts/torch_api_check.py > "$WORK/torch_api.log" 2>&1; then
     row "env: torch APIs" OK "$(tail -1 "$WORK/torch_api.log" | sed 's/^torch_api_check: //')"
   else
-    row "env: torch APIs" FAIL "$(grep MISSING "$WORK/torch_api.log" | head -5 | tr '\n' ';')"
+    row "env: torch APIs" FAIL "$(grep -E "MISSING|SIGNATURE" "$WORK/torch_api.log" | head -5 | tr '\n' ';')"
   fi
 fi
 
@@ -109,6 +115,10 @@ fi
 $PY data_prep/tiny_model.py --out "$WORK/model" --warmup-steps 0 > "$WORK/prep.log" 2>&1 \
   && $PY data_prep/synthetic.py --out "$WORK/data" --train-size 256 --test-size 16 >> "$WORK/prep.log" 2>&1 \
   || { row "prep" FAIL "tiny model / data: $(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; finish; }
+if has packed; then  # a warmed model: its responses end at spread lengths (random weights never stop: no spread)
+  $PY data_prep/tiny_model.py --out "$WORK/model_warm" --warmup-steps 300 >> "$WORK/prep.log" 2>&1 \
+    || row "prep: warmed model" FAIL "$(tail -2 "$WORK/prep.log" | tr '\n' ' ')"
+fi
 ENGINE=()
 if ! $PY -c "import vllm" 2>/dev/null; then
   ENGINE=(rollout.name=hf)
@@ -131,7 +141,7 @@ train() {
     nvidia-smi --id="$IDS" --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi.csv" 2>/dev/null &
     smi=$!
   fi
-  $PY -m accelerate.commands.launch --config_file "$WORK/accelerate.yaml" train_grpo.py "$recipe" model.path="$WORK/model" \
+  $PY -m accelerate.commands.launch --config_file "$WORK/accelerate.yaml" train_grpo.py "$recipe" model.path="${MODEL:-$WORK/model}" \
     data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
     trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false \
     trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=$((4 * N)) \
@@ -150,10 +160,25 @@ train() {
   $PY scripts/gpu_report.py run "$out/run/metrics.jsonl" --name "$name" --steps "$steps" --tol "$TOL" --verdict "$VERDICT"
 }
 
+if has attention; then
+  if $PY scripts/gpu_attention_check.py > "$WORK/attention.log" 2>&1; then
+    if grep -q "no CUDA device" "$WORK/attention.log"; then row "attention" INFO "$(tail -1 "$WORK/attention.log")"
+    else row "attention" OK "$(grep -v 'gpu_attention_check: OK' "$WORK/attention.log" | sed 's/^gpu_attention_check: //' | tr '\n' ' ' | cut -c1-600)"; fi
+  else
+    row "attention" FAIL "$(grep FAILED "$WORK/attention.log" | head -3 | tr '\n' ' ' | cut -c1-600) ($WORK/attention.log)"
+  fi
+  cat "$WORK/attention.log"
+fi
 if has tiny; then
   train tiny recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3
   if [ ${#ENGINE[@]} -eq 0 ] && [ $((N % 2)) -eq 0 ]; then
     train tiny_tp2 recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 rollout.tensor_model_parallel_size=2
+  fi
+fi
+if has packed && [ -f "$WORK/model_warm/config.json" ]; then
+  if MODEL="$WORK/model_warm" train packed recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 \
+       model.use_remove_padding=true actor.fsdp_config.param_dtype=bfloat16; then
+    $PY scripts/gpu_report.py layouts "$WORK/packed/run/metrics.jsonl" --name "packed: layouts" --verdict "$VERDICT"
   fi
 fi
 if has lora; then

@@ -51,7 +51,9 @@ def run_report(metrics: Path, *, name: str, steps: list[int], tol: float, verdic
         err = r.get("debug/weight_sync_max_abs_diff", float("nan"))
         worst = max(worst, err) if not math.isnan(err) else float("inf")
         mem = "  ".join(f"{k}={v:.1f}" for k, v in sorted(r.items()) if k.startswith("memory/"))
-        print(f"step {r['step']}: weight_sync_max_abs_diff={err:.3g}  {mem}")
+        probe = "  ".join(f"{k.removeprefix('rollout/')}={r[k]:.3g}" for k in
+                          ("rollout/weight_probe_ratio", "rollout/weight_probe_abs_diff", "rollout/weight_probe_noise") if k in r)
+        print(f"step {r['step']}: weight_sync_max_abs_diff={err:.3g}  {probe}  {mem}")
     got = [r["step"] for r in rows]
     ok = got == steps and worst <= tol
     detail = f"steps {got} (expected {steps}); worst weight-sync error {worst:.3g} (tolerance {tol:g})"
@@ -59,6 +61,18 @@ def run_report(metrics: Path, *, name: str, steps: list[int], tol: float, verdic
         detail += f"; update peak {rows[-1]['memory/update_peak_mb']:.0f} MiB"
     print(f"gpu_check: {name}: {'OK' if ok else 'FAILED'} ({detail})")
     add(verdict, name, "OK" if ok else "FAIL", detail)
+    return 0 if ok else 1
+
+
+def layouts_report(metrics: Path, *, name: str, verdict: Path) -> int:
+    """The packed stage's layouts: OK when some step ran shared-prompt micro-batches (perf/shared_prefix > 0)."""
+    rows = read_rows(metrics) if metrics.is_file() else []
+    shared = [r.get("perf/shared_prefix", 0.0) for r in rows]
+    real = [r.get("perf/real_token_fraction") for r in rows]
+    ok = any(x > 0 for x in shared)
+    detail = f"perf/shared_prefix per step {[round(x, 3) for x in shared]}; perf/real_token_fraction {real}"
+    print(f"gpu_check: {name}: {'OK' if ok else 'FAILED'} ({detail})")
+    add(verdict, name, "OK" if ok else "FAIL", detail + ("" if ok else ": no shared-prompt micro-batch ran"))
     return 0 if ok else 1
 
 
@@ -153,9 +167,15 @@ def main(argv: list[str]) -> int:
     big.add_argument("--plan", type=Path, required=True)
     big.add_argument("--measure", type=Path)
     big.add_argument("--verdict", type=Path, required=True)
+    layouts = sub.add_parser("layouts")
+    layouts.add_argument("metrics", type=Path)
+    layouts.add_argument("--name", required=True)
+    layouts.add_argument("--verdict", type=Path, required=True)
     tab = sub.add_parser("table")
     tab.add_argument("verdict", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "layouts":
+        return layouts_report(args.metrics, name=args.name, verdict=args.verdict)
     if args.command == "run":
         return run_report(args.metrics, name=args.name, steps=[int(s) for s in args.steps.split(",")], tol=args.tol,
                           verdict=args.verdict)

@@ -85,19 +85,8 @@ def used_calls(paths: list[Path]) -> dict[tuple[str, int, tuple[str, ...], bool]
 
 
 def _object(dotted: str):
-    """The object `dotted` names, or None."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                return None
-        return obj
-    return None
+    """The object `dotted` names, or None (`lookup`)."""
+    return lookup(dotted)[1]
 
 
 def bind_problem(name: str, positional: int, keywords: tuple[str, ...], starred: bool = False) -> str | None:
@@ -117,8 +106,9 @@ def bind_problem(name: str, positional: int, keywords: tuple[str, ...], starred:
     return None
 
 
-def resolve(dotted: str) -> bool:
-    """True when `dotted` is a module or an attribute reachable from the longest importable module prefix."""
+def lookup(dotted: str) -> tuple[bool, object]:
+    """(True, the object) when `dotted` is a module or an attribute reachable from the longest importable module prefix
+    (a submodule its package has not imported yet included), else (False, None)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -132,11 +122,16 @@ def resolve(dotted: str) -> bool:
                 except ImportError:
                     obj = None
                 if obj is None:
-                    return False
+                    return False, None
             else:
                 obj = getattr(obj, attr)
-        return True
-    return False
+        return True, obj
+    return False, None
+
+
+def resolve(dotted: str) -> bool:
+    """True when `dotted` resolves (`lookup`)."""
+    return lookup(dotted)[0]
 
 
 # Attribute chains that end on a tensor's / module's own methods, not torch's API (a chain through a call's result is

@@ -262,7 +262,7 @@ def test_config_refuses_group_estimators_with_one_response_and_a_bad_gamma(tmp_p
         cfg_with(tmp_path, f"algorithm.adv_estimator={estimator}", n=1)
     with pytest.raises(ConfigError, match=r"algorithm.gamma=1.5: the discount per response token must be in \[0, 1\]"):
         cfg_with(tmp_path, "algorithm.gamma=1.5")
-    with pytest.raises(ConfigError, match="algorithm.adv_estimator='gae' is not supported") as refused:
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator=gae: GAE needs a value model") as refused:
         cfg_with(tmp_path, "algorithm.adv_estimator=gae")
     assert "GAE needs a value model (a critic)" in str(refused.value)
 

@@ -279,3 +279,32 @@ def test_fewer_kept_groups_than_mini_batches_leave_no_empty_mini_batch():
         rows = Actor.mini_batch_rows(SimpleNamespace(cfg=cfg), batch)
         assert all(rows) and sorted(i for mini in rows for i in mini) == list(range(2 * kept)), (kept, rows)
     assert len(Actor.mini_batch_rows(SimpleNamespace(cfg=cfg), SimpleNamespace(group_ids=["a", "a"]))) == 1
+
+
+def test_step_plan_draws_each_epochs_permutation_once_and_shares_the_old_logprob_cut():
+    """Issue 29 item 1: `make_step_plan` decides the step's mini-batches once: epoch e holds the e-th permutation drawn
+    from the step's generator (what the update drew epoch by epoch before), each mini-batch cut once; the old-logprob
+    pass gets epoch 0's very MiniBatch objects when its budget is the update's, its own cut of the same rows otherwise."""
+    from grpo_lib.batching import MiniBatch, make_step_plan, split_mini_batches
+
+    group_ids = [g for g in "abcd" for _ in range(2)]  # 4 groups of 2 rows: rows 0-1 a, 2-3 b, 4-5 c, 6-7 d
+    cuts = []
+
+    def one_per_row(rows):  # a micro-batch per row, positions in `rows`
+        cuts.append(rows)
+        return [[j] for j in range(len(rows))]
+
+    seed = 1234
+    plan = make_step_plan(group_ids, sizes=[2, 2], epochs=2, generator=torch.Generator().manual_seed(seed), cut=one_per_row)
+    draws = torch.Generator().manual_seed(seed)  # the same generator, read epoch by epoch
+    expected = [split_mini_batches(group_ids, sizes=[2, 2], generator=draws) for _ in range(2)]
+    assert [[m.rows for m in epoch] for epoch in plan.epochs] == expected
+    assert all(m.micro_batches == [[0], [1], [2], [3]] for epoch in plan.epochs for m in epoch)
+    assert len(cuts) == 4 and plan.old_logprob is plan.epochs[0]  # 2 epochs x 2 mini-batches, each cut once
+    # without a generator: every epoch the same mini-batches (groups in order), cut once
+    cuts.clear()
+    plain = make_step_plan(group_ids, sizes=[2, 2], epochs=3, generator=None, cut=one_per_row,
+                           cut_old_logprob=lambda rows: [list(range(len(rows)))])  # the old pass: one micro-batch
+    assert [m.rows for m in plain.epochs[0]] == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(cuts) == 2
+    assert plain.epochs[1] is plain.epochs[0] and plain.epochs[2] is plain.epochs[0]
+    assert plain.old_logprob == [MiniBatch([0, 1, 2, 3], [[0, 1, 2, 3]]), MiniBatch([4, 5, 6, 7], [[0, 1, 2, 3]])]

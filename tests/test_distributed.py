@@ -43,6 +43,9 @@ def test_every_helper_on_two_processes(tmp_path):
         assert rec["sum"] == 4.0 and rec["min"] == 9.0 and rec["max"] == 10.0
         assert rec["gathered"] == [{"rank": 0, "items": [0]}, {"rank": 1, "items": [0, 1]}]
         assert rec["broadcast"] == "from rank 1"
+        # issue 29 item 3: 40 metrics (10 sums, 10 maxes, 10 mins, 10 means over a count) in 3 all-reduces, one per
+        # kind (the SUM packs the totals and the count: 21 numbers), with the values of 41 single-number all-reduces
+        assert rec["reduction_equal"] and rec["reduction_calls"] == [21, 10, 10] and rec["helper_calls"] == 41, rec
 
 
 def test_helpers_are_the_identity_without_a_group():
@@ -91,3 +94,64 @@ def test_more_processes_than_visible_gpus_is_an_error(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "2")
     problem = distributed.gpu_visibility_problem()
     assert problem and "LOCAL_RANK=2 but only 2 GPU(s) are visible" in problem and "--num_processes" in problem, problem
+
+
+def test_reduction_without_a_group_is_the_same_arithmetic():
+    r = D.Reduction()
+    r.count("tokens", 0)  # a mean over nothing divides by 1, as the trainer's max(count, 1.0)
+    r.mean("m", 3.0, over="tokens")
+    r.sum("s", 2)
+    r.max("x", 5)
+    r.min("y", -1)
+    assert r.reduce() == {"s": 2.0, "m": 3.0, "x": 5.0, "y": -1.0}
+
+
+def test_a_steps_metrics_take_a_handful_of_all_reduces_whatever_their_number(tiny_model_dir, monkeypatch):
+    """Issue 29 item 3: a step's metrics (rollouts, advantages, the update, timings, memory) are reduced in one packed
+    all-reduce per kind: counted on a recording group (every all-reduce recorded, the tensor left as one process's) while
+    the step's phases run in the trainer's order on the tiny actor and a fake engine. The counts do not grow with the
+    metrics: the rollouts' 2 (sums and means, the longest response), the advantages' 1, the update's 3 per optimizer
+    step (the loss counts, the skip decision, the metrics) and 1 (the memory peak), the timings' 1, the phase peaks' 1."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo_lib import step
+    from grpo_lib.actor import Actor
+    from grpo_lib.config import load_config
+    from grpo_lib.perf import PhaseMemory
+    from tests.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine, FakeScorer
+
+    recorded: list[int] = []
+    monkeypatch.setattr(D, "is_on", lambda: True)  # reductions run; the recording all-reduce leaves one process's values
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, **kw: recorded.append(t.numel()))
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.train_files=[unused.parquet]", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2", "rollout.n=3",
+                             "actor.ppo_epochs=2", "reward.num_workers=0"])
+    counts = {}
+
+    def phase(name, fn):
+        start = len(recorded)
+        out = fn()
+        counts[name] = len(recorded) - start
+        return out
+
+    timings: dict[str, float] = {}
+    batch, gen_metrics = phase("rollouts", lambda: step.collect_rollouts(cfg, FakeEngine(), FakeScorer(), FakeData(),
+                                                                          CyclingSampler(), step=1, world_size=1, rank=0,
+                                                                          timings=timings))
+    torch.manual_seed(0)
+    actor = Actor(cfg, device=torch.device("cpu"))
+    adv_metrics = phase("advantages", lambda: step.compute_advantages(cfg, batch))
+    plan = actor.plan_step(batch)
+    batch.old_logprobs = actor.compute_logprobs(batch, plan)
+    train_metrics = phase("update", lambda: actor.update(batch, plan))
+    memory = PhaseMemory(torch.device("cpu"))
+    memory.begin("update")
+    timing_metrics = phase("timings", lambda: step.reduce_timings({**timings, "timing_s/update": 1.0, "timing_s/step": 2.0}))
+    memory_metrics = phase("memory", memory.metrics)
+    optimizer_steps = sum(len(epoch) for epoch in plan.epochs)
+    assert optimizer_steps == 4  # 2 epochs x 2 mini-batches
+    assert counts == {"rollouts": 2, "advantages": 1, "update": 3 * optimizer_steps + 1, "timings": 1,
+                      "memory": 1 if memory_metrics else 0}, counts
+    metrics = {**gen_metrics, **adv_metrics, **train_metrics, **timing_metrics, **memory_metrics}
+    assert len(metrics) >= 30 and sum(counts.values()) < len(metrics) / 1.5, (len(metrics), counts)  # 30 metrics, 18 all-reduces

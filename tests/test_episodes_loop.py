@@ -202,7 +202,8 @@ def test_from_config_runs_per_episode_only_without_tensor_parallelism(tokenizer,
 
     mt = MultiTurnConfig(enable=True, tool_config_path="recipes/tool_config/calculator_tool_config.yaml")
     cfg = SimpleNamespace(rollout=SimpleNamespace(multi_turn=mt, tensor_model_parallel_size=tp),
-                          data=SimpleNamespace(apply_chat_template_kwargs={}))  # the keys from_config reads
+                          data=SimpleNamespace(apply_chat_template_kwargs={}),
+                          reward=SimpleNamespace(import_timeout_s=60.0))  # the keys from_config reads
     runner = EpisodeRunner.from_config(cfg, tokenizer=tokenizer)
     try:
         assert runner.per_episode is (tp == 1)

@@ -80,3 +80,23 @@ def test_gpu_check_names_an_old_driver(tmp_path):
     assert "| env: gpu | FAIL | this machine's NVIDIA driver lists 1 GPU(s) but torch" in proc.stdout, proc.stdout[-2000:]
     assert "the driver is probably older than that CUDA version needs" in proc.stdout
     assert "gpu_check: FAILED: env: gpu" in proc.stdout
+
+
+def test_gpu_check_packed_stage_runs_shared_prompt_micro_batches(tmp_path):
+    """Issue 28 item 10: the `packed` stage (a warmed tiny model whose responses stop at spread lengths, packing on,
+    bf16 compute) runs packed shared-prompt micro-batches (perf/shared_prefix > 0), the packing isolation check on the
+    sharded policy and the weight probe, and says so in its verdict row; here on CPU as on the GPU image."""
+    blocker, work = tmp_path / "no_vllm", tmp_path / "work"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    env = {**os.environ, "STAGES": "packed", "ALLOW_CPU": "1", "WORK": str(work), "WHEELS": str(tmp_path / "none"),
+           "PY": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(blocker)}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    table = proc.stdout[proc.stdout.index("| check | verdict | detail |"):]
+    assert "| packed | OK | steps [1, 2, 3]" in table and "| packed: layouts | OK | perf/shared_prefix per step" in table, table
+    assert "weight_probe_ratio=" in out and "FAIL" not in table, out[-3000:]
+    log = (work / "packed" / "train.log").read_text()
+    assert "grpo_varlen" in log and "shared prompts" in log, log[-2000:]  # the start-up line: the implementation and why

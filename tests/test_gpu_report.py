@@ -93,3 +93,16 @@ def test_big_verdict_on_cpu_is_not_judged_but_an_unreadable_plan_fails(tmp_path,
         code = gpu_report.big_report(tmp_path, plan_text=plan_text, measure_text=None, verdict=verdict)
     rows = {r[0]: r[1] for r in verdict_rows(verdict)}
     assert rows.get("big: training-phase memory", rows.get("big: plan")) == expect and code == (expect == "FAIL")
+
+
+def test_layouts_verdict_needs_a_shared_prompt_micro_batch(tmp_path):
+    """Issue 28 item 10: gpu_check's packed stage is OK only when some step ran shared-prompt micro-batches."""
+    verdict = tmp_path / "verdict.tsv"
+    (tmp_path / "shared.jsonl").write_text("\n".join(json.dumps({"step": s, "timing_s/step": 1.0, "perf/shared_prefix": x,
+                                                                 "perf/real_token_fraction": 1.3}) for s, x in ((1, 0.0), (2, 0.5))))
+    (tmp_path / "padded.jsonl").write_text(json.dumps({"step": 1, "timing_s/step": 1.0, "perf/shared_prefix": 0.0}))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert gpu_report.layouts_report(tmp_path / "shared.jsonl", name="packed: layouts", verdict=verdict) == 0
+        assert gpu_report.layouts_report(tmp_path / "padded.jsonl", name="padded", verdict=verdict) == 1
+    rows = verdict.read_text().splitlines()
+    assert rows[0].startswith("packed: layouts\tOK") and rows[1].startswith("padded\tFAIL") and "no shared-prompt" in rows[1]

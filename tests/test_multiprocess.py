@@ -137,6 +137,29 @@ def test_collective_bytes_follow_the_schedule(launched, setting):
             assert got == expected, f"{choice} {setting} rank {rec['rows']}: {got} != {expected} (M={M}, R={R}, L={L})"
 
 
+@pytest.mark.parametrize("setting", ["fixed1", "budget60-packed"])
+@pytest.mark.parametrize("name", ["k3", "forward_kl_topk", "k1-pg-alone"])
+def test_two_processes_give_the_distillation_terms_full_batch_gradient(launched, name, setting):
+    """The distillation term on 2 processes (one with 3 groups, one with 1: dummy micro-batches) = the 1-process
+    full-batch loss's gradient; its metrics (mean and range over the loss tokens) are the same on both processes."""
+    from tests.test_distillation_invariance import DISTILL_CASES, distill_config, reference_distill, teacher_scores
+
+    batch = launched["batch"].select(list(range(len(launched["batch"]))))
+    teacher_scores(batch)
+    cfg = distill_config(launched["model_dir"], *DISTILL_CASES[name])
+    model = launched["model"]
+    model.zero_grad(set_to_none=True)
+    reference_distill(model, batch, cfg).backward()
+    expected = case.grads_of(model)
+    records = load(launched, f"distill-{name}-{setting}")
+    for rank, record in enumerate(records):
+        case.assert_close_grads(record["grads"], expected, f"distill {name} {setting} rank {rank}")
+    for key in ("distillation/kl_mean", "distillation/loss_min", "distillation/loss_max", "distillation/loss"):
+        assert records[0]["metrics"][key] == records[1]["metrics"][key], f"{key}: the processes disagree"
+    m = records[0]["metrics"]
+    assert m["distillation/loss_min"] <= m["distillation/kl_mean"] <= m["distillation/loss_max"]
+
+
 def test_lopsided_shares_run_dummy_micro_batches(launched):
     """Process 1 holds 2 rows but runs 6 micro-batches (4 dummies) like process 0; the gradient is unchanged."""
     records = load(launched, "lopsided")

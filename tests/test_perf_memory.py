@@ -47,6 +47,10 @@ def test_gpu_peak_is_reset_per_phase_and_leaves_out_the_sleeping_engine(monkeypa
     state = {"peak": 0, "resets": 0}
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(resets=state["resets"] + 1))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    # issue 28 item 9: the caching allocator's reserve (allocated + 300 MiB of fragmentation) and the device's free bytes
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["peak"] + 300 * MB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], 80 * 1024 * MB))
+    state["free"] = 20000 * MB
     engine = {1: SimpleNamespace(handle=(0, 4000 * MB), is_asleep=False), 2: SimpleNamespace(handle=(0, 1000 * MB), is_asleep=False)}
     cumem = SimpleNamespace(CuMemAllocator=SimpleNamespace(instance=SimpleNamespace(pointer_to_data=engine)))
     monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
@@ -58,9 +62,29 @@ def test_gpu_peak_is_reset_per_phase_and_leaves_out_the_sleeping_engine(monkeypa
     for data in engine.values():  # sleep: unmapped, still allocated in torch's eyes
         data.is_asleep = True
     state["peak"] = 5000 * MB + 9000 * MB
+    state["free"] = 60000 * MB
     memory.end()
     metrics = memory.metrics()
-    assert metrics == {"memory/gen_peak_mb": 5700.0, "memory/update_peak_mb": 9000.0, "memory/peak_mb": 9000.0}
+    assert metrics == {"memory/gen_peak_mb": 5700.0, "memory/update_peak_mb": 9000.0, "memory/peak_mb": 9000.0,
+                       "memory/gen_reserved_mb": 6000.0, "memory/update_reserved_mb": 9300.0,
+                       "memory/gen_device_free_mb": 20000.0, "memory/update_device_free_mb": 60000.0}
+
+
+def test_the_engines_residual_while_it_sleeps_is_a_metric(monkeypatch):
+    """Issue 28 item 9: after a release on CUDA, the device MiB in use that torch's allocator does not hold as live
+    memory (total - free - (reserved - the unmapped sleep pool)): the engine's graph pool / buffers, the context, NCCL."""
+    from grpo_lib.engines import base
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50000 * MB, 80000 * MB))  # 30000 in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 33000 * MB)  # of which 5000 unmapped
+    engine = {1: SimpleNamespace(handle=(0, 5000 * MB), is_asleep=True)}
+    cumem = SimpleNamespace(CuMemAllocator=SimpleNamespace(instance=SimpleNamespace(pointer_to_data=engine)))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    life = base.Lifecycle(frees_memory=True, discards_weights=False)
+    with life.transition("release"):
+        pass
+    assert life.metrics["memory/sleep_residual_mb"] == 30000 - (33000 - 5000)
 
 
 def test_engine_unmapped_bytes_without_vllm(monkeypatch):

@@ -157,9 +157,12 @@ def test_memory_plan_arithmetic_qwen3_4b():
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
 def test_every_recipe_passes_print_plan(recipe, capsys):
     """Model and data paths may not exist: the config, the batch arithmetic and (given a config.json) the memory plan."""
-    snapshot = {"qwen3_4b": "qwen3_4b_config.json", "qwen3_8b": "qwen3_8b_config.json", "qwen2_5_0_5b": "qwen2_5_0_5b_config.json"}
+    snapshot = {"qwen3_4b": "qwen3_4b_config.json", "qwen3_8b": "qwen3_8b_config.json", "qwen2_5_0_5b": "qwen2_5_0_5b_config.json",
+                "qwen3_1_7b": "qwen3_1_7b_config.json"}
     model_config = [DATA / f for prefix, f in snapshot.items() if recipe.name.startswith(prefix)]
     extra = ["--model-config", str(model_config[0])] if model_config else []
+    if "_from_8b_" in recipe.name:  # a distillation recipe: its teacher's config.json too
+        extra += ["--teacher-model-config", str(DATA / "qwen3_8b_config.json")]
     code, out = plan(capsys, str(recipe), *extra)
     whole = "peak per GPU" in out  # a tiny recipe's model folder may not exist yet (data_prep makes it)
     assert code == (0 if whole else 5), out

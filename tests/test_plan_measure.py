@@ -212,3 +212,43 @@ def test_the_plans_optimizer_step_term_is_what_the_chosen_adamw_allocates():
     assert step_temporary(lambda ps: torch.optim.AdamW(ps, foreach=True)) >= 4 * sum(sizes)  # what fused avoids (+ scalars)
     cpu = make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.actor, device_type="cpu")
     assert not cpu.defaults["fused"] and cpu.defaults["foreach"] is False  # CPU keeps the per-tensor loop (its default)
+
+
+@pytest.mark.slow  # ~10 s: a small model measured, the tiny model loaded
+def test_measured_actor_is_built_through_the_runs_constructor(tiny_model_dir, monkeypatch):
+    """Issue 29 item 6: `--measure` builds the real Actor (`Actor.from_model` -> `Actor._build`, the path `Actor.__init__`
+    takes after loading), so an attribute a future change sets while building an actor reaches the measured one: the
+    measured actor has exactly the attributes of a run's, a new one included, with the GPU's choices on the CPU."""
+    import torch
+
+    from grpo_lib.actor import Actor
+    from grpo_lib.plan_measure import measure_update
+
+    built, original = [], Actor._build
+
+    def with_a_new_field(self, *args, **kwargs):  # a later change adding an attribute to the actor's construction
+        original(self, *args, **kwargs)
+        self.new_field = "set while building"
+        built.append(self)
+
+    monkeypatch.setattr(Actor, "_build", with_a_new_field)
+    measure_update(load_config(RECIPE, SMALL_OVERRIDES, world_size=4), SMALL, world_size=4)
+    (measured,) = built
+    run = Actor(load_config(None, [f"model.path={tiny_model_dir}", "data.train_files=[unused.parquet]", "rollout.n=2",
+                                   "actor.use_dynamic_bsz=true", "rollout.log_prob_use_dynamic_bsz=true"]),
+                device=torch.device("cpu"))
+    assert built[1] is run and set(vars(measured)) == set(vars(run)), set(vars(measured)) ^ set(vars(run))
+    assert measured.new_field == "set while building"
+    # the GPU's choices: bf16 gathers (param_dtype auto on a GPU), no CPU autocast, fused AdamW, the fake group's size
+    assert measured.param_dtype == torch.bfloat16 and measured.compute_dtype == measured.master_dtype == torch.float32
+    assert measured.optimizer.defaults["fused"] is True and run.optimizer.defaults["fused"] is False
+    assert measured.world_size == 4 and measured.collective_bytes is not None
+
+
+def test_measure_refuses_torch_compile():
+    """The measured update is eager: with actor.use_torch_compile the actor would compile its layers on fake tensors."""
+    from grpo_lib.plan_measure import MeasureError, measure_update
+
+    cfg = load_config(RECIPE, [*SMALL_OVERRIDES, "actor.use_torch_compile=true"], world_size=4)
+    with pytest.raises(MeasureError, match="actor.use_torch_compile=false"):
+        measure_update(cfg, SMALL, world_size=4)

@@ -151,3 +151,39 @@ def test_old_logprobs_equal_first_update_logprobs(tiny_model_dir, monkeypatch, r
                                               f"old-logprob pass: max |diff| {float((lp - old)[loss].abs().max()):.3g}")
     assert bool((lp[~loss] == 0).all()), "the update scores only the loss tokens"
     assert all(map(torch.isfinite, map(torch.tensor, metrics.values()))), metrics
+
+
+def test_the_step_plan_is_made_once_and_followed(tiny_model_dir, monkeypatch):
+    """Issue 29 item 1: the step's mini-batches are split once (`Actor.plan_step`: one permutation per epoch from one
+    generator), and the old-logprob pass and the update follow the plan they are handed: no pass re-derives it. A plan
+    holding only the first mini-batch makes the update take one optimizer step, on exactly its rows."""
+    from grpo_lib import batching
+    from grpo_lib.batching import StepPlan
+
+    cfg = make_cfg(tiny_model_dir, "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=1", "actor.shuffle=true")
+    torch.manual_seed(0)
+    actor = Actor(cfg, device=torch.device("cpu"))
+    batch = fake_batch(cfg)
+    calls = {"split": 0, "generator": 0}
+    split, generator = batching.split_mini_batches, Actor._shuffle_generator
+
+    def counted_split(*args, **kwargs):
+        calls["split"] += 1
+        return split(*args, **kwargs)
+
+    def counted_generator(self):
+        calls["generator"] += 1
+        return generator(self)
+
+    monkeypatch.setattr(batching, "split_mini_batches", counted_split)
+    monkeypatch.setattr(Actor, "_shuffle_generator", counted_generator)
+    plan = actor.plan_step(batch)
+    assert [len(e) for e in plan.epochs] == [3, 3] and plan.old_logprob is plan.epochs[0]  # 3 one-prompt mini-batches
+    batch.old_logprobs = actor.compute_logprobs(batch, plan)
+    stepped, step = [], Actor._optimizer_step
+    monkeypatch.setattr(Actor, "_optimizer_step", lambda self, mini, micro=None: stepped.append((mini, micro)) or step(self, mini, micro))
+    first = plan.epochs[0][0]
+    actor.update(batch, StepPlan(epochs=[[first]], old_logprob=[first]))
+    assert calls == {"split": 2, "generator": 1}, "the plan is made once: one generator, one split per epoch"
+    ((mini, micro),) = stepped
+    assert micro is first.micro_batches and torch.equal(mini.input_ids, batch.select(first.rows).input_ids)

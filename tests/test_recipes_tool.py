@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from data_prep import gsm8k_tool, synthetic
+from data_prep import gsm8k_tool, python_tool, synthetic
 from grpo_lib.config import load_config
 from grpo_lib.tools.config import load_tools
 
 REPO = Path(__file__).resolve().parents[1]
 # recipe -> (processes, the tool whose create_kwargs its data carries)
-TOOL_RECIPES = {"qwen3_4b_gsm8k_tool.yaml": (4, gsm8k_tool.TOOL_NAME), "tiny_cpu_tool.yaml": (1, synthetic.TOOL_NAME)}
+TOOL_RECIPES = {"qwen3_4b_gsm8k_tool.yaml": (4, gsm8k_tool.TOOL_NAME), "tiny_cpu_tool.yaml": (1, synthetic.TOOL_NAME),
+                "qwen3_4b_gsm8k_python_tool.yaml": (4, python_tool.TOOL_NAME)}
 
 
 def test_every_tool_recipe_is_listed():

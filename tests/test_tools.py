@@ -143,7 +143,8 @@ def test_hermes_calls_are_read_in_order_and_malformed_ones_kept():
     assert calls[2].name is None and calls[2].error.startswith("the tool call is not valid JSON")
     assert calls[3].error.startswith("a tool call is a JSON object")
     assert (calls[4].name, calls[4].error) == ("x", "the arguments must be a JSON object, got int")
-    assert len(calls) == 5, "an unclosed block is no call"
+    assert len(calls) == 6 and calls[5] == ToolCall(None, None, error="a <tool_call> is not closed with </tool_call>"), \
+        "an unclosed block is an invalid call (issue 30: counted, not taken for the answer)"
     assert parse_tool_calls("The answer is 42.") == []
 
 

@@ -5,7 +5,7 @@ of such a run: finite losses, episode and tool metrics, the engine serving the a
 (invariant 3, over episodes), validation with episodes, and a checkpoint at the end. Then: 2 processes and a
 tensor-parallel engine over 2 train like 1 with episodes (invariant 8: per-(sample, turn) seeds), LoRA trains with
 episodes, a run SIGKILLed mid-run with tools resumes to the same metrics and weights, and a tool failing on every call
-of a step stops the run (exit 3) after saving.
+of a step, or blocking the tool loop, stops the run (exit 3) after saving.
 """
 
 from __future__ import annotations
@@ -220,3 +220,23 @@ def test_a_tool_failing_on_every_call_of_a_step_stops_the_run_after_saving(eos_m
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1]
     step2 = [r for r in rows if r["step"] == 2]
     assert step2 and step2[0]["tools/calculator/failures"] == step2[0]["tools/calculator/calls"] > 0
+
+
+def test_a_tool_that_blocks_the_loop_stops_the_run_after_saving(eos_model_dir, arith_data, tmp_path):
+    """The tool answers step 1's 16 calls (4 prompts x 4 episodes, one call each before the turn limit), then blocks
+    the tool loop for 120 s on the next (time.sleep in an async def): step 2's calls never return, so 1 + 30 s later
+    (tool_timeout_s + the stall grace) the step is aborted: exit 3, step 1 saved."""
+    import time
+
+    (tmp_path / "tools.yaml").write_text(TOOLS.replace("grpo_lib.tools.builtin.CalculatorTool", "tests.scripts.episode_case.StallsAfter")
+                                         .replace("config: {}", "config: {ok_calls: 16}"))
+    out = tmp_path / "run"
+    args = multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml", "trainer.val_before_train=false",
+                                "rollout.multi_turn.tool_timeout_s=1")
+    started = time.monotonic()
+    proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *args], tool="calculator", arguments={"expression": "1"})
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    assert "step 2: the tool calls of a turn did not return within 31 s" in proc.stderr, proc.stderr[-4000:]
+    assert (out / "global_step_1").is_dir() and not (out / "global_step_2").exists()
+    assert time.monotonic() - started < 600
+    assert [r["step"] for r in read_metrics(out) if "actor/pg_loss" in r] == [1]

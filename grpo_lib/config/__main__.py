@@ -1,10 +1,10 @@
-"""`python -m grpo_lib.config` prints the config reference; `--update-readme` rewrites README.md's tables with it."""
+"""`python -m grpo_lib.config` prints the config reference; `--update-docs` rewrites docs/REFERENCE.md's tables with it."""
 
 import sys
 
-from grpo_lib.config.schema import reference_markdown, update_readme
+from grpo_lib.config.reference import reference_markdown, update_docs
 
-if "--update-readme" in sys.argv:
-    update_readme()
+if "--update-docs" in sys.argv or "--update-readme" in sys.argv:  # --update-readme: the flag's older name
+    update_docs()
 else:
     print(reference_markdown())

@@ -67,6 +67,11 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
             logprob_pass.log_prob_micro_batch_size_per_gpu = a.ppo_micro_batch_size_per_gpu
     if t.n_gpus_per_node is not None and t.nnodes is None:
         t.nnodes = 1  # verl's default
+    dl = cfg.distillation.distillation_loss  # verl's fallback: clip_ratio_low / high default to clip_ratio
+    if dl.clip_ratio_low is None:
+        dl.clip_ratio_low = dl.clip_ratio
+    if dl.clip_ratio_high is None:
+        dl.clip_ratio_high = dl.clip_ratio
 
 
 def needs_old_logprobs(cfg: Config) -> bool:
@@ -188,7 +193,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if d.train_batch_size % world_size:
         p.append(f"data.train_batch_size={d.train_batch_size} prompts does not split across {world_size} processes "
                  "(a group never straddles processes): make it a multiple of the process count")
-    if cfg.algorithm.adv_estimator in names.GROUP_ADV_ESTIMATORS and r.n < 2:
+    distill_alone = cfg.distillation.enabled and not cfg.distillation.distillation_loss.use_task_rewards  # no GRPO loss
+    if cfg.algorithm.adv_estimator in names.GROUP_ADV_ESTIMATORS and r.n < 2 and not distill_alone:
         p.append(f"rollout.n={r.n} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: group-relative advantages "
                  "need at least 2 responses per prompt; set rollout.n=5 (or more)")
     if cfg.algorithm.adv_estimator in names.REFUSED_ADV_ESTIMATORS:
@@ -240,6 +246,8 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     for key, value, supported in checks:
         if key == "actor.policy_loss.loss_mode" and value in names.REFUSED_POLICY_LOSS_MODES:
             p.append(f"{key}={value!r} is not supported: {names.REFUSED_POLICY_LOSS_MODES[value]}")
+        elif key == "algorithm.adv_estimator" and value in names.REFUSED_ADV_ESTIMATORS:
+            continue  # refused above with its reason
         elif value not in supported:
             p.append(f"{key}={value!r} is not supported: use one of {sorted(supported)}")
     for i, fn in enumerate(cfg.reward.functions):
@@ -287,6 +295,40 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     p += _value_ranges(cfg)
     p += _multi_turn_problems(cfg)
     p += _engine_kwargs_problems(cfg)
+    p += _distillation_problems(cfg)
+    return p
+
+
+def _distillation_problems(cfg: Config) -> list[str]:
+    """The distillation section (grpo_lib/distillation.py): a teacher to score with, a known loss mode, and the
+    combinations verl refuses (k1 backpropagated directly: its gradient does not depend on the teacher)."""
+    ds, p = cfg.distillation, []
+    dl, key = ds.distillation_loss, "distillation.distillation_loss"
+    if dl.loss_mode not in names.DISTILLATION_LOSS_MODES:
+        p.append(f"{key}.loss_mode={dl.loss_mode!r} is not supported: use one of {list(names.DISTILLATION_LOSS_MODES)}")
+    if not ds.enabled:
+        return p
+    if not ds.teacher_models.teacher_model.model_path:
+        p.append("distillation.enabled=true needs distillation.teacher_models.teacher_model.model_path: the teacher's "
+                 "Hugging Face folder or hub name (it must share model.path's tokenizer)")
+    if dl.loss_mode in names.DISTILLATION_DIRECT_REFUSED and not dl.use_policy_gradient:
+        p.append(f"{key}.loss_mode={dl.loss_mode} with {key}.use_policy_gradient=false: the gradient of k1 (student - teacher "
+                 "log-probability) does not depend on the teacher, so backpropagating it directly learns nothing from it; "
+                 "set use_policy_gradient=true (on-policy distillation) or loss_mode=k3 / forward_kl_topk")
+    if dl.loss_mode == "forward_kl_topk" and dl.topk < 1:
+        p.append(f"{key}.topk={dl.topk}: forward_kl_topk needs at least 1 teacher token per position (verl's default 32)")
+    if dl.policy_loss_mode != "vanilla":
+        p.append(f"{key}.policy_loss_mode={dl.policy_loss_mode!r} is not supported: only vanilla (verl supports only it too)")
+    if _outside(dl.distillation_loss_coef, 0.0, None):
+        p.append(f"{key}.distillation_loss_coef={dl.distillation_loss_coef}: must be a finite number >= 0 (default 1.0)")
+    if dl.loss_max_clamp is not None and _outside(dl.loss_max_clamp, 0.0, None, low_open=True):
+        p.append(f"{key}.loss_max_clamp={dl.loss_max_clamp}: must be > 0 (the per-token bound), or null for no clamp")
+    if dl.log_prob_min_clamp is not None and _outside(dl.log_prob_min_clamp, None, 0.0):
+        p.append(f"{key}.log_prob_min_clamp={dl.log_prob_min_clamp}: a log-probability bound must be <= 0 (verl's scripts "
+                 "use -10.0), or null for no clamp")
+    if _outside(dl.clip_ratio_low, 0.0, 1.0, high_open=True) or _outside(dl.clip_ratio_high, 0.0, None):
+        p.append(f"{key}.clip_ratio_low={dl.clip_ratio_low} / clip_ratio_high={dl.clip_ratio_high}: use_policy_gradient's "
+                 "clip epsilons need 0 <= low < 1 and high >= 0 (default 0.2 each)")
     return p
 
 
@@ -421,6 +463,22 @@ def _value_ranges(cfg: Config) -> list[str]:
     return p
 
 
+def multi_turn_warnings(cfg: Config) -> list[str]:
+    """Multi-turn settings that are valid but cannot do what they seem to (train_grpo.py prints them at start).
+
+    Example: enable with max_assistant_turns=1 -> ["rollout.multi_turn.max_assistant_turns=1: ... no tool call can be
+    answered ..."]; multi-turn off -> [].
+    """
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return []
+    out = []
+    if mt.max_assistant_turns == 1:
+        out.append("rollout.multi_turn.max_assistant_turns=1 with tools: every episode ends after its first turn, so no "
+                   "tool call can be answered (the model sees the tools but never their results); set it >= 2")
+    return out
+
+
 def _multi_turn_problems(cfg: Config) -> list[str]:
     """rollout.multi_turn.*: the ranges of its numbers, and what enable needs (a tool config, the chat template)."""
     p: list[str] = []
@@ -437,8 +495,9 @@ def _multi_turn_problems(cfg: Config) -> list[str]:
         p.append(f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s}: seconds, must be > 0 (default 30)")
     if not mt.enable:
         return p
-    if not mt.tool_config_path:
-        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path: a tool config YAML in verl's format "
+    if not mt.tool_config_path and not mt.function_tool_path:
+        p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool config YAML in verl's "
+                 "format) or rollout.multi_turn.function_tool_path (a Python file of @function_tool functions), or both "
                  "(README, 'Multi-turn tool use')")
     if not cfg.data.apply_chat_template:
         p.append("rollout.multi_turn.enable=true with data.apply_chat_template=false: tool responses join the episode as the "

@@ -230,7 +230,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             continue
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else "; see the config reference in README.md"
+            hint = f"; did you mean {close[0]!r}?" if close else "; see the config reference in docs/REFERENCE.md"
             problems.append(f"unknown key {key!r}{hint}")
             continue
         try:

@@ -7,7 +7,7 @@ metadata declares what the code must know about the key beyond its type:
     may_change_on_resume(default)     may differ between a checkpoint and the run resuming it (speed, memory, logging,
                                       length of the run); grpo_lib/checkpoint.py reads `resume_may_change_keys()`
 
-The README's config reference is generated from the field docstrings (`python -m grpo_lib.config --update-readme`).
+The config reference (docs/REFERENCE.md) is generated from the field docstrings (`python -m grpo_lib.config --update-docs`).
 
 Units (docs/DESIGN.md): `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts* (global);
 `actor.ppo_micro_batch_size_per_gpu` counts *trajectories* per process; token budgets count prompt +
@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
+
+from grpo_lib.config.schema_distillation import DistillationConfig
 
 # --------------------------------------------------------------------------------------------- field metadata
 
@@ -258,7 +259,12 @@ class MultiTurnConfig:
     turn are not run and get no response (counted as tools/dropped_calls)."""
     tool_config_path: str | None = None
     """verl's tool config YAML (`tools: - class_name: pkg.module.Class, config: {...}, tool_schema: {type: function,
-    function: {name, description, parameters}}`); required with enable. The classes are imported and run as your code."""
+    function: {name, description, parameters}}`); with enable, this or function_tool_path (or both). The classes are
+    imported and run as your code."""
+    function_tool_path: str | None = None
+    """verl's function tools: a Python file whose `@function_tool` functions (typed, Google-style docstrings) are tools,
+    their schemas inferred as verl infers them (grpo_lib/tools/functions.py); alongside tool_config_path, whose tool
+    names it may not repeat (refused at start naming both files, exit 2). Imported and run as your code."""
     max_tool_response_length: int = 256
     """Characters of one tool response the model sees (verl's unit and default); a longer one is cut on
     tool_response_truncate_side with a "(truncated)" marker and counted (tools/truncated_responses)."""
@@ -267,8 +273,10 @@ class MultiTurnConfig:
     middle keeps half of max_tool_response_length from each end (verl's default)."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call (create, execute, calc_reward or release) may take; a slower call is answered with a timeout
-    message and counted (tools/timeouts). A synchronous tool runs in a worker thread that cannot be killed: the episode
-    moves on, the thread finishes on its own."""
+    message and counted (tools/timeouts). A synchronous tool runs in a thread of its own that cannot be killed: the
+    episode moves on, the call is counted as abandoned (tools/abandoned) and its thread finishes on its own; 64
+    abandoned calls of one tool still running, or a turn whose calls have not all returned 30 s past this timeout (an
+    async tool blocking the event loop), stop the run after saving (exit 3)."""
 
 
 @dataclass
@@ -536,6 +544,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
     ignored: dict[str, str] = field(default_factory=dict, metadata={"runtime": True, "resume_may_change": True})
     """Runtime value, not a key: verl keys accepted without effect (key=value -> reason), printed once at start; may
     change on resume."""
@@ -580,48 +589,3 @@ def _all_leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
         else:
             keys[f"{prefix}{f.name}"] = hint
     return keys
-
-
-def reference_markdown() -> str:
-    """The config reference table (README.md embeds it): key, default, meaning — read from the field docstrings."""
-    import ast
-    import inspect
-
-    docs: dict[str, dict[str, str]] = {}
-    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body, docs[node.name] = node.body, {}
-            for a, b in zip(body, body[1:]):
-                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                    docs[node.name][a.target.id] = " ".join(str(b.value.value).split())
-
-    lines = []
-
-    def walk(cls, prefix: str):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("runtime"):
-                continue
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], f"{prefix}{f.name}.")
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {docs.get(cls.__name__, {}).get(f.name, '')} |")
-
-    for f in dataclasses.fields(Config):
-        if f.metadata.get("runtime"):
-            continue
-        lines.append(f"\n**{f.name}**\n\n| key | default | meaning |\n|---|---|---|")
-        walk(typing.get_type_hints(Config)[f.name], f"{f.name}.")
-    return "\n".join(lines).strip() + "\n"
-
-
-def update_readme(readme: str | Path = "README.md") -> None:
-    """Rewrite the tables between '## Config reference' (after its intro paragraph) and the next '## '."""
-    path = Path(readme)
-    text = path.read_text()
-    start = text.index("## Config reference")
-    first_table = text.index("**data**", start)
-    end = text.index("\n## ", first_table)
-    path.write_text(text[:first_table] + reference_markdown() + text[end:])

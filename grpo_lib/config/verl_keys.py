@@ -86,6 +86,18 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
     "algorithm.rollout_correction.bypass_mode": ("verl's bypass mode (the engine's logprobs as the old ones) is not "
                                                  "implemented: the old-logprob pass always runs", (False,)),
     "algorithm.rollout_correction.loss_type": ("the loss of verl's bypass mode, not implemented", ("ppo_clip",)),
+    # verl serves the distillation teacher from its own GPU pool through an inference server; here it is sharded over the
+    # trainer's processes (FSDP2, like the reference) and scored by the trainer's logprob function
+    "distillation.n_gpus_per_node": ("the teacher's GPU pool: the teacher is sharded over the trainer's processes here", None),
+    "distillation.nnodes": ("the teacher's GPU pool: the teacher is sharded over the trainer's processes here", None),
+    "distillation.teacher_key": ("multi-teacher routing: one teacher (teacher_models.teacher_model) here", None),
+    "distillation.teacher_models.teacher_model.key": ("multi-teacher routing: one teacher here", None),
+    "distillation.teacher_models.teacher_model.num_replicas": ("teacher server replicas: the teacher is sharded over the "
+                                                              "trainer's processes here", None),
+    "distillation.teacher_models.teacher_model.inference.": ("the teacher's inference server: the trainer's logprob "
+                                                             "function scores it here (at temperature 1, as verl's)", None),
+    "distillation.distillation_loss.use_chunked_topk": ("memory only: the output head here runs in chunks in any case", None),
+    "distillation.distillation_loss.chunked_topk_chunk_size": ("memory only: the output head's chunk is fixed here", None),
 }
 
 # verl keys that would change the math and are not implemented: refused with the reason (never ignored).

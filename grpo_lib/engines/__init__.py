@@ -47,6 +47,4 @@ def settings_problems(cfg) -> list[str]:
     check; vLLM itself is not imported."""
     if cfg.rollout.name != "vllm" or not cfg.rollout.engine_kwargs:
         return []
-    from grpo_lib.engines.vllm import settings_problems as vllm_settings_problems
-
-    return vllm_settings_problems(cfg)
+    return importlib.import_module("grpo_lib.engines.vllm").settings_problems(cfg)  # lazily, as engine_class

@@ -128,6 +128,19 @@ def device_free_mb() -> float | None:
     return free / 2**20
 
 
+def sleep_residual_mb() -> float | None:
+    """Device MiB in use that torch's allocator does not account for as live memory, right after the engine's release:
+    (total - free) of the device less (torch's reserved bytes less the engine's unmapped sleep pool). What is left:
+    the CUDA context and NCCL's buffers, and what the engine holds outside its sleep pool (its CUDA-graph pool and
+    buffers): the residual that fake-tensor plans cannot see (scripts/gpu_check.sh prints it). None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from grpo_lib.perf import engine_unmapped_bytes
+
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - (torch.cuda.memory_reserved() - engine_unmapped_bytes())) / 2**20
+
+
 class Lifecycle:
     """The engine's memory state, the legal order of its transitions (module docstring) and the engine's counters.
 
@@ -192,6 +205,10 @@ class Lifecycle:
         if name in ("restore_weights", "restore_cache"):
             self.add("memory/wake_regained_mb", value)
         self.metrics["memory/device_free_mb"] = now
+        if name == "release":  # what the engine keeps while it sleeps, beside what torch's allocator holds
+            residual = sleep_residual_mb()
+            if residual is not None:
+                self.metrics["memory/sleep_residual_mb"] = residual
 
     def empty_trainer_cache(self) -> None:
         before = device_free_mb()

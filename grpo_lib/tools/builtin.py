@@ -5,6 +5,8 @@
                                            computed it (the tiny tool demo's "correct tool call")
     grpo_lib.tools.builtin.Gsm8kTool       verl's gsm8k answer check (`calc_gsm8k_reward`): the episode's tool reward
                                            is 1.0 when the submitted answer equals the row's ground truth
+    grpo_lib.tools.builtin.PythonTool      runs the model's Python code in a sandbox (grpo_lib/tools/sandbox.py) and
+                                           answers with what it printed, or why it was stopped
 
 Example: CalculatorTool.execute(id, {"expression": "(3 + 4) * 2 / 4"}) -> ("3.5", 0.0, {}); an expression it cannot
 evaluate ("2 +", "1 / 0", "x") is answered with "error: ..." (an answer, not a failure of the tool).
@@ -14,9 +16,13 @@ from __future__ import annotations
 
 import ast
 import operator
+import os
+import signal
+import threading
 from fractions import Fraction
 
 from grpo_lib.rewards import gsm8k
+from grpo_lib.tools import sandbox
 from grpo_lib.tools.base import BaseTool
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -24,7 +30,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64  # keeps 9 ** 9 ** 9 from taking the trainer's memory
-MAX_DIGITS = 100
+MAX_DIGITS = 100  # of the numerator and of the denominator of every intermediate value
+_MAX_BITS = int(MAX_DIGITS * 3.33) + 1  # 10 ** 100 < 2 ** 333
 
 
 def evaluate(expression: str) -> Fraction:
@@ -51,10 +58,13 @@ def _eval(node) -> Fraction:
         if isinstance(node.op, ast.Pow):
             if right.denominator != 1 or abs(right) > MAX_EXPONENT:
                 raise ValueError(f"exponents must be whole numbers of at most {MAX_EXPONENT}")
-        value = _BINARY[type(node.op)](left, right)
-        if abs(value.numerator) > 10 ** MAX_DIGITS:
+            # bound the work before doing it: the power has about bits(base) * exponent bits (numerator and denominator)
+            if max(left.numerator.bit_length(), left.denominator.bit_length()) * abs(int(right)) > _MAX_BITS + 64:
+                raise ValueError(f"the result has more than {MAX_DIGITS} digits")
+        value = Fraction(_BINARY[type(node.op)](left, right))
+        if abs(value.numerator) > 10 ** MAX_DIGITS or value.denominator > 10 ** MAX_DIGITS:
             raise ValueError(f"the result has more than {MAX_DIGITS} digits")
-        return Fraction(value)
+        return value
     raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, not {ast.unparse(node)!r}")
 
 
@@ -148,3 +158,79 @@ class Gsm8kTool(BaseTool):
 
     def release(self, instance_id, **kwargs):
         self.episodes.pop(instance_id, None)
+
+
+class PythonTool(BaseTool):
+    """`{"code": "..."}` -> what the code printed (stdout + stderr; a last bare expression's value too, as a REPL
+    shows it), step reward 0. Each call is a fresh interpreter in a fresh directory under the limits of the tool
+    config's `config:` (grpo_lib/tools/sandbox.py says which kernel layer stops which escape):
+
+        cpu_time_s: 10        CPU seconds              wall_time_s: 20    wall-clock seconds (keep < tool_timeout_s)
+        memory_mb: 1024       address space, MiB       file_mb: 16        largest file written, MiB
+        dir_mb: 64            all it writes, MiB (its directory is a tmpfs of that size)
+        max_output_bytes: 65536  output read back (the model then sees max_tool_response_length characters of it)
+        max_concurrent: 8     runs at once (each may take memory_mb); a call waits for a slot within wall_time_s
+        isolation: strict     refuse to build (exit 2 at load) where Landlock or seccomp is missing; best_effort
+                              runs with what there is (an audit hook stands in for Landlock: NOT a boundary)
+
+    Example: execute(id, {"code": "x = 6 * 7\nprint(x)"}) -> ("42\n", 0.0, {}); {"code": "while True: pass"} ->
+    ("Error: the code used its 10 s of CPU time and was stopped.", 0.0, {}).
+    """
+
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        known = {"cpu_time_s", "wall_time_s", "memory_mb", "file_mb", "dir_mb", "max_output_bytes", "max_concurrent",
+                 "isolation"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown PythonTool config key(s) {unknown}; it takes {sorted(known)}")
+        isolation = config.get("isolation", "strict")
+        if isolation not in ("strict", "best_effort"):
+            raise ValueError(f"PythonTool config isolation={isolation!r}: strict or best_effort")
+        self.limits = sandbox.Limits(cpu_s=int(config.get("cpu_time_s", 10)), wall_s=float(config.get("wall_time_s", 20)),
+                                     memory_mb=int(config.get("memory_mb", 1024)), file_mb=int(config.get("file_mb", 16)),
+                                     dir_mb=int(config.get("dir_mb", 64)),
+                                     output_bytes=int(config.get("max_output_bytes", 65536)), strict=isolation == "strict")
+        for key, value in (("cpu_time_s", self.limits.cpu_s), ("wall_time_s", self.limits.wall_s),
+                           ("memory_mb", self.limits.memory_mb), ("max_output_bytes", self.limits.output_bytes)):
+            if value <= 0:
+                raise ValueError(f"PythonTool config {key}={value}: must be > 0")
+        self.slots = threading.BoundedSemaphore(int(config.get("max_concurrent", min(8, os.cpu_count() or 1))))
+        self.layers = sandbox.isolation_layers()  # checked once here, so a machine without them fails at load
+        missing = self.layers["missing"]
+        if self.limits.strict and ("landlock" in missing or "seccomp" in missing or "sandbox" in missing):
+            raise ValueError("the Python sandbox cannot isolate code on this machine: " +
+                             "; ".join(f"{k}: {v}" for k, v in missing.items()) +
+                             " (Landlock needs Linux >= 5.13, TCP rules 6.7, signal scoping 6.12; seccomp needs x86_64). "
+                             "Set config.isolation: best_effort to run with the layers there are (NOT safe for untrusted code)")
+
+    def execute(self, instance_id, parameters, **kwargs):
+        code = parameters.get("code", "")
+        if not isinstance(code, str):
+            return "Error: code must be a string of Python source", 0.0, {}
+        if not self.slots.acquire(timeout=self.limits.wall_s):
+            return f"Error: the Python tool was busy for {self.limits.wall_s:g} s; try again", 0.0, {}
+        try:
+            result = sandbox.run_python(code, limits=self.limits)
+        finally:
+            self.slots.release()
+        return self.observation(result), 0.0, {}
+
+    def observation(self, result: sandbox.RunResult) -> str:
+        """What the model reads of one run: its output, then why it stopped if it did not end on its own."""
+        out, lim = result.output, self.limits
+        if result.status == "ok":
+            return out if out else "(no output)"
+        if result.status == "sandbox_error":
+            return f"Error: the Python sandbox could not start: {out.strip()}"
+        if result.status == "output_limit":
+            return out + f"\n...(output cut at {lim.output_bytes} bytes; the code was stopped)"
+        why = {"cpu_limit": f"Error: the code used its {lim.cpu_s} s of CPU time and was stopped.",
+               "timeout": f"Error: the code ran past its {lim.wall_s:g} s time limit and was stopped."}.get(result.status)
+        if why is None and result.status == "killed":
+            why = f"Error: the code was killed by signal {signal.Signals(-result.returncode).name}."
+        if why is None:  # error: an exit status other than 0
+            why = f"(exit status {result.returncode})" if result.returncode != 1 or not out else ""
+            if "MemoryError" in out:
+                why += f" (the memory limit is {lim.memory_mb} MiB)"
+        return (out + ("\n" if out and not out.endswith("\n") else "") + why.strip()).strip("\n") or "(no output)"

@@ -15,14 +15,17 @@
 
 `load_tools(path)` imports each class and builds it as `Class(config, tool_schema)` (grpo_lib/tools/base.py). Trust
 boundary: the classes run as your code, in the training process. Anything that cannot be loaded (a missing file or
-class, a schema without a name or with `required` keys it does not declare, two tools of one name, a constructor that
-raises) is a `ToolConfigError` naming the file and the entry; train_grpo.py exits 2 with it before the engine starts.
+class, a schema without a name or with `required` keys it does not declare, an `enum` that is no list, two tools of
+one name, a constructor that raises, or an import + constructor that takes longer than import_timeout_s: the
+trainer passes reward.import_timeout_s) is a `ToolConfigError` naming the file and the entry; train_grpo.py exits 2
+with it before the engine starts.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import threading
 from pathlib import Path
 
 from grpo_lib.tools.base import ToolSchema
@@ -35,7 +38,7 @@ class ToolConfigError(ValueError):
     """A tool config that cannot be loaded; the message names the file and the entry."""
 
 
-def load_tools(path: str | Path) -> dict:
+def load_tools(path: str | Path, *, import_timeout_s: float = 120.0) -> dict:
     """Tool name -> tool object, in the file's order. Raises ToolConfigError."""
     import yaml
 
@@ -60,8 +63,35 @@ def load_tools(path: str | Path) -> dict:
         name = schema["function"]["name"]
         if name in tools:
             raise ToolConfigError(f"{where}: a second tool named {name!r}; tool names must be unique")
-        tools[name] = _build(entry["class_name"], entry.get("config") or {}, schema, where)
+        tools[name] = bounded(_build, entry["class_name"], entry.get("config") or {}, schema, where, timeout_s=import_timeout_s,
+                              what=f"importing and building {entry['class_name']}", where=where)
     return tools
+
+
+def bounded(fn, *args, timeout_s: float, what: str, where: str):
+    """fn(*args) in a daemon thread, waited for at most timeout_s: an import or constructor that blocks cannot hang
+    set-up (the thread is left behind; the run stops with exit 2). fn's exception is raised here as ToolConfigError
+    ("{where}: {what} raised ...")."""
+    result: list = []
+
+    def work():
+        try:
+            result.append(("ok", fn(*args)))
+        except BaseException as error:  # SystemExit from a module's import too: reported, not swallowed
+            result.append(("error", error))
+
+    thread = threading.Thread(target=work, name="tool-load", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise ToolConfigError(f"{where}: {what} did not finish within {timeout_s:g} s (reward.import_timeout_s): its "
+                              "module or constructor blocks (a network call, a lock?)")
+    kind, value = result[0]
+    if kind == "error":
+        if isinstance(value, ToolConfigError):
+            raise value
+        raise ToolConfigError(f"{where}: {what} raised {type(value).__name__}: {value}") from value
+    return value
 
 
 def entry_problems(entry) -> list[str]:
@@ -101,7 +131,15 @@ def entry_problems(entry) -> list[str]:
         types = [types] if isinstance(types, str) else types
         if not isinstance(spec, dict) or (types is not None and not (isinstance(types, list) and set(types) <= set(JSON_TYPES))):
             p.append(f"parameter {key!r}: a JSON schema with a type among {list(JSON_TYPES)}, got {spec!r}")
+            continue
+        if "enum" in spec and not (isinstance(spec["enum"], list) and spec["enum"]):  # argument checks read it mid-step
+            p.append(f"parameter {key!r}: enum must be a non-empty list of allowed values, got {spec['enum']!r}")
+        if not isinstance(spec.get("description", ""), str):
+            p.append(f"parameter {key!r}: description must be a string, got {spec['description']!r}")
     required = params.get("required", [])
+    if params.get("additionalProperties", False) not in (True, False):
+        p.append("tool_schema.function.parameters.additionalProperties must be true or false (a schema there is not "
+                 f"supported), got {params['additionalProperties']!r}")
     if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
         p.append(f"tool_schema.function.parameters.required must be a list of parameter names, got {required!r}")
     elif set(required) - set(properties):

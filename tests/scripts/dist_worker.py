@@ -28,9 +28,39 @@ def main(out: str) -> None:
         "gathered": D.all_gather_object({"rank": r, "items": list(range(r + 1))}),
         "broadcast": D.broadcast_object(f"from rank {r}", src=1),
     }
+    record.update(reduction(r))
     D.barrier()
     Path(out, f"rank{r}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
+
+
+def reduction(r: int) -> dict:
+    """40 metrics of every kind through one `Reduction` (counting the all-reduces) against one helper call per number."""
+    calls, real = [], dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        values = {f"m{i}": (r + 1) * 0.1 * (i + 1) / 3 for i in range(40)}  # not exactly representable: rounding shows
+        kinds = ["sum", "max", "min", "mean"]
+        packed = D.Reduction()
+        packed.count("tokens", 7 + r)
+        for i, (k, v) in enumerate(values.items()):
+            kind = kinds[i % 4]
+            packed.mean(k, v, over="tokens") if kind == "mean" else getattr(packed, kind)(k, v)
+        got = packed.reduce()
+        packed_calls = len(calls)
+        helper = {"sum": D.all_reduce_sum, "max": D.all_reduce_max, "min": D.all_reduce_min}
+        tokens = D.all_reduce_sum(7 + r)
+        expected = {k: D.all_reduce_sum(v) / tokens if kinds[i % 4] == "mean" else helper[kinds[i % 4]](v)
+                    for i, (k, v) in enumerate(values.items())}
+    finally:
+        dist.all_reduce = real
+    return {"reduction_equal": got == expected and sorted(got) == sorted(expected), "reduction_calls": calls[:packed_calls],
+            "helper_calls": len(calls) - packed_calls}
 
 
 if __name__ == "__main__":

@@ -78,6 +78,19 @@ class FailsAfter(BaseTool):
         return "ok", 0.0, {}
 
 
+class StallsAfter(FailsAfter):
+    """Answers the first config["ok_calls"] calls, then blocks the tool loop (time.sleep in an async def): no timeout
+    can fire, so the turn stalls (grpo_lib/tools/calls.py: ToolStallError)."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        with self.lock:
+            self.calls += 1
+            calls = self.calls
+        if calls > self.config["ok_calls"]:
+            time.sleep(self.config.get("sleep_s", 120))
+        return "ok", 0.0, {}
+
+
 class RecordingTool(BaseTool):
     """Records its lifecycle calls: (method, instance_id, kwargs)."""
 

@@ -13,6 +13,7 @@ Cases (groups g0..g3 of the fixed batch; g1 and g3 hold the most tokens):
   micro-batches to match process 0's count, in the update and in the old-logprob pass;
 - balanced: process 0 starts with g1 and g3 (141 tokens), process 1 with g0 and g2 (86 tokens);
   `balance_across_ranks` moves groups, then the update runs under a token budget with packing;
+- distill-*: the distillation term (tests/test_distillation_invariance.py's DISTILL_CASES) on the lopsided share;
 - collectives-*: the even share under each actor.fsdp_config choice of COLLECTIVE_CHOICES, with the bytes of every
   all-gather and reduce-scatter (`fsdp.count_collectives`); unit_bytes.pt: one all-gather of each unit alone.
 """
@@ -105,6 +106,14 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
     torch.save(unit_bytes, out_dir / "unit_bytes.pt")
     run("lopsided", mine("lopsided"), micro_batch_size=1)
     run("balanced", balance_across_ranks(mine("balanced")), max_tokens=case.LONGEST, remove_padding=True)
+    # the distillation term (tests/test_distillation_invariance.py's teacher scores), lopsided: process 1 runs dummies
+    from tests.test_distillation_invariance import DISTILL_CASES, distill_extra, teacher_scores
+
+    distilled = full.select(list(range(len(full))))
+    teacher_scores(distilled)
+    for name, extra in DISTILL_CASES.items():
+        for setting, micro in {"fixed1": dict(micro_batch_size=1), "budget60-packed": EVEN_SETTINGS["budget60-packed"]}.items():
+            run(f"distill-{name}-{setting}", mine("lopsided", distilled), extra=distill_extra(Path(model_dir), *extra), **micro)
     (out_dir / "done.json").write_text(json.dumps({"rank": rank, "world_size": world_size, "pid": os.getpid()}))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,174 @@
+"""On-policy distillation's math as pure tensor functions: the per-token divergences and the distillation term.
+
+A teacher scores the student's own rollouts (grpo_lib/teacher.py, through the one logprob function); the student is
+trained towards it (docs/ALGORITHMS.md, "On-policy distillation": GKD, Agarwal et al. 2024; Thinking Machines'
+on-policy distillation, Lu 2025). verl 0.9's `verl/trainer/distillation/losses.py` is the reference for names and
+formulas; the registry below holds its loss modes:
+
+* sampled-token estimators of KL(student || teacher) at the token the student sampled (`kl` / `k1`, `abs`, `k2` /
+  `mse`, `k3` / `low_var_kl`): `grpo_lib.algorithms.kl_penalty(student, teacher)`, the estimators of the KL loss
+  (verl's `kl_penalty(logprob, ref_logprob=teacher)`);
+* `forward_kl_topk`: over the teacher's k most likely tokens, sum_j p_T(j) (log p_T(j) - log p_S(j)), clamped at 0 (the
+  truncated sums need not be >= 0), both log-probabilities first clamped from below at `log_prob_min_clamp`.
+
+The term (`distillation_term`): each token's divergence clamped to [-loss_max_clamp, loss_max_clamp], then either
+backpropagated directly and aggregated like every loss (`use_policy_gradient=false`, GKD), or, detached and negated, the
+advantage of a vanilla PPO clipped loss (`use_policy_gradient=true`: on-policy distillation's reward -KL per token).
+The trainer adds it to the GRPO loss x `distillation_loss_coef` (`use_task_rewards`) or uses it alone (`total_loss`).
+Every count is the mini-batch's global one (`num_tokens`, `num_seqs`), so micro-batching never changes the gradient.
+The training loop never branches on a loss name: the actor calls `micro_batch_loss` once per micro-batch.
+Run the tests with `.venv/bin/python -m pytest tests/test_distillation.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from grpo_lib import algorithms, names
+from grpo_lib.types import RolloutBatch
+
+
+def _estimator(kl_type: str) -> Callable[..., Tensor]:
+    def divergence(*, logprobs: Tensor, teacher_logprobs: Tensor, **_unused) -> Tensor:
+        return algorithms.kl_penalty(logprobs, teacher_logprobs, kl_type)  # [b, T]
+    divergence.__doc__ = f"{kl_type}: the sampled-token estimator of KL(student || teacher), algorithms.kl_penalty."
+    return divergence
+
+
+def forward_kl_topk(*, student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor,
+                    log_prob_min_clamp: float | None = None, **_unused) -> Tensor:
+    """sum_j p_T(j) (log p_T(j) - log p_S(j)) over the teacher's top-k ids j, >= 0 (verl's forward_kl_topk).
+
+    Inputs [b, T, k] (the student's log-probabilities at the teacher's ids, the teacher's own); with
+    `log_prob_min_clamp` both are clamped from below first. Output [b, T]. The top-k sums miss the rest of the
+    vocabulary, so they can be < 0; they are clamped at 0 (verl does the same).
+    Example: teacher log p [log .5, log .25], student [log .25, log .25] -> .5 log 2 + .25 log 1 = 0.3466.
+    """
+    dtype = torch.promote_types(student_topk_logprobs.dtype, torch.float32)  # at least float32 (float64 stays)
+    student, teacher = student_topk_logprobs.to(dtype), teacher_topk_logprobs.to(dtype)  # [b, T, k]
+    if log_prob_min_clamp is not None:
+        student, teacher = student.clamp(min=log_prob_min_clamp), teacher.clamp(min=log_prob_min_clamp)
+    return (teacher.exp() * (teacher - student)).sum(dim=-1).clamp(min=0.0)  # [b, T]
+
+
+DIVERGENCES: dict[str, Callable[..., Tensor]] = {
+    **{name: _estimator(name) for name in names.KL_BASE_TYPES}, "forward_kl_topk": forward_kl_topk,
+}
+TOPK_MODES = ("forward_kl_topk",)  # the modes that read the teacher's top-k (the others its sampled-token logprob)
+assert tuple(DIVERGENCES) == names.DISTILLATION_LOSS_MODES, "grpo_lib/names.py and this registry disagree"
+
+
+def uses_topk(loss_mode: str) -> bool:
+    """Whether `loss_mode` needs the teacher's top-k ids and log-probabilities (else its sampled-token logprobs)."""
+    return loss_mode in TOPK_MODES
+
+
+def token_divergence(loss_mode: str, **inputs: Tensor | float | None) -> Tensor:
+    """The per-token divergence [b, T] of `loss_mode` (DIVERGENCES); an unknown name raises with the supported ones.
+
+    Inputs by name: `logprobs` and `teacher_logprobs` [b, T] (the estimators), `student_topk_logprobs` and
+    `teacher_topk_logprobs` [b, T, k] and `log_prob_min_clamp` (forward_kl_topk).
+    """
+    if loss_mode not in DIVERGENCES:
+        raise ValueError(f"unknown distillation loss_mode {loss_mode!r}; supported: {', '.join(DIVERGENCES)}")
+    return DIVERGENCES[loss_mode](**inputs)
+
+
+def distillation_term(divergence: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *,
+                      use_policy_gradient: bool, loss_max_clamp: float | None = None, clip_ratio_low: float = 0.2,
+                      clip_ratio_high: float = 0.2, loss_agg_mode: str = "token-mean",
+                      num_tokens: Tensor | float | None = None, num_seqs: Tensor | float | None = None,
+                      loss_scale_factor: float | None = None,
+                      is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The distillation loss of one micro-batch (a scalar with the mini-batch's global counts) and its metrics.
+
+    `divergence` [b, T]: `token_divergence` of the current student (with grad); clamped to [-loss_max_clamp,
+    loss_max_clamp] when given. use_policy_gradient: `algorithms.policy_loss` (vanilla, dual clip 3 as verl's default)
+    with advantages -divergence.detach(), old_logprobs as its ratio's denominator and `is_weights`; else
+    `algorithms.aggregate_loss(divergence)`. Metrics, local to this call (python floats; the actor weights them by loss
+    tokens): `distillation/kl_mean` and `distillation/abs_loss` (mean of the divergence / its absolute value over the
+    loss tokens, before the clamp), `distillation/loss_min` / `loss_max` (+inf / -inf without a loss token).
+    Example: divergence [[0.5, 1.5]], mask [[1, 1]], token-mean, direct -> loss 1.0, kl_mean 1.0, range [0.5, 1.5].
+    """
+    with torch.no_grad():
+        valid = mask.bool()  # [b, T]
+        picked = divergence.detach()[valid]  # [n]
+        metrics = {
+            "distillation/kl_mean": float(picked.mean()) if picked.numel() else 0.0,
+            "distillation/abs_loss": float(picked.abs().mean()) if picked.numel() else 0.0,
+            "distillation/loss_min": float(picked.min()) if picked.numel() else float("inf"),
+            "distillation/loss_max": float(picked.max()) if picked.numel() else float("-inf"),
+        }
+    if loss_max_clamp is not None:
+        divergence = divergence.clamp(-loss_max_clamp, loss_max_clamp)  # [b, T]
+    counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
+    if use_policy_gradient:
+        loss, pg_metrics = algorithms.policy_loss(
+            logprobs, old_logprobs, -divergence.detach(), mask, loss_mode="vanilla", clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high, clip_ratio_c=3.0, loss_agg_mode=loss_agg_mode, is_weights=is_weights, **counts)
+        metrics.update({f"distillation/{k}": v for k, v in pg_metrics.items()})  # pg_clipfrac, ppo_kl of this term
+    else:
+        loss = algorithms.aggregate_loss(divergence, mask, loss_agg_mode, **counts)
+    return loss, metrics
+
+
+def total_loss(task_loss: Tensor, distill_loss: Tensor, *, use_task_rewards: bool, distillation_loss_coef: float) -> Tensor:
+    """use_task_rewards: task_loss + distillation_loss_coef x distill_loss; else distill_loss alone (coefficient 1, as
+    verl: the GRPO loss, its KL and entropy terms included, trains nothing).
+    Example: task 2.0, distillation 0.5, coef 0.1 -> 2.05; without task rewards -> 0.5."""
+    if not use_task_rewards:
+        return distill_loss
+    return task_loss + distillation_loss_coef * distill_loss
+
+
+# Metrics reduced by their extreme over micro-batches, processes and updates (the others: sums or token-weighted means).
+EXTREMA: dict[str, str] = {"distillation/loss_min": "min", "distillation/loss_max": "max"}
+
+
+def topk_mass_metrics(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """forward_kl_topk: mean over loss tokens of the probability mass the student / the teacher puts on the teacher's
+    top-k ids (verl's distillation/student_mass, teacher_mass). A teacher mass far below 1 says k is too small.
+    Example: teacher top-2 probabilities [.5, .25], student [.25, .25] -> teacher_mass .75, student_mass .5."""
+    with torch.no_grad():
+        valid = mask.bool()  # [b, T]
+        student = student_topk_logprobs.detach().float().exp().sum(-1)[valid]  # [n]
+        teacher = teacher_topk_logprobs.detach().float().exp().sum(-1)[valid]  # [n]
+        if not student.numel():
+            return {"distillation/student_mass": 0.0, "distillation/teacher_mass": 0.0}
+        return {"distillation/student_mass": float(student.mean()), "distillation/teacher_mass": float(teacher.mean())}
+
+
+# ------------------------------------------------------------------ the actor's one call (grpo_lib/actor.py)
+
+
+def student_topk_ids(ds, mb: RolloutBatch) -> Tensor | None:
+    """The teacher's top-k ids [b, T, k] that the student's forward scores too (forward_kl_topk), else None.
+    `ds`: the config's distillation section."""
+    return mb.teacher_topk_ids if ds.enabled and uses_topk(ds.distillation_loss.loss_mode) else None
+
+
+def micro_batch_loss(dl, mb: RolloutBatch, task_loss: Tensor, lp: Tensor, student_topk: Tensor | None, old: Tensor,
+                     mask: Tensor, is_weights: Tensor, counts: dict, metrics: dict, *, loss_agg_mode: str,
+                     device: torch.device) -> Tensor:
+    """A micro-batch's loss with the teacher's term (`total_loss`), its metrics added to `metrics`.
+
+    `dl`: the config's distillation_loss section; lp [b, T]: the student's logprobs (with grad); student_topk [b, T, k]:
+    its log-probabilities at the teacher's top-k ids (forward_kl_topk), from the same forward; `mb` holds the teacher's
+    scores; counts: the mini-batch's global ones (micro-batching never changes the gradient)."""
+    topk = uses_topk(dl.loss_mode)
+    teacher_topk = mb.teacher_topk_logprobs.to(device) if topk else None  # [b, T, k]
+    divergence = token_divergence(dl.loss_mode, logprobs=lp, teacher_logprobs=None if topk else mb.teacher_logprobs.to(device),
+                                  student_topk_logprobs=student_topk, teacher_topk_logprobs=teacher_topk,
+                                  log_prob_min_clamp=dl.log_prob_min_clamp)  # [b, T]
+    term, term_metrics = distillation_term(
+        divergence, lp, old, mask, use_policy_gradient=dl.use_policy_gradient, loss_max_clamp=dl.loss_max_clamp,
+        clip_ratio_low=dl.clip_ratio_low, clip_ratio_high=dl.clip_ratio_high, loss_agg_mode=loss_agg_mode,
+        is_weights=is_weights, **counts)
+    metrics.update(term_metrics)
+    if topk:
+        metrics.update(topk_mass_metrics(student_topk, teacher_topk, mask))
+    metrics["distillation/loss"] = term.item()
+    return total_loss(task_loss, term, use_task_rewards=dl.use_task_rewards, distillation_loss_coef=dl.distillation_loss_coef)
