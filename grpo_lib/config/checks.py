@@ -498,7 +498,7 @@ def _multi_turn_problems(cfg: Config) -> list[str]:
     if not mt.tool_config_path and not mt.function_tool_path:
         p.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool config YAML in verl's "
                  "format) or rollout.multi_turn.function_tool_path (a Python file of @function_tool functions), or both "
-                 "(README, 'Multi-turn tool use')")
+                 "(docs/TOOLS.md)")
     if not cfg.data.apply_chat_template:
         p.append("rollout.multi_turn.enable=true with data.apply_chat_template=false: tool responses join the episode as the "
                  "chat template renders them; set data.apply_chat_template=true")
