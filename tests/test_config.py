@@ -385,3 +385,15 @@ def test_seeds_lie_in_numpys_range(key, value, ok):
     else:
         with pytest.raises(ConfigError, match=rf"{key}={value}: a seed must lie in \[0, 2\*\*32 - 1\]"):
             load_config(TINY, [f"{key}={value}"])
+
+
+def test_cispo_bounds_may_pass_one_and_other_losses_keep_the_clip_range():
+    """CISPO truncates an importance weight at 1 + clip_ratio_high (SkyRL's GSM8K example: 5) with no lower bound at
+    clip_ratio_low 1.0 (MiniMax-M1): accepted for cispo; a PPO clip epsilon of 5 is still refused."""
+    base = ["model.path=m", "data.train_files=[a]", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.n=2"]
+    cfg = load_config(None, base + ["actor.policy_loss.loss_mode=cispo", "actor.clip_ratio_low=1.0", "actor.clip_ratio_high=5.0"])
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (1.0, 5.0)
+    with pytest.raises(ConfigError, match="actor.clip_ratio_high=5.0: a clip epsilon must lie in"):
+        load_config(None, base + ["actor.clip_ratio_high=5.0"])
+    with pytest.raises(ConfigError, match="cispo's lower bound"):
+        load_config(None, base + ["actor.policy_loss.loss_mode=cispo", "actor.clip_ratio_low=1.5"])

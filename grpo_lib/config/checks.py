@@ -387,9 +387,15 @@ def _value_ranges(cfg: Config) -> list[str]:
         ("reward.import_timeout_s", rw.import_timeout_s, 0.0, None, True, False, "seconds, must be > 0 (default 120)"),
         ("reward.max_error_fraction", rw.max_error_fraction, 0.0, 1.0, False, False, "a fraction in [0, 1] (default 0.5)"),
     ]
+    cispo = a.policy_loss.loss_mode == "cispo"  # its bounds truncate an importance weight: 1 + high may pass 2
     for key, value in (("actor.clip_ratio_low", a.clip_ratio_low), ("actor.clip_ratio_high", a.clip_ratio_high)):
         if value is not None and value != a.clip_ratio:  # resolved from clip_ratio: reported once, as clip_ratio
-            ranges.append((key, value, 0.0, 1.0, True, True, "a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28)"))
+            if cispo and key.endswith("_low"):
+                ranges.append((key, value, 0.0, 1.0, False, False, "cispo's lower bound 1 - low must be >= 0: low in [0, 1] (1: none)"))
+            elif cispo:
+                ranges.append((key, value, 0.0, None, True, False, "cispo's weight is truncated at 1 + high: high must be > 0"))
+            else:
+                ranges.append((key, value, 0.0, 1.0, True, True, "a clip epsilon must lie in (0, 1) (DAPO's clip-higher: 0.28)"))
     if a.loss_scale_factor is not None:
         ranges.append(("actor.loss_scale_factor", a.loss_scale_factor, 0.0, None, True, False, "a divisor, must be > 0"))
     for key, value, low, high, low_open, high_open, why in ranges:
