@@ -16,7 +16,7 @@ from torch import Tensor
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_needed
-from grpo_lib.distributed import Reduction, all_reduce_min, all_reduce_sum, broadcast_object, is_on
+from grpo_lib.distributed import Reduction, all_reduce_min, broadcast_object, is_on
 from grpo_lib.episodes import episode_sums, reward_extra_info
 from grpo_lib.seeds import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch

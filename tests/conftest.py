@@ -31,6 +31,18 @@ def accelerate_launch(procs: int) -> list[str]:
         (["--multi_gpu"] if procs > 1 else [])
 
 
+def torchrun_records(script: str, *args: str, out_dir: Path, procs: int = 2, timeout: int = 300) -> list[dict]:
+    """Launch tests/scripts/`script` on `procs` gloo processes (torch.distributed.run, its own port, one thread each)
+    with `args`, fail with its stderr, and return each process's OUT/rank{r}.json record, in rank order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port()),
+           str(REPO / "tests" / "scripts" / script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(procs)]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from data_prep.tiny_model import make_tiny_model

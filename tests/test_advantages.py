@@ -9,14 +9,8 @@ the whitening adds verl's 1e-8 to the variance and to the token count, a relativ
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -369,17 +363,9 @@ def advantages_of_rows(estimator: str, rows: list[int], model_dir) -> torch.Tens
 
 @pytest.mark.multiprocess
 def test_two_real_processes_give_the_batch_statistics_of_one(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(repo / "tests" / "scripts" / "advantages_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    from tests.conftest import torchrun_records
+
+    records = torchrun_records("advantages_worker.py", str(tmp_path), out_dir=tmp_path)
     for name in BATCH_ESTIMATORS:
         two = torch.tensor(records[0][name] + records[1][name])  # [8, 5]
         one = advantages_of_rows(name, list(range(8)), tmp_path)  # [8, 5]

@@ -6,11 +6,6 @@ Run: .venv/bin/python -m pytest tests/test_distributed.py
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,16 +22,9 @@ def test_backend_string_carries_gloo_for_cpu_tensors_on_gpu():
 
 @pytest.mark.multiprocess
 def test_every_helper_on_two_processes(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(REPO / "tests" / "scripts" / "dist_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    from tests.conftest import torchrun_records
+
+    records = torchrun_records("dist_worker.py", str(tmp_path), out_dir=tmp_path)
     for r, rec in enumerate(records):
         assert rec["backend"] == "cpu:gloo", rec["backend"]
         assert (rec["is_on"], rec["has_group"], rec["world_size"], rec["rank"]) == (True, True, 2, r)

@@ -331,24 +331,9 @@ def test_tools_under_tensor_parallelism_run_on_the_leader_and_every_member_gets_
     process 1 only gave that process another tool response (a collective mismatch in the engine: a hang or garbage).
     Now the group's first process runs the tools and hands the outcomes to its members: identical episodes on both, the
     tool run on process 0 only (4 episodes x 2 calls), no timeout. The same loop without the leader shows the failure."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
+    from tests.conftest import torchrun_records
 
-    from tests.conftest import REPO
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(REPO / "tests" / "scripts" / "tp_tools_worker.py"), str(tiny_model_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    zero, one = torchrun_records("tp_tools_worker.py", str(tiny_model_dir), str(tmp_path), out_dir=tmp_path)
     assert zero["led"] == one["led"], "the TP members' episodes differ: their engines would get different requests"
     assert all(failures == {} for *_, failures in zero["led"]), zero["led"]
     assert zero["ran_led"] == [0] * 8 and one["ran_led"] == [], (zero["ran_led"], one["ran_led"])
