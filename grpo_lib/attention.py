@@ -82,14 +82,10 @@ def torch_varlen_attn() -> tuple[Callable | None, str | None]:
     return varlen_attn, None
 
 
-def _torch_varlen_attn():
-    """torch's varlen_attn where grpo_varlen can call it, else None (`torch_varlen_attn` says why)."""
-    return torch_varlen_attn()[0]
-
-
-def _fast_kernel(query: Tensor):
-    """The varlen kernel for these tensors (CUDA, fp16 / bf16, a torch whose varlen_attn binds), else None."""
-    return _torch_varlen_attn() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+def fast_kernel(device: torch.device, dtype: torch.dtype):
+    """torch's varlen_attn where grpo_varlen runs it (CUDA, fp16 / bf16, a torch whose varlen_attn binds), else None
+    (the per-sequence sdpa path; `torch_varlen_attn` says why where the torch is the reason)."""
+    return torch_varlen_attn()[0] if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) else None
 
 
 def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
@@ -140,7 +136,7 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     assert kwargs.get("sliding_window") is None, (
         "grpo_varlen: packed sequences with sliding-window attention are not supported; set model.use_remove_padding: false")
     enable_gqa = key.shape[1] != num_heads
-    varlen_attn = _fast_kernel(query)
+    varlen_attn = fast_kernel(query.device, query.dtype)
     if varlen_attn is not None:
         cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)  # [segments + 1], already there from packing
         max_len = kwargs.get("max_length_q")
@@ -230,7 +226,7 @@ def _shared_prefix_attention(module, query: Tensor, key: Tensor, value: Tensor, 
     assert sliding_window is None, (
         "grpo_varlen: shared prompts with sliding-window attention are not supported; set model.use_remove_padding: false")
     assert query.shape[0] == 1, f"a shared-prefix pack is one row, got {query.shape[0]}"
-    kernel = _fast_kernel(query)
+    kernel = fast_kernel(query.device, query.dtype)
     if kernel is not None and plan is not None and plan.get(SHARED_KV_INDEX_KWARG) is not None and not (
             dropout and module.training):
         out = _shared_prefix_one_call(
@@ -322,11 +318,9 @@ def select_attn_implementation(device: torch.device, compute_dtype: torch.dtype,
 def describe(implementation: str, device: torch.device, compute_dtype: torch.dtype) -> str:
     """What packed rows run on, for the start-up line. Example: 'grpo_varlen (one causal sdpa call per sequence)'."""
     if implementation == VARLEN_NAME:
-        if device.type != "cuda" or compute_dtype not in (torch.float16, torch.bfloat16):
-            return f"{VARLEN_NAME} (one causal sdpa call per sequence)"
-        kernel, why = torch_varlen_attn()
-        if kernel is None:
-            return f"{VARLEN_NAME} (one causal sdpa call per sequence: {why})"
+        if fast_kernel(device, compute_dtype) is None:
+            why = torch_varlen_attn()[1] if device.type == "cuda" and compute_dtype in (torch.float16, torch.bfloat16) else None
+            return f"{VARLEN_NAME} (one causal sdpa call per sequence{': ' + why if why else ''})"
         return f"{VARLEN_NAME} (torch varlen_attn flash kernel; shared prompts in one call per layer)"
     if implementation in VARLEN_IMPLEMENTATIONS:
         return f"{implementation} (varlen kernel)"

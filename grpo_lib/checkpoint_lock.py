@@ -113,7 +113,7 @@ class RunLock:
         self.fd = -1
 
 
-def take_run_lock(run_dir: Path, *, now: float | None = None) -> RunLock:
+def take_run_lock(run_dir: Path) -> RunLock:
     """Take `run_dir`'s run lock for this process (see the module docstring); RunLockHeld when another run holds it.
 
     Example message: "trainer.default_local_dir='outputs/run' is in use by another run (pid 4242 on host gpu-3, started
@@ -144,7 +144,7 @@ def take_run_lock(run_dir: Path, *, now: float | None = None) -> RunLock:
     stale = None
     if previous:
         mtime = os.fstat(fd).st_mtime
-        age = (time.time() if now is None else now) - mtime
+        age = time.time() - mtime
         if previous.get("host") not in (None, socket.gethostname()) and 0 <= age < STALE_AFTER_S:
             os.close(fd)  # its flock is not ours to see (NFS without locking): the heartbeat says it runs
             raise RunLockHeld(_held_message(run_dir, previous, heartbeat_s=age))

@@ -193,12 +193,15 @@ class EpisodeRunner:
     def _turn_loop(self, engine, episodes: list[_Episode], sampling: dict, *, seeded: bool, max_tokens: int, report) -> float:
         """One engine call per turn for every running episode, then all their tool calls at once; the episodes that
         ended in a turn are finished (calc_reward, release) and reported after it. Returns the tools' seconds."""
-        active, turn, tool_seconds = [j for j in range(len(episodes)) if not episodes[j].stats.stop], 0, 0.0
-        ended = [j for j in range(len(episodes)) if episodes[j].stats.stop]  # e.g. a creation response past the budget
-        if ended:
-            finished = self.leader_call(lambda: self.toolbox.finish([episodes[j].instance_id for j in ended]))
-            for j, result in zip(ended, finished):
-                report(j, self._final(episodes[j], result))
+        def finish(ended: list[int]) -> None:  # calc_reward + release of the episodes that ended, then their reports
+            if ended:
+                finished = self.leader_call(lambda: self.toolbox.finish([episodes[j].instance_id for j in ended]))
+                for j, result in zip(ended, finished):
+                    report(j, self._final(episodes[j], result))
+
+        active, turn, tool_seconds = list(range(len(episodes))), 0, 0.0
+        finish([j for j in active if episodes[j].stats.stop])  # ended before turn 0: a creation response past the budget
+        active = [j for j in active if not episodes[j].stats.stop]
         while active:
             outputs = engine.generate([episodes[j].prompt_ids + episodes[j].tokens for j in active], n=1,
                                       max_tokens=[max_tokens - len(episodes[j].tokens) for j in active],
@@ -214,11 +217,7 @@ class EpisodeRunner:
             for j, out, calls in pending:
                 answered, outcomes = outcomes[:len(calls)], outcomes[len(calls):]
                 self._answer(episodes[j], out, answered, max_tokens=max_tokens)
-            ended = [j for j in active if episodes[j].stats.stop]
-            if ended:
-                finished = self.leader_call(lambda: self.toolbox.finish([episodes[j].instance_id for j in ended]))
-                for j, result in zip(ended, finished):
-                    report(j, self._final(episodes[j], result))
+            finish([j for j in active if episodes[j].stats.stop])
             tool_seconds += time.perf_counter() - started
             active = [j for j in active if not episodes[j].stats.stop]
             turn += 1
@@ -458,11 +457,14 @@ def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> 
     return sums
 
 
-def reward_extra_info(extra_info: dict, episode: EpisodeStats) -> dict:
-    """The row's extra_info plus what verl's reward manager adds for a multi-turn episode (a new dict per episode).
+def reward_extra_info(extra_info: dict, episode: EpisodeStats | None) -> dict:
+    """The row's extra_info plus what verl's reward manager adds for a multi-turn episode (a new dict per episode); a
+    single-turn response (`episode` None) keeps its row's extra_info as it is.
 
     Example: ({"index": 3}, an episode of 2 assistant turns, 1 tool turn, calc_gsm8k_reward 1.0) ->
     {"index": 3, "rollout_reward_scores": {"calc_gsm8k_reward": 1.0}, "num_turns": 4, "tool_step_rewards": [0.0]}.
     """
+    if episode is None:
+        return extra_info
     return {**(extra_info or {}), "rollout_reward_scores": dict(episode.tool_rewards or {}),
             "num_turns": episode.assistant_turns + episode.user_turns + 1, "tool_step_rewards": list(episode.step_rewards or [])}

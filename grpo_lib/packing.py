@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from grpo_lib.attention import (CONTINUES_KWARG, HOST_CU_KWARG, SHARED_CU_K_KWARG, SHARED_CU_Q_KWARG, SHARED_KV_INDEX_KWARG,
-                                SHARED_MAX_K_KWARG, is_varlen, shared_prefix_kv_plan, shares_prefixes)
+                                SHARED_MAX_K_KWARG, is_varlen, shared_prefix_kv_plan, shares_prefixes, torch_varlen_attn)
 from grpo_lib.batching import partition_balanced
 
 
@@ -222,14 +222,15 @@ def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens:
 def shared_prefix_forward_kwargs(packed: SharedPrefixPack, *, one_call: bool | None = None) -> dict:
     """Model kwargs for a shared-prefix row: position ids running on from each prefix, no mask, no cache, the segment
     boundaries, and per segment the prefix it continues (read by grpo_varlen, `attention.CONTINUES_KWARG`).
-    `one_call` (default: the row is on CUDA) adds the one-call kernel plan (`attention.shared_prefix_kv_plan`), built
-    here once per micro-batch and moved to the device once, not per layer."""
+    `one_call` (default: the row's device and dtype run torch's varlen kernel, `attention.fast_kernel`) adds the one-call
+    kernel plan (`attention.shared_prefix_kv_plan`), built here once per micro-batch and moved to the device once, not
+    per layer; elsewhere the plan would be built and never read."""
     kwargs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
                   cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
                   max_length_k=packed.max_seqlen,
                   # a tensor, not a tuple: compiled decoder layers (actor.use_torch_compile) guard on a tuple's values
                   **{CONTINUES_KWARG: torch.tensor(packed.continues, dtype=torch.int32)})
-    if one_call if one_call is not None else packed.input_ids.is_cuda:
+    if one_call if one_call is not None else packed.input_ids.is_cuda and torch_varlen_attn()[0] is not None:
         device = packed.input_ids.device
         kv_index, cu_k, max_k = shared_prefix_kv_plan(packed.cu_seqlens.diff().tolist(), list(packed.continues))
         kwargs.update({SHARED_KV_INDEX_KWARG: kv_index.to(device), SHARED_CU_K_KWARG: cu_k.to(device),

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from grpo_lib import names
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
-from grpo_lib.config.checks import environment_problems, mini_batch_sizes, needs_old_logprobs
+from grpo_lib.config.checks import environment_problems, greedy_baseline_needed, mini_batch_sizes, needs_old_logprobs
 from grpo_lib.dtypes import DTYPE_BYTES
 from grpo_lib.plan_memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, find_model_config, fitting_budget, fitting_logprob_budget,
@@ -137,7 +137,7 @@ def advantage_lines(cfg: Config) -> list[str]:
     keys = " ".join(f"algorithm.{key}={getattr(alg, key)}" for key in names.ADV_ESTIMATOR_KEYS.get(name, ()))
     lines = [f"advantages: algorithm.adv_estimator={name}" + (f" (verl's spelling of {alias})" if alias else "")
              + (f"; {keys}" if keys else "")]
-    if name in names.GREEDY_BASELINE_ESTIMATORS:
+    if greedy_baseline_needed(cfg):
         lines.append(f"  greedy baseline: + {d.train_batch_size} greedy generations per step (one per prompt, 1/{cfg.rollout.n} of the "
                      f"{d.train_batch_size * cfg.rollout.n} sampled) and their rewards, after the sampled ones (timing_s/gen_max)")
     return lines

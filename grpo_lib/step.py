@@ -61,7 +61,7 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
         rollout_logprobs=rollout_logprobs,
         group_ids=[prompts.group_ids[p] for p in meta], response_texts=[g.text for _, g in rows],
         data_sources=[prompts.data_sources[p] for p in meta], ground_truths=[prompts.ground_truths[p] for p in meta],
-        extra_infos=[prompts.extra_infos[p] if g.episode is None else reward_extra_info(prompts.extra_infos[p], g.episode)
+        extra_infos=[reward_extra_info(prompts.extra_infos[p], g.episode)
                      for p, (_, g) in zip(meta, rows)],
         truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
     )
@@ -246,8 +246,7 @@ def stream_to(rewards, prompts: PromptBatch, *, local_of: dict[int, int], n: int
         for j, k, generation in finished:
             p = local_of.get(j)
             if p is not None:  # an episode's extra_info as build_rollout_batch gives it (its tool rewards in)
-                extra_info = prompts.extra_infos[p] if generation.episode is None else \
-                    reward_extra_info(prompts.extra_infos[p], generation.episode)
+                extra_info = reward_extra_info(prompts.extra_infos[p], generation.episode)
                 rewards.add(p * n + k, response=generation.text, data_source=prompts.data_sources[p],
                             ground_truth=prompts.ground_truths[p], extra_info=extra_info)
         rewards.poll()
