@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from grpo_lib.checkpoint import MARKER, POINTER, config_differences
 from grpo_lib.metrics import open_jsonl_at
-from tests.conftest import REPO, accelerate_launch, free_port, read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, REPO, accelerate_launch, free_port, read_metrics, run_train, tiny_overrides
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -39,14 +39,15 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir, arith_data, tmp_path_factory):
-    """Overrides of a 6-step run (without the run folder)."""
+    """Overrides of a 6-step run (without the run folder), on the hf engine: this file's subject is the checkpoint,
+    not the engine (tests/conftest.py HF_ENGINE says where vLLM still proves each behaviour)."""
     reward = tmp_path_factory.mktemp("reward") / "reward.py"
     reward.write_text(REWARD)
 
     def overrides(out: Path, *extra: str) -> list[str]:
         return ["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, f"reward.custom.path={reward}",
                 "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", f"trainer.total_training_steps={STEPS}",
-                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", *extra)]
+                "trainer.val_before_train=false", "trainer.logger=[console,jsonl,tensorboard]", HF_ENGINE, *extra)]
     return overrides
 
 
