@@ -82,7 +82,8 @@ def test_every_registered_name_resolves_to_an_engine_class():
     from grpo_lib.engines import ENGINE_NAMES, engine_class
     from grpo_lib.engines.base import RolloutEngine
 
-    methods = [m for m in vars(RolloutEngine) if not m.startswith("_") and callable(getattr(RolloutEngine, m))]
+    protocols = [c for c in RolloutEngine.__mro__ if getattr(c, "_is_protocol", False) and c.__module__ == RolloutEngine.__module__]
+    methods = sorted({m for c in protocols for m in vars(c) if not m.startswith("_") and callable(getattr(RolloutEngine, m))})
     assert "pop_metrics" in methods and "release" in methods, methods
     for name in ENGINE_NAMES:
         cls = engine_class(name)

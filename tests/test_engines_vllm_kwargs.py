@@ -134,11 +134,11 @@ def test_engine_argument_names_come_from_vllms_source_without_importing_it():
     import subprocess
     import sys
 
-    code = ("import sys; from grpo_lib.engines.vllm import engine_argument_names; names = engine_argument_names(); "
-            "print(len(names), 'kv_cache_dtype' in names, 'chat_template' in names, 'vllm' in sys.modules)")
+    code = ("import sys; from grpo_lib.engines.vllm_settings import engine_argument_names; names = engine_argument_names(); "
+            "print(len(names), 'kv_cache_dtype' in names, 'chat_template' in names, 'vllm' in sys.modules, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     count, *flags = proc.stdout.split()
-    assert int(count) > 100 and flags == ["True", "True", "False"], proc.stdout + proc.stderr[-2000:]
+    assert int(count) > 100 and flags == ["True", "True", "False", "False"], proc.stdout + proc.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -151,7 +151,7 @@ def test_engine_argument_names_are_what_vllm_takes():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.llm import LLM
 
-    from grpo_lib.engines.vllm import engine_argument_names
+    from grpo_lib.engines.vllm_settings import engine_argument_names
 
     expected = {f.name for f in dataclasses.fields(EngineArgs)} | \
         (set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
