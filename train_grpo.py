@@ -117,7 +117,12 @@ class GRPOTrainer:
         from grpo_lib.tools.config import ToolConfigError
         from grpo_lib.weight_probe import WeightProbe
 
-        cfg, rank = self.cfg, self.rank
+        import copy
+
+        # The trainer's own copy of the config: `auto` token budgets need this device's size and are resolved into it
+        # below; the config handed in stays as load_config resolved it (nothing writes to it after that).
+        self.cfg = cfg = copy.deepcopy(self.cfg)
+        rank = self.rank
         torch.manual_seed(cfg.trainer.seed)
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
         try:

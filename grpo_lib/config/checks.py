@@ -9,7 +9,9 @@ checked by train_grpo.py (and printed by --print-plan) before anything loads. Tw
 records its sampling logprobs (the step and the actor).
 
 The middle layer of `grpo_lib.config` (schema <- checks <- load): it reads the dataclasses of `schema`, never loads a
-recipe, and imports no torch (the supported names come from grpo_lib/names.py).
+recipe, and imports no torch (the supported names come from grpo_lib/names.py). The rules of one engine's own keys are
+that engine's (`grpo_lib/engines/settings.py`: vLLM's LLM(...) clashes and token budget, the hf engine's lack of tensor
+parallelism); the engine-independent ones stay here.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def version_problems(packages: list[str]) -> list[str]:
 
 def environment_problems(cfg: Config) -> list[str]:
     """What the config asks of the installation (optional packages, their versions); checked by train_grpo.py before
-    loading."""
+    loading. The engine's own library (vLLM installed, the engine_kwargs names it takes) is the engine's check:
+    grpo_lib/engines/settings.py library_problems, run beside this one."""
     import importlib.util
 
     p = version_problems(["transformers"] + (["peft"] if cfg.model.lora_rank > 0 else [])

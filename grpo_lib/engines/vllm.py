@@ -8,6 +8,10 @@ The lifecycle of `grpo_lib/engines/base.py` maps onto vLLM's sleep mode (`rollou
     restore_cache    LLM.wake_up(tags=["kv_cache"])
     restore_all      LLM.wake_up() with no tags (after a level-1 sleep only)
 
+Its settings (the rules of vLLM's own rollout.* keys, the LLM(...) arguments the trainer sets itself, its environment
+and the installed vLLM's argument names) are `grpo_lib/engines/vllm_settings.py`, torch-free, so config validation reads
+them; this module sets that environment when it is imported.
+
 The engine seed is trainer.seed on every process (equal within a TP group, as vLLM requires); every sample has its
 own seed on top (`grpo_lib/seeds.py`).
 
