@@ -186,19 +186,19 @@ def test_each_engine_module_checks_its_own_keys():
     cfg = load_config(None, TINY + ["rollout.tensor_model_parallel_size=2"], world_size=2)
     cfg.rollout.engine_kwargs = {"seed": 3, "block_size": 16}  # as if past validation: the modules are asked directly
     cfg.rollout.enable_chunked_prefill, cfg.rollout.max_num_batched_tokens = False, 8
-    clash, budget = vllm_settings.key_problems(cfg, world_size=2)
+    clash, budget = vllm_settings.key_problems(cfg)
     assert clash == "rollout.engine_kwargs.seed clashes with trainer.seed, which sets vLLM's seed: drop it and set trainer.seed"
     assert budget.startswith("rollout.max_num_batched_tokens=8 is smaller than one sequence"), budget
-    (no_tp,) = hf_settings.key_problems(cfg, world_size=2)
+    (no_tp,) = hf_settings.key_problems(cfg)
     assert no_tp.startswith("rollout.name=hf with rollout.tensor_model_parallel_size=2: the transformers engine has no tensor"), no_tp
     # the dispatcher: only the run's engine's rules, and the other engine's keys that are set
-    assert settings.key_problems(cfg, world_size=2) == [clash, budget]
+    assert settings.key_problems(cfg) == [clash, budget]
     cfg.rollout.name = "hf"
     unused = ("rollout.engine_kwargs={'seed': 3, 'block_size': 16} are vLLM's LLM(...) settings, but rollout.name='hf': drop "
               "them or use rollout.name=vllm")
-    assert settings.key_problems(cfg, world_size=2) == [no_tp, unused]
+    assert settings.key_problems(cfg) == [no_tp, unused]
     cfg.rollout.name, cfg.rollout.engine_kwargs, cfg.rollout.hf_use_torch_compile = "vllm", {}, True
-    (compile_key,) = settings.key_problems(cfg, world_size=2)[1:]
+    (compile_key,) = settings.key_problems(cfg)[1:]
     assert compile_key.startswith("rollout.hf_use_torch_compile=true compiles the transformers engine, but rollout.name='vllm'")
     # and validation reaches them: load_config refuses each with the same message
     with pytest.raises(ConfigError) as error:

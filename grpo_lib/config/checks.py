@@ -289,7 +289,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
                  f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")
     p += _value_ranges(cfg)
     p += _multi_turn_problems(cfg)
-    p += _engine_problems(cfg, world_size)
+    p += _engine_problems(cfg)
     p += _distillation_problems(cfg)
     return p
 
@@ -522,9 +522,9 @@ def _nested(flat: dict) -> dict:
     return out
 
 
-def _engine_problems(cfg: Config, world_size: int) -> list[str]:
+def _engine_problems(cfg: Config) -> list[str]:
     """rollout.engine_kwargs nested (resolved here, once: dotted override leaves into vLLM's mappings), then the rules
     of the run's engine's own keys, which each engine owns (`grpo_lib/engines/settings.py`: vLLM's keyword clashes and
     its token budget, the hf engine's missing tensor parallelism, a key of another engine set)."""
     cfg.rollout.engine_kwargs = _nested(cfg.rollout.engine_kwargs)
-    return engine_settings.key_problems(cfg, world_size=world_size)
+    return engine_settings.key_problems(cfg)

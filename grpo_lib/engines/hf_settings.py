@@ -10,7 +10,7 @@ itself, `grpo_lib/engines/hf.py`, imports torch and transformers; transformers' 
 from __future__ import annotations
 
 
-def key_problems(cfg, *, world_size: int = 1) -> list[str]:
+def key_problems(cfg) -> list[str]:
     """The hf engine's rules, with rollout.name=hf: each process generates alone, so no tensor parallelism.
 
     Example: rollout.tensor_model_parallel_size=2 -> ["rollout.name=hf with rollout.tensor_model_parallel_size=2: ..."].

@@ -59,10 +59,10 @@ VLLM_DEFAULT_KWARGS = {
 }
 
 
-def key_problems(cfg, *, world_size: int = 1) -> list[str]:
+def key_problems(cfg) -> list[str]:
     """vLLM's own rollout.* keys, with rollout.name=vllm: rollout.engine_kwargs naming an argument the trainer sets
-    itself (both keys named), and the per-step token budget vLLM would refuse at engine start. `world_size` is not read
-    (vLLM's tensor parallelism is checked with the engine-independent rules: it must divide the process count).
+    itself (both keys named), and the per-step token budget vLLM would refuse at engine start (its tensor-parallel
+    size is checked with the engine-independent rules: it must divide the process count).
 
     Example: engine_kwargs {"seed": 3} -> ["rollout.engine_kwargs.seed clashes with trainer.seed, which sets vLLM's
     seed: drop it and set trainer.seed"].
