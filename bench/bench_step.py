@@ -179,7 +179,7 @@ def trainer_worker(work: Path, setting: str, shape: str = "none") -> None:
 
     engine.generate = recording_generate
     step_number, last_batch = 0, None
-    reply({"ready": True, "kv_cache_bytes": cfg.rollout.kv_cache_memory_bytes, "threads": torch.get_num_threads()})
+    reply({"ready": True, "kv_cache_bytes": getattr(engine, "kv_cache_bytes", None) or 0, "threads": torch.get_num_threads()})
     for line in sys.stdin:
         cmd = json.loads(line)
         c0 = time.process_time()
@@ -256,19 +256,14 @@ def bare_worker(work: Path, setting: str, shape: str = "none") -> None:
     import vllm
     from vllm import SamplingParams
 
-    from grpo_lib import dtypes
     from grpo_lib.config import load_config
-    from grpo_lib.perf import resolve_kv_cache_bytes
     from grpo_lib.engines.vllm import VLLMEngine
 
     cfg = load_config(None, overrides(work, setting, shape))
     force_lengths(shape)
-    cfg.rollout.kv_cache_memory_bytes = resolve_kv_cache_bytes(
-        cfg, world_size=1, engine_dtype=dtypes.resolve(cfg.rollout.dtype, on_gpu=False))
     llm_class = vllm.LLM
     vllm.LLM = lambda **kwargs: llm_class(**{**kwargs, "disable_log_stats": True})  # bare: vLLM's default, no stats
-    engine = VLLMEngine(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                        seed=cfg.trainer.seed, on_cpu=True, world_size=1)
+    engine = VLLMEngine.from_config(cfg, on_cpu=True, world_size=1)  # the trainer's constructor: KV sized as in a run
     reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)

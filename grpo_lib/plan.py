@@ -32,6 +32,7 @@ from grpo_lib import names
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
 from grpo_lib.config.checks import environment_problems, greedy_baseline_needed, mini_batch_sizes, needs_old_logprobs
 from grpo_lib.dtypes import DTYPE_BYTES
+from grpo_lib.engines.settings import library_problems as engine_library_problems
 from grpo_lib.plan_memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, find_model_config, fitting_budget, fitting_logprob_budget,
                                   gpu_dtype_bytes, host_memory, lora_params, memory_plan, model_sizes,
@@ -359,13 +360,13 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
     return values, problems
 
 
-def print_plan(argv: list[str], measure=None, engine_checks=None) -> int:
+def print_plan(argv: list[str], measure=None) -> int:
     """argv: RECIPE [key=value ...] with --print-plan and the optional flags; returns the exit code.
 
     `measure`: with --measure, a function (cfg, config.json dict, sizes, world_size, parts, gpu_bytes) -> lines that measures the
     training phase (grpo_lib.plan_measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.plan_measure`,
-    so this module stays light). `engine_checks`: cfg -> problems of the engine's settings against the installed
-    library (grpo_lib.engines.settings_problems, passed in by train_grpo.py), noted like the installation checks."""
+    so this module stays light). The engine's settings against its installed library (grpo_lib/engines/settings.py,
+    torch-free) are noted like the installation checks."""
     args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None, "--teacher-model-config": None}
     wants_measure = "--measure" in argv
     if wants_measure and measure is None:
@@ -423,7 +424,7 @@ def print_plan(argv: list[str], measure=None, engine_checks=None) -> int:
     out += [f"  {key}=auto -> {value} ({why})" for key, value in auto.items()]
     if cfg.ignored:
         out += ["", "verl keys accepted and ignored (performance only):"] + [f"  {k}: {why}" for k, why in cfg.ignored.items()]
-    for problem in environment_problems(cfg) + (engine_checks(cfg) if engine_checks is not None else []):
+    for problem in environment_problems(cfg) + engine_library_problems(cfg):
         out += ["", f"note: the run itself would exit 2: {problem}"]
     out += ["", f"memory plan per GPU ({gpu_gb:g} GiB):"]
     fits = True

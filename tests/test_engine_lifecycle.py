@@ -236,3 +236,44 @@ def test_tp2_group_identical_requests_same_samples_as_tp1(fake_runs):
     for a, b in zip(m1, m2):
         for key in ("reward/mean", "batch/kept_groups", "response/length_mean", "actor/pg_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), f"step {a['step']} {key}: TP 1 {a[key]} vs TP 2 {b[key]}"
+
+
+@pytest.mark.slow
+def test_setup_leaves_the_resolved_config_as_it_was(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """GRPOTrainer.setup writes nothing into the config load_config resolved: the CPU KV-cache size is the engine's own
+    value (VLLMEngine.from_config, here over the fake LLM), and the `auto` token budget, which needs the device, is
+    resolved into the trainer's own copy. Before, setup wrote both into the caller's config."""
+    import copy
+
+    fake = install(monkeypatch)
+    import train_grpo
+    from grpo_lib import engines, perf
+    from grpo_lib.engines.vllm import VLLMEngine
+
+    built = []
+
+    def build_engine(cfg, *, on_cpu, world_size):  # the real constructor of a run, over the fake LLM
+        built.append(VLLMEngine.from_config(cfg, on_cpu=on_cpu, world_size=world_size, llm_factory=fake))
+        return built[-1]
+
+    monkeypatch.setattr(engines, "build_engine", build_engine)
+    seen = {}
+    real_setup = train_grpo.GRPOTrainer.setup
+
+    def setup(trainer):
+        handed, before = trainer.cfg, copy.deepcopy(trainer.cfg)
+        real_setup(trainer)
+        seen.update(handed=handed, before=before, own=trainer.cfg)
+
+    monkeypatch.setattr(train_grpo.GRPOTrainer, "setup", setup)
+    monkeypatch.setattr(train_grpo.GRPOTrainer, "train", lambda trainer: 0)  # set-up only: no step
+    code = train_grpo.main([str(REPO / "recipes/tiny_cpu.yaml"), *tiny_overrides(
+        tiny_model_dir, arith_data, tmp_path / "run", "rollout.kv_cache_memory_bytes=null", "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=auto", "reward.num_workers=0", "trainer.logger=[jsonl]", *NO_PROBE)])
+    assert code == 0 and len(built) == 1
+    handed, before, own = seen["handed"], seen["before"], seen["own"]
+    assert handed == before, "setup wrote into the config it was handed"
+    assert handed.rollout.kv_cache_memory_bytes is None and handed.actor.ppo_max_token_len_per_gpu == "auto"
+    expected_kv = perf.resolve_kv_cache_bytes(handed, world_size=1, engine_dtype="float32")
+    assert built[0].kv_cache_bytes == expected_kv == built[0].llm.kwargs["kv_cache_memory_bytes"]  # what LLM(...) got
+    assert own is not handed and own.actor.ppo_max_token_len_per_gpu == 16384  # CPU: max(one sequence, CPU_AUTO_BUDGET)

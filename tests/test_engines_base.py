@@ -82,7 +82,8 @@ def test_every_registered_name_resolves_to_an_engine_class():
     from grpo_lib.engines import ENGINE_NAMES, engine_class
     from grpo_lib.engines.base import RolloutEngine
 
-    methods = [m for m in vars(RolloutEngine) if not m.startswith("_") and callable(getattr(RolloutEngine, m))]
+    protocols = [c for c in RolloutEngine.__mro__ if getattr(c, "_is_protocol", False) and c.__module__ == RolloutEngine.__module__]
+    methods = sorted({m for c in protocols for m in vars(c) if not m.startswith("_") and callable(getattr(RolloutEngine, m))})
     assert "pop_metrics" in methods and "release" in methods, methods
     for name in ENGINE_NAMES:
         cls = engine_class(name)
@@ -169,3 +170,62 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path):
     path.write_text('{"data_source": "s", "prompt": [{"role": "user", "content": "What is 3 + 4?"}], "reward_model": {"ground_truth": "7"}}\n')
     data = load_prompts([str(path)], tokenizer, cfg.data)
     assert tokenizer.decode(data.prompt_ids[0]).endswith("<think>\n\n</think>\n\n"), tokenizer.decode(data.prompt_ids[0])
+
+
+# ------------------------------------------------------------------------------------------------ each engine's settings
+TINY = ["model.path=m", "data.train_files=[a]", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.n=2", "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4"]
+
+
+def test_each_engine_module_checks_its_own_keys():
+    """vLLM's rules live in engines/vllm_settings.py, the hf engine's in engines/hf_settings.py: each refuses a bad value of
+    its own keys through its own key_problems and says nothing of the other's (vLLM has tensor parallelism; the hf
+    engine has no LLM(...) arguments to clash with). Validation asks the run's engine's module (engines/settings.py)."""
+    from grpo_lib.engines import hf_settings, settings, vllm_settings
+
+    cfg = load_config(None, TINY + ["rollout.tensor_model_parallel_size=2"], world_size=2)
+    cfg.rollout.engine_kwargs = {"seed": 3, "block_size": 16}  # as if past validation: the modules are asked directly
+    cfg.rollout.enable_chunked_prefill, cfg.rollout.max_num_batched_tokens = False, 8
+    clash, budget = vllm_settings.key_problems(cfg)
+    assert clash == "rollout.engine_kwargs.seed clashes with trainer.seed, which sets vLLM's seed: drop it and set trainer.seed"
+    assert budget.startswith("rollout.max_num_batched_tokens=8 is smaller than one sequence"), budget
+    (no_tp,) = hf_settings.key_problems(cfg)
+    assert no_tp.startswith("rollout.name=hf with rollout.tensor_model_parallel_size=2: the transformers engine has no tensor"), no_tp
+    # the dispatcher: only the run's engine's rules, and the other engine's keys that are set
+    assert settings.key_problems(cfg) == [clash, budget]
+    cfg.rollout.name = "hf"
+    unused = ("rollout.engine_kwargs={'seed': 3, 'block_size': 16} are vLLM's LLM(...) settings, but rollout.name='hf': drop "
+              "them or use rollout.name=vllm")
+    assert settings.key_problems(cfg) == [no_tp, unused]
+    cfg.rollout.name, cfg.rollout.engine_kwargs, cfg.rollout.hf_use_torch_compile = "vllm", {}, True
+    (compile_key,) = settings.key_problems(cfg)[1:]
+    assert compile_key.startswith("rollout.hf_use_torch_compile=true compiles the transformers engine, but rollout.name='vllm'")
+    # and validation reaches them: load_config refuses each with the same message
+    with pytest.raises(ConfigError) as error:
+        load_config(None, TINY + ["rollout.engine_kwargs.seed=3"])
+    assert clash in str(error.value)
+
+
+def test_the_engine_settings_import_no_torch():
+    """Config validation asks the engines' settings modules, so they stay as light as the config (no torch, no vLLM)."""
+    code = ("import sys; import grpo_lib.config; import grpo_lib.engines.settings; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers', 'grpo_lib.engines.vllm', 'grpo_lib.engines.hf') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_vllm_engine_module_sets_its_own_environment():
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core in this process) is set by grpo_lib/engines/vllm.py when it is
+    imported, before it imports vLLM; train_grpo.py no longer sets it, and a value the user exported wins."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    show = "import os; print(os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING'))"
+    runs = {"script": f"import train_grpo; {show}", "engine": f"import grpo_lib.engines.vllm; {show}"}
+    out = {name: subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+           for name, code in runs.items()}
+    assert out["script"].stdout.strip() == "None", out["script"].stdout + out["script"].stderr[-2000:]
+    assert out["engine"].stdout.strip() == "0", out["engine"].stdout + out["engine"].stderr[-2000:]
+    user = subprocess.run([sys.executable, "-c", runs["engine"]], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert user.stdout.strip() == "1", user.stdout + user.stderr[-2000:]

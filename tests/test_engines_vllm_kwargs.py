@@ -134,11 +134,11 @@ def test_engine_argument_names_come_from_vllms_source_without_importing_it():
     import subprocess
     import sys
 
-    code = ("import sys; from grpo_lib.engines.vllm import engine_argument_names; names = engine_argument_names(); "
-            "print(len(names), 'kv_cache_dtype' in names, 'chat_template' in names, 'vllm' in sys.modules)")
+    code = ("import sys; from grpo_lib.engines.vllm_settings import engine_argument_names; names = engine_argument_names(); "
+            "print(len(names), 'kv_cache_dtype' in names, 'chat_template' in names, 'vllm' in sys.modules, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     count, *flags = proc.stdout.split()
-    assert int(count) > 100 and flags == ["True", "True", "False"], proc.stdout + proc.stderr[-2000:]
+    assert int(count) > 100 and flags == ["True", "True", "False", "False"], proc.stdout + proc.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -151,8 +151,32 @@ def test_engine_argument_names_are_what_vllm_takes():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.llm import LLM
 
-    from grpo_lib.engines.vllm import engine_argument_names
+    from grpo_lib.engines.vllm_settings import engine_argument_names
 
     expected = {f.name for f in dataclasses.fields(EngineArgs)} | \
         (set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
     assert engine_argument_names() == expected
+
+
+# ------------------------------------------------------------------ issue 29: the resolved config is never written
+def test_cpu_kv_cache_size_is_handed_to_the_engine_and_cfg_stays_as_resolved(tiny_model_dir):
+    """On CPU the KV cache is sized for the run's batch (perf.resolve_kv_cache_bytes) by VLLMEngine.from_config and passed
+    to LLM(...) as a value; rollout.kv_cache_memory_bytes stays None (setup used to write the size back into cfg)."""
+    import copy
+
+    from grpo_lib import perf
+
+    cfg = load_config(RECIPE, [f"model.path={tiny_model_dir}", "rollout.kv_cache_memory_bytes=null"])  # the recipe sets one
+    before = copy.deepcopy(cfg)
+    RecordingLLM.calls = []
+    engine = VLLMEngine.from_config(cfg, on_cpu=True, world_size=1, llm_factory=RecordingLLM)
+    (kwargs,) = RecordingLLM.calls
+    expected = perf.resolve_kv_cache_bytes(cfg, world_size=1, engine_dtype="float32")
+    assert expected > 0 and kwargs["kv_cache_memory_bytes"] == expected == engine.kv_cache_bytes
+    assert cfg == before and cfg.rollout.kv_cache_memory_bytes is None, "from_config wrote to the config"
+    # an explicit size wins, on GPU too (there None leaves vLLM to size it from gpu_memory_utilization)
+    RecordingLLM.calls = []
+    VLLMEngine.from_config(load_config(RECIPE, [f"model.path={tiny_model_dir}", "rollout.kv_cache_memory_bytes=12345"]),
+                           on_cpu=True, world_size=1, llm_factory=RecordingLLM)
+    VLLMEngine.from_config(cfg, on_cpu=False, world_size=1, llm_factory=RecordingLLM)
+    assert RecordingLLM.calls[0]["kv_cache_memory_bytes"] == 12345 and "kv_cache_memory_bytes" not in RecordingLLM.calls[1]

