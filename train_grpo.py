@@ -281,9 +281,7 @@ class GRPOTrainer:
         """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
         when the rewards cannot be trusted or DAPO finds no usable group; the step's generation metrics are logged."""
         from grpo_lib import step as S
-        from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
-        from grpo_lib.tools.calls import ToolStallError
         from grpo_lib.weight_probe import worse_probe
 
         cfg, p = self.cfg, self.parts
@@ -305,10 +303,6 @@ class GRPOTrainer:
                 if gen_metrics:
                     p.logger.log(step, gen_metrics)
                 raise
-            except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
-                raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
-            except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
-                raise S.RunAborted(f"step {step}: {error}") from error
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
@@ -336,11 +330,10 @@ class GRPOTrainer:
             memory.begin("push")
             p.sync.push(actor, version=step, timings=timings)
             memory.end()
-            if step == p.total_steps and p.sync.probe is not None:  # no generation follows the last push: one score call
+            if step == p.total_steps:  # no generation follows the last push: its probe is scored by one call
                 train_metrics.update(worse_probe(gen_metrics, p.sync.check_last_push(timings=timings)))  # run_steps checks
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
-                train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
-                actor.offload()
+                train_metrics["debug/weight_sync_max_abs_diff"] = p.sync.full_check(actor, batch)
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
         return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/"),
                 **memory.metrics()}
@@ -349,8 +342,11 @@ class GRPOTrainer:
         """The step's rollouts (step.collect_rollouts; their metrics go `into`) with the weight probe riding in their
         first generate call, then `WeightSync.check` (rollout/weight_probe_* `into`), also when collecting gives up (DAPO
         found no usable group), where the weights may be the cause: other weights than the pushed ones raise
-        step.RunAborted (exit 3) before anything trains on the rollouts."""
+        step.RunAborted (exit 3) before anything trains on the rollouts. A chat template that cannot extend an episode
+        is RunAborted with exit code 2, tool calls that never returned with exit code 3."""
         from grpo_lib import step as S
+        from grpo_lib.episodes import TemplateError
+        from grpo_lib.tools.calls import ToolStallError
 
         p, batch, gave_up = self.parts, None, None
         request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
@@ -361,6 +357,10 @@ class GRPOTrainer:
             into.update(metrics)
         except S.RunAborted as error:
             gave_up = error
+        except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
+            raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
+        except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
+            raise S.RunAborted(f"step {step}: {error}") from error
         probe_metrics, error = p.sync.check(request, batch, step=step, timings=timings)
         into.update(probe_metrics)
         if error is not None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_needed
-from grpo_lib.distributed import Reduction, all_reduce_min, broadcast_object, is_on
+from grpo_lib.distributed import Reduction, all_reduce_min, is_on
 from grpo_lib.episodes import episode_sums, reward_extra_info
 from grpo_lib.seeds import sample_seed, tp_group_share
 from grpo_lib.types import Generation, PromptBatch, RolloutBatch, ScoreRequest
@@ -583,23 +583,6 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     prompt_texts = [tokenizer.decode(batch.input_ids[i][(batch.attention_mask[i] > 0) & (batch.response_mask[i] == 0)].tolist())
                     if tokenizer is not None else "" for i in range(min(limit, len(batch)))]
     return metrics, generation_rows(batch, prompt_texts, limit=limit)
-
-
-def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
-    """Largest |engine - actor| logprob over process 0's first trajectory, at temperature 1 (invariant 3).
-
-    Every process scores the same sequence (broadcast from process 0), so the ranks of a TP group submit the
-    identical request; the actor forward is an FSDP2 collective. The engine must be ready (after
-    prepare_for_generation); the result is the largest error over all engines.
-    """
-    length = int(batch.attention_mask[0].sum())
-    seq = torch.tensor(broadcast_object(batch.input_ids[0, :length].tolist()))  # [L]
-    engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
-    actor.load_params()  # after the push the shards may rest on the host (param_offload); the caller offloads again
-    actor.policy.eval()
-    with torch.no_grad():
-        actor_lp, _ = actor.policy(seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))  # [1, L]
-    return -all_reduce_min(-float((engine_lp - actor_lp[0].float().cpu()).abs().max()))
 
 
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:

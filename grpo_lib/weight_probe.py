@@ -144,13 +144,15 @@ class WeightProbe:
 
 
 def worse_probe(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """The rollout/weight_probe_* metrics of the two probes of a step (`a` may hold none) that came closer to its
+    """The rollout/weight_probe_* metrics of the two probes of a step (either may hold none) that came closer to its
     tolerance: the last step logs the probe of its rollouts and the one of its final push in one row.
 
     Example: worse_probe({"rollout/weight_probe_abs_diff": 1e-6, "rollout/weight_probe_tolerance": 8e-6},
     {"rollout/weight_probe_abs_diff": 2e-6, "rollout/weight_probe_tolerance": 8e-6}) -> the second.
     """
     ratio = lambda m: m["rollout/weight_probe_abs_diff"] / m["rollout/weight_probe_tolerance"]  # noqa: E731
+    if "rollout/weight_probe_abs_diff" not in b:  # no probe (trainer.weight_probe=false): nothing to compare
+        return {k: v for k, v in a.items() if k.startswith("rollout/weight_probe_")}
     if "rollout/weight_probe_abs_diff" not in a or ratio(b) > ratio(a):
         return {k: v for k, v in b.items() if k.startswith("rollout/weight_probe_")}
     return {k: v for k, v in a.items() if k.startswith("rollout/weight_probe_")}

@@ -12,6 +12,7 @@ One unit, called at two places of a step (train_grpo.py), so the probe lives now
                     pushed one, and the request's scores against `expect`'s (rollout/weight_probe_*); either wrong is
                     a WeightMismatch (exit 3)
     check_last_push the push after the last update, which no generation follows: the probe scored by one call
+    full_check      trainer.check_weight_sync (a debug pass after every push): a whole trajectory scored by both sides
 
 Versions: the weights after step s's update are version s. A rollout batch carries the version of the engine that
 generated it (`RolloutBatch.weight_version`), so a producer in another process, or a push that did not take, shows as
@@ -24,6 +25,9 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+import torch
+
+from grpo_lib.distributed import all_reduce_min, broadcast_object
 from grpo_lib.types import RolloutBatch, ScoreRequest
 from grpo_lib.weight_probe import WeightMismatch, WeightProbe, mismatch
 
@@ -76,6 +80,23 @@ class WeightSync:
             return {}
         with _timed(timings, "weight_probe"):
             return self.probe.measure(self.engine.score_logprobs([self.probe.tokens])[0])
+
+    def full_check(self, actor, batch: RolloutBatch) -> float:
+        """Largest |engine - actor| logprob over process 0's first trajectory of `batch`, at temperature 1 (invariant 3;
+        debug/weight_sync_max_abs_diff), after the push; the actor rests on the host again afterwards.
+
+        Every process scores the same sequence (broadcast from process 0), so the ranks of a TP group submit the
+        identical request; the actor forward is an FSDP2 collective. The result is the largest error over all engines.
+        """
+        length = int(batch.attention_mask[0].sum())
+        seq = torch.tensor(broadcast_object(batch.input_ids[0, :length].tolist()))  # [L]
+        engine_lp = torch.tensor(self.engine.score_logprobs([seq.tolist()])[0])  # [L]
+        actor.load_params()  # after the push the shards may rest on the host (param_offload)
+        actor.policy.eval()
+        with torch.no_grad():
+            actor_lp, _ = actor.policy(seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))  # [1, L]
+        actor.offload()
+        return -all_reduce_min(-float((engine_lp - actor_lp[0].float().cpu()).abs().max()))
 
 
 @contextmanager
