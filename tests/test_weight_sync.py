@@ -244,3 +244,12 @@ def test_without_filter_groups_one_round_is_the_batch_and_round_stats_add_up():
     total.add(step.RoundStats(sums={"count": 4.0, "response/length_max": 3.0}, tool_sums={"episode/turns_max": 5.0}))
     assert total.sums == {"rollout/preemptions": 0.0, "count": 8.0, "response/length_max": 6.0}
     assert total.tool_sums == {"episode/turns_max": 5.0}, "a *_max key keeps the larger"
+
+
+def test_the_last_step_without_a_probe_logs_no_probe_metrics():
+    """trainer.weight_probe=false: check_last_push gives {} and the step's row keeps what it had (worse_probe)."""
+    from grpo_lib.weight_probe import worse_probe
+
+    assert worse_probe({"actor/pg_loss": 0.1}, {}) == {}
+    rollouts = {"rollout/weight_probe_abs_diff": 1e-6, "rollout/weight_probe_tolerance": 8e-6, "actor/pg_loss": 0.1}
+    assert worse_probe(rollouts, {}) == {"rollout/weight_probe_abs_diff": 1e-6, "rollout/weight_probe_tolerance": 8e-6}
