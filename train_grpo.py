@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, v
     from grpo_lib.metrics import MetricLogger
     from grpo_lib.rewards.scorer import RewardScorer
     from grpo_lib.teacher import Teacher
-    from grpo_lib.weight_probe import WeightProbe
+    from grpo_lib.weight_sync import WeightSync
 
 
 class SetupError(RuntimeError):
@@ -82,8 +82,8 @@ class RunParts:
     scorer: RewardScorer
     logger: MetricLogger
     device: torch.device
+    sync: WeightSync  # the engine's weights pushed with a version and proven (the weight probe: trainer.weight_probe)
     episodes: EpisodeRunner | None = None  # with rollout.multi_turn.enable
-    probe: WeightProbe | None = None  # with trainer.weight_probe
     teacher: Teacher | None = None  # with distillation.enabled
 
 
@@ -116,6 +116,7 @@ class GRPOTrainer:
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
         from grpo_lib.weight_probe import WeightProbe
+        from grpo_lib.weight_sync import WeightSync
 
         import copy
 
@@ -188,7 +189,7 @@ class GRPOTrainer:
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
                               actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
-                              probe=probe, teacher=teacher)
+                              sync=WeightSync(engine, probe, version=self.resume.step), teacher=teacher)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -203,13 +204,10 @@ class GRPOTrainer:
             engine.release()
         if self.resume.path is not None:
             checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-        if probe is not None:  # the weights the engine serves from here on: step 1's generation proves it serves them
-            probe.expect(actor)
+        self.parts.sync.expect(actor)  # the weights the engine serves from here on: step 1's generation proves it serves them
         actor.offload()  # with param/optimizer offload the actor rests on the host (the loaded AdamW state before a wake)
-        if push:
-            engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
-        if probe is not None:
-            probe.send(engine)
+        if push:  # the resumed step's weights are its version (a fresh run's adapters: version 0, as model.path's)
+            self.parts.sync.push(actor, version=self.resume.step)
         if self.resume.path is not None:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             if episodes is not None and rank == 0:  # a tool's state is no part of a checkpoint
@@ -285,9 +283,7 @@ class GRPOTrainer:
         """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
         when the rewards cannot be trusted or DAPO finds no usable group; the step's generation metrics are logged."""
         from grpo_lib import step as S
-        from grpo_lib.episodes import TemplateError
         from grpo_lib.perf import PhaseMemory
-        from grpo_lib.tools.calls import ToolStallError
         from grpo_lib.weight_probe import worse_probe
 
         cfg, p = self.cfg, self.parts
@@ -309,10 +305,6 @@ class GRPOTrainer:
                 if gen_metrics:
                     p.logger.log(step, gen_metrics)
                 raise
-            except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
-                raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
-            except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
-                raise S.RunAborted(f"step {step}: {error}") from error
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
@@ -334,70 +326,58 @@ class GRPOTrainer:
             # 7. update
             with timed(timings, "update"):
                 train_metrics = actor.update(batch, plan)
-            if p.probe is not None:  # the actor's logprobs of the probe, from the weights about to be pushed
-                with timed(timings, "weight_probe"):
-                    p.probe.expect(actor)
-            # push: empty the trainer's cache -> wake weights -> push -> reset prefix cache -> actor.offload (param /
-            # optimizer offload: the shards leave the device before the KV cache maps) -> wake KV cache: the engine
-            # serves the actor's current weights from here on (check, validation and the next step's generation)
+            # push (grpo_lib/weight_sync.py): the probe's logprobs of the weights about to be pushed, then wake weights ->
+            # push as version `step` -> actor.offload -> wake KV cache: the engine serves them from here on
+            p.sync.expect(actor, timings=timings)
             memory.begin("push")
-            with timed(timings, "push"):
-                engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload)
+            p.sync.push(actor, version=step, timings=timings)
             memory.end()
-            if p.probe is not None:  # ... and the engine's, inside the next generation (rollout/weight_probe_abs_diff)
-                p.probe.send(engine)
-                if step == p.total_steps:  # no generation follows the last push: the engine scores it now (one call)
-                    with timed(timings, "weight_probe"):
-                        train_metrics.update(worse_probe(gen_metrics, p.probe.measure(engine)))  # checked in run_steps
+            if step == p.total_steps:  # no generation follows the last push: its probe is scored by one call
+                train_metrics.update(worse_probe(gen_metrics, p.sync.check_last_push(timings=timings)))  # run_steps checks
             if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
-                train_metrics["debug/weight_sync_max_abs_diff"] = S.weight_sync_error(engine, actor, batch)
-                actor.offload()
+                train_metrics["debug/weight_sync_max_abs_diff"] = p.sync.full_check(actor, batch)
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
         return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/"),
                 **memory.metrics()}
 
     def collect_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]):
-        """The step's rollouts (step.collect_rollouts; their metrics go `into`), then `probe_rollouts`: also when
-        collecting gives up (DAPO found no usable group), where the weights may be the cause."""
+        """The step's rollouts (step.collect_rollouts; their metrics go `into`) with the weight probe riding in their
+        first generate call, then `WeightSync.check` (rollout/weight_probe_* `into`), also when collecting gives up (DAPO
+        found no usable group), where the weights may be the cause: other weights than the pushed ones raise
+        step.RunAborted (exit 3) before anything trains on the rollouts. A chat template that cannot extend an episode
+        is RunAborted with exit code 2, tool calls that never returned with exit code 3."""
         from grpo_lib import step as S
+        from grpo_lib.episodes import TemplateError
+        from grpo_lib.tools.calls import ToolStallError
 
-        p = self.parts
+        p, batch, gave_up = self.parts, None, None
+        request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
         try:
             batch, metrics = S.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
                                                 world_size=self.world_size, rank=self.rank, timings=timings,
-                                                episodes=p.episodes)
-        except S.RunAborted:
-            self.probe_rollouts(step, timings, into=into)
-            raise
-        into.update(metrics)
-        self.probe_rollouts(step, timings, into=into)
+                                                episodes=p.episodes, score_request=request)
+            into.update(metrics)
+        except S.RunAborted as error:
+            gave_up = error
+        except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
+            raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
+        except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
+            raise S.RunAborted(f"step {step}: {error}") from error
+        probe_metrics, error = p.sync.check(request, batch, step=step, timings=timings)
+        into.update(probe_metrics)
+        if error is not None:
+            raise S.RunAborted(str(error), exit_code=error.exit_code) from gave_up
+        if gave_up is not None:
+            raise gave_up
         return batch
-
-    def probe_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]) -> None:
-        """Did this step's rollouts come from the actor's weights? The weight probe, scored inside the step's first
-        generate call, against the actor's: its metrics (rollout/weight_probe_*) go `into` the step's generation
-        metrics; a mismatch then raises step.RunAborted (exit 3) before anything trains on them."""
-        from grpo_lib import step as S
-        from grpo_lib.weight_probe import mismatch
-
-        p = self.parts
-        if p.probe is None or not p.probe.pending:
-            return
-        with timed(timings, "weight_probe"):
-            metrics = p.probe.measure(p.engine)
-        into.update(metrics)
-        if (error := mismatch(metrics, step=step)) is not None:
-            raise S.RunAborted(str(error), exit_code=error.exit_code)
 
     def validate(self, step: int) -> None:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
         from grpo_lib import step as S
 
         p = self.parts
-        held = p.engine.hold_queued_scores() if p.probe is not None else nullcontext()  # the probe rides in training's batch
-        with held:
-            metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
-                                       step=step, tokenizer=p.tokenizer, episodes=p.episodes)
+        metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
+                                   step=step, tokenizer=p.tokenizer, episodes=p.episodes)
         p.logger.log(step, metrics)
         p.logger.log_generations(step, rows)
 

@@ -8,7 +8,7 @@ reads from its metrics.jsonl, per step, `timing_s/weight_probe` (the actor's for
 the comparison after the next generation; inside `timing_s/step`) against `timing_s/step`. The first 2 steps are left
 out (one-off warm-up). The engine scores the probe inside its generation call (one more prompt-logprob request in the
 batch), which timing_s/weight_probe does not see: that part is measured here in one process, as paired A/B calls of
-the step's generate (the demo's 32 prompts x 8 samples, streamed as in training) with and without the queued probe,
+the step's generate (the demo's 32 prompts x 8 samples, streamed as in training) with and without the carried probe,
 alternating, --ab-pairs pairs; its median difference is added to the probe's cost. Both parts are measured inside the
 same steps / calls they are compared with, so a machine shared with other jobs slows both alike; the load average is
 printed with the result. Writes bench/results_weight_probe_cpu.md.
@@ -44,7 +44,7 @@ def build(work: Path, warmup_steps: int) -> tuple[Path, Path]:
 
 
 def generate_ab(model: Path, data: Path, pairs: int) -> tuple[float, float]:
-    """Median over `pairs` of (generate with the queued probe - generate without), and the median plain generate, s."""
+    """Median over `pairs` of (generate with the carried probe - generate without), and the median plain generate, s."""
     import time
 
     from transformers import AutoTokenizer
@@ -52,6 +52,7 @@ def generate_ab(model: Path, data: Path, pairs: int) -> tuple[float, float]:
     from grpo_lib.config import load_config
     from grpo_lib.data import load_prompts
     from grpo_lib.engines.vllm import VLLMEngine
+    from grpo_lib.types import ScoreRequest
     from grpo_lib.weight_probe import PROBE_TOKENS
 
     cfg = load_config(REPO / "recipes" / "tiny_cpu.yaml", [f"model.path={model}", f"data.train_files=[{data / 'train.parquet'}]"])
@@ -60,15 +61,11 @@ def generate_ab(model: Path, data: Path, pairs: int) -> tuple[float, float]:
     prompts, probe = train.prompt_ids[:cfg.data.train_batch_size], train.prompt_ids[0][:PROBE_TOKENS]
 
     def generate(with_probe: bool, rep: int) -> float:
-        if with_probe:
-            engine.queue_scores([probe])
+        carried = {"score": ScoreRequest([probe])} if with_probe else {}
         start = time.perf_counter()
         engine.generate(prompts, n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
-                        seeds=[1000 * rep + i for i in range(len(prompts))], on_finished=lambda finished: None)
-        elapsed = time.perf_counter() - start
-        if with_probe:
-            engine.pop_scores()
-        return elapsed
+                        seeds=[1000 * rep + i for i in range(len(prompts))], on_finished=lambda finished: None, **carried)
+        return time.perf_counter() - start
 
     for rep in range(3):  # warm-up
         generate(rep % 2 == 0, rep)
@@ -86,7 +83,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--warmup-steps", type=int, default=300, help="the tiny model's warm-up (make demo: 300)")
-    parser.add_argument("--ab-pairs", type=int, default=60, help="paired generate calls with / without the queued probe")
+    parser.add_argument("--ab-pairs", type=int, default=60, help="paired generate calls with / without the carried probe")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_probe_"))
     model, data = build(work, args.warmup_steps)

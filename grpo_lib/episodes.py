@@ -66,7 +66,7 @@ from grpo_lib.seeds import turn_seed
 from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
 from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
-from grpo_lib.types import EpisodeStats, Generation, PromptBatch
+from grpo_lib.types import EpisodeStats, Generation, PromptBatch, ScoreRequest
 
 _PROBE = "grpo-probe-7f3a"  # assistant text whose rendering shows what the template writes after an assistant turn
 
@@ -143,11 +143,13 @@ class EpisodeRunner:
 
     def generate(self, engine, prompts: PromptBatch, *, n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
                  top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
-                 timings: dict | None = None, on_finished: OnFinished | None = None) -> list[list[Generation]]:
+                 timings: dict | None = None, on_finished: OnFinished | None = None,
+                 score: ScoreRequest | None = None) -> list[list[Generation]]:
         """`n` episodes per prompt, [num_prompts][n] Generations, as `engine.generate` gives responses; `max_tokens` is
         the response budget of each episode (data.max_response_length). Adds the tools' wall time to
         timings["timing_s/tools"]. `on_finished` (`engines.base.OnFinished`, the reward stream) hears of each episode
         as it ends, its tool rewards in: [(prompt index, sample index, Generation)] (the Generation returned).
+        `score` (the weight probe) rides in the first engine call: the session, or the first turn's generate.
 
         The per-episode loop (module docstring) where the engine offers `open_session` and the episodes need not
         stay in step with other processes (`self.per_episode`: no tensor parallelism); else one engine call per turn."""
@@ -181,18 +183,21 @@ class EpisodeRunner:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
         open_session = getattr(engine, "open_session", None)
         if open_session is not None and self.per_episode:
-            tool_seconds += self._per_episode_loop(open_session(**sampling), episodes, seeded=seeds is not None,
+            session = open_session(**sampling, **({} if score is None else {"score": score}))
+            tool_seconds += self._per_episode_loop(session, episodes, seeded=seeds is not None,
                                                    max_tokens=max_tokens, report=report,
                                                    tick=None if on_finished is None else lambda: on_finished([]))
         else:
             tool_seconds += self._turn_loop(engine, episodes, sampling, seeded=seeds is not None, max_tokens=max_tokens,
-                                            report=report)
+                                            report=report, score=score)
         timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + tool_seconds
         return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _turn_loop(self, engine, episodes: list[_Episode], sampling: dict, *, seeded: bool, max_tokens: int, report) -> float:
+    def _turn_loop(self, engine, episodes: list[_Episode], sampling: dict, *, seeded: bool, max_tokens: int, report,
+                   score: ScoreRequest | None = None) -> float:
         """One engine call per turn for every running episode, then all their tool calls at once; the episodes that
-        ended in a turn are finished (calc_reward, release) and reported after it. Returns the tools' seconds."""
+        ended in a turn are finished (calc_reward, release) and reported after it; `score` rides in turn 0's call.
+        Returns the tools' seconds."""
         def finish(ended: list[int]) -> None:  # calc_reward + release of the episodes that ended, then their reports
             if ended:
                 finished = self.leader_call(lambda: self.toolbox.finish([episodes[j].instance_id for j in ended]))
@@ -205,7 +210,8 @@ class EpisodeRunner:
         while active:
             outputs = engine.generate([episodes[j].prompt_ids + episodes[j].tokens for j in active], n=1,
                                       max_tokens=[max_tokens - len(episodes[j].tokens) for j in active],
-                                      seeds=[turn_seed(episodes[j].seed, turn) for j in active] if seeded else None, **sampling)
+                                      seeds=[turn_seed(episodes[j].seed, turn) for j in active] if seeded else None, **sampling,
+                                      **({"score": score} if score is not None and turn == 0 else {}))
             pending = []  # (episode index, its turn's output, the calls to run)
             for j, (out,) in zip(active, outputs):
                 calls = self._end_turn(episodes[j], out, max_tokens=max_tokens)

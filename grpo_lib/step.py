@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -16,10 +17,10 @@ from torch import Tensor
 from grpo_lib import algorithms
 from grpo_lib.batching import balance_across_ranks
 from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_needed
-from grpo_lib.distributed import Reduction, all_reduce_min, broadcast_object, is_on
+from grpo_lib.distributed import Reduction, all_reduce_min, is_on
 from grpo_lib.episodes import episode_sums, reward_extra_info
 from grpo_lib.seeds import sample_seed, tp_group_share
-from grpo_lib.types import Generation, PromptBatch, RolloutBatch
+from grpo_lib.types import Generation, PromptBatch, RolloutBatch, ScoreRequest
 
 
 def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]], *, pad_id: int = 0) -> RolloutBatch:
@@ -210,7 +211,7 @@ def val_sampling(cfg) -> dict:
 
 def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: int, rank: int, purpose: str, step: int,
                    round: int, sampling: dict, episodes=None, timings: dict | None = None,
-                   rewards=None) -> tuple[PromptBatch, list[list[Generation]]]:
+                   rewards=None, score_request: ScoreRequest | None = None) -> tuple[PromptBatch, list[list[Generation]]]:
     """This process's strided share of `global_idx` (positions rank, rank + W, ...) and its generations: responses, or
     with `episodes` (an `episodes.EpisodeRunner`, rollout.multi_turn.enable) multi-turn episodes, one per sample.
 
@@ -220,6 +221,8 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     rank 0 keeps dataset rows [7, 9], rank 1 keeps [3, 4] (as with TP=1).
     With `rewards` (a `RewardStream`) each kept response is added to it as the engine finishes it, at its row in
     `build_rollout_batch` (prompt p's sample k is row p * n + k); a multi-turn episode as it ends, with its tool rewards.
+    `score_request` (`types.ScoreRequest`, the weight probe's) rides in the engine's first call and comes back filled;
+    a process without prompts makes no call and leaves it unfilled.
     """
     submit, keep = tp_group_share(len(global_idx), world_size=world_size, rank=rank, tp_size=cfg.rollout.tensor_model_parallel_size)
     if not submit:  # a validation set smaller than the process count: this TP group has no prompt (all its members agree)
@@ -229,11 +232,13 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     seeds = [sample_seed(cfg.trainer.seed, purpose=purpose, step=step, round=round, prompt_index=i, n=sampling["n"]) for i in submit]
     on_finished = None if rewards is None else stream_to(rewards, mine, local_of=dict(zip(keep, range(len(keep)))),
                                                             n=sampling["n"])
-    streaming = {} if on_finished is None else {"on_finished": on_finished}  # engines that predate it still work
+    optional = {} if on_finished is None else {"on_finished": on_finished}  # engines that predate them still work
+    if score_request is not None:
+        optional["score"] = score_request
     if episodes is None:
-        generations = engine.generate(group.prompt_ids, seeds=seeds, **streaming, **sampling)
+        generations = engine.generate(group.prompt_ids, seeds=seeds, **optional, **sampling)
     else:  # the TP group's members run the same episodes (deterministic tools keep their requests identical)
-        generations = episodes.generate(engine, group, seeds=seeds, timings=timings, **streaming, **sampling)
+        generations = episodes.generate(engine, group, seeds=seeds, timings=timings, **optional, **sampling)
     return mine, [generations[j] for j in keep]
 
 
@@ -282,10 +287,131 @@ def attach_greedy_baselines(cfg, engine, scorer, dataset, global_idx: list[int],
     return float(batch.reward_baselines.sum())
 
 
+@dataclass
+class RoundStats:
+    """One rollout round's counts on this process (local sums, not reduced; the step's are every round's, `add`):
+    reward/* and response/* sums (response/length_max a max), `count` responses, rollout/preemptions; multi-turn the
+    round's `episodes.episode_sums` in `tool_sums`. Example: a round of 4 responses of lengths 3, 5, 2, 6 ->
+    sums["count"] 4, sums["response/length_sum"] 16, sums["response/length_max"] 6."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    tool_sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, other: RoundStats) -> None:
+        """Another round's counts into these: a `*_max` key keeps the larger, every other key adds up."""
+        for mine, theirs in ((self.sums, other.sums), (self.tool_sums, other.tool_sums)):
+            for k, v in theirs.items():
+                mine[k] = max(mine.get(k, 0.0), v) if k.endswith("_max") else mine.get(k, 0.0) + v
+
+
+def rollout_round(cfg, engine, scorer, dataset, global_idx: list[int], *, step: int, round: int, world_size: int,
+                  rank: int, timings: dict, episodes=None, stream_rewards: bool = True,
+                  score_request: ScoreRequest | None = None) -> tuple[RolloutBatch, RoundStats]:
+    """One round of rollouts of the prompts `global_idx` (this process's strided share): generation (the engine ready),
+    the rewards streamed as responses finish, remax's greedy baselines -> (this process's scored batch, its counts).
+
+    The batch carries `weight_version`, the engine's when it generated; `score_request` (the weight probe's) rides in
+    the round's first generate call and comes back filled. A round after the first renames its groups
+    (`{group}#round{round}`): a prompt drawn again (the sampler wrapped into a new epoch) is a new group.
+    """
+    version = engine.weight_version  # the weights these rollouts come from
+    # the t processes of a TP group drive one engine and each sees all of its preemptions: only the first counts them
+    tp_leader = rank % cfg.rollout.tensor_model_parallel_size == 0
+    stats = RoundStats()
+    # Strided share: local prompt j is global prompt rank + j * world_size, so the local mini-batch m of every
+    # process together hold exactly the global mini-batch m (process count never changes the update).
+    start = time.perf_counter()
+    # responses scored as they finish (a stream left by an exception is cancelled: its workers are replaced)
+    rewards = open_reward_stream(scorer) if stream_rewards else None
+    with rewards if rewards is not None else contextlib.nullcontext():
+        prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
+                                              step=step, round=round, sampling=train_sampling(cfg), episodes=episodes,
+                                              timings=timings, rewards=rewards, score_request=score_request)
+        timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+        if episodes is not None:
+            stats.tool_sums = episode_sums(generations, episodes.tool_names)
+        preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
+        stats.sums["rollout/preemptions"] = preempted if tp_leader else 0.0
+        batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
+        batch.weight_version = version
+        if cfg.actor.mask_truncated_responses:
+            mask_truncated(batch)
+        if round > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
+            batch.group_ids = [f"{g}#round{round}" for g in batch.group_ids]
+        start = time.perf_counter()
+        stats.sums.update(score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
+                                max_response_length=cfg.data.max_response_length, rewards=rewards, timings=timings))
+        stats.sums["count"] = float(len(batch))
+        stats.sums["reward/sum"] = float(batch.scores.sum())
+        stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
+        stats.sums["response/length_max"] = float(batch.response_lengths.max())
+        stats.sums["response/clipped"] = float(batch.truncated.sum())
+        timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+    if greedy_baseline_needed(cfg):  # remax: the score of one greedy response per prompt is each row's baseline
+        stats.sums["reward/greedy_baseline_mean"] = attach_greedy_baselines(
+            cfg, engine, scorer, dataset, global_idx, batch, rows_per_prompt=[len(g) for g in generations],
+            world_size=world_size, rank=rank, step=step, round=round, episodes=episodes, timings=timings)
+    return batch, stats
+
+
+class GroupFilter:
+    """DAPO dynamic sampling (`algorithm.filter_groups`) over rollout rounds: `add` keeps each round's groups whose
+    `metric` values differ (`informative_groups`) until every process holds train_batch_size / world_size of them or
+    max_num_gen_batches rounds ran; `finish` returns the step's batch (the surplus of the last round discarded, every
+    process the same number of groups) or raises RunAborted when no group differed. Disabled, it keeps the one round.
+
+    Only `add`'s count of kept groups is reduced over processes (a min), so a round's batch may come from anywhere:
+    the seam where a rollout producer in another process could hand its batches in.
+    Example: per process 2 groups wanted; round 1 keeps 1 of 2 (one all-equal), round 2 keeps 2 -> `add` True,
+    `finish` the first 2 kept groups; batch/kept_groups 2, batch/dropped_groups 1, batch/gen_rounds 2.
+    """
+
+    def __init__(self, cfg, *, world_size: int):
+        self.fg, self.per_rank = cfg.algorithm.filter_groups, cfg.data.train_batch_size // world_size
+        self.kept: list[RolloutBatch] = []
+        self.num_kept, self.dropped, self.rounds, self.groups = 0, 0, 0, []
+
+    def add(self, batch: RolloutBatch) -> bool:
+        """One round's batch; True when the step has enough (or may draw no more rounds)."""
+        self.rounds += 1
+        if not self.fg.enable:
+            self.kept.append(batch)
+            return True
+        good = set(informative_groups(batch, self.fg.metric))
+        self.dropped += len(set(batch.group_ids)) - len(good)
+        if good:
+            self.kept.append(batch.select([i for i, g in enumerate(batch.group_ids) if g in good]))
+            self.num_kept += len(good)
+        enough = all_reduce_min(self.num_kept) >= self.per_rank
+        return enough or (self.fg.max_num_gen_batches > 0 and self.rounds >= self.fg.max_num_gen_batches)
+
+    def finish(self, cfg, *, step: int, stats: RoundStats, scorer) -> RolloutBatch:
+        """The step's batch from the kept rounds. No group kept anywhere: RunAborted (exit 3), for failing rewards
+        (`check_reward_errors` over the step's `stats`) if that is why, else for a reward that never differs."""
+        batch = RolloutBatch.concat(self.kept) if self.kept else None
+        if not self.fg.enable:
+            return batch
+        keep = min(int(all_reduce_min(self.num_kept)), self.per_rank)  # every process trains on the same number of groups
+        self.groups = list(dict.fromkeys(batch.group_ids))[:keep] if batch is not None else []
+        batch = batch.select([i for i, g in enumerate(batch.group_ids) if g in set(self.groups)]) if self.groups else None
+        if batch is None:  # rewards that all failed score 0 everywhere: say so (exit 3), not "no group differs"
+            sums, failed = stats.sums, Reduction()
+            failed.count("samples", sums["count"])
+            failed.mean("reward/error_fraction", sums["reward/error_fraction"], over="samples")
+            for k in ("reward/errors", "reward/timeouts"):
+                failed.sum(k, sums[k])
+            check_reward_errors(cfg, failed.reduce(), step=step, samples=scorer.last_error_samples)
+            raise RunAborted(f"step {step}: dynamic sampling found no group with different scores in {self.rounds} rounds "
+                             "(every response of each prompt scored the same); raise algorithm.filter_groups.max_num_gen_batches "
+                             "or check the reward")
+        return batch
+
+
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
-                     episodes=None, stream_rewards: bool = True):
-    """Prompts -> generation (engine ready; the caller releases it afterwards) -> rewards; with filter_groups, repeat
-    until enough informative groups.
+                     episodes=None, stream_rewards: bool = True, score_request: ScoreRequest | None = None):
+    """Rollout rounds (`rollout_round`: prompts -> generation, the engine ready, the caller releases it afterwards ->
+    rewards) through the `GroupFilter` until the step has its batch; `score_request` (the weight probe's) rides in
+    round 1's first generate call.
 
     Returns the batch of this process and the step's generation / reward metrics (reduced over processes).
     With `algorithm.filter_groups.enable` (DAPO dynamic sampling) each round draws the next train_batch_size
@@ -296,86 +422,30 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     With `episodes` (multi-turn) each sample is an episode and episode/* and tools/* are logged over all of them
     (`reduce_episode_metrics`).
     """
-    per_rank = cfg.data.train_batch_size // world_size
-    fg = cfg.algorithm.filter_groups
-    kept: list[RolloutBatch] = []
-    num_kept, dropped, rounds = 0, 0, 0
-    sums: dict[str, float] = {"rollout/preemptions": 0.0}
-    tool_sums: dict[str, float] = {}
-    # the t processes of a TP group drive one engine and each sees all of its preemptions: only the first counts them
-    tp_leader = rank % cfg.rollout.tensor_model_parallel_size == 0
+    groups, stats = GroupFilter(cfg, world_size=world_size), RoundStats(sums={"rollout/preemptions": 0.0})
     engine.pop_metrics("rollout/")  # only the training rollouts count: drop what validation's generation preempted
     while True:
-        rounds += 1
-        global_idx = sampler.next_batch()
-        # Strided share: local prompt j is global prompt rank + j * world_size, so the local mini-batch m of every
-        # process together hold exactly the global mini-batch m (process count never changes the update).
-        start = time.perf_counter()
-        # responses scored as they finish (a stream left by an exception is cancelled: its workers are replaced)
-        rewards = open_reward_stream(scorer) if stream_rewards else None
-        with rewards if rewards is not None else contextlib.nullcontext():
-            prompts, generations = generate_share(cfg, engine, dataset, global_idx, world_size=world_size, rank=rank, purpose="train",
-                                                  step=step, round=rounds, sampling=train_sampling(cfg), episodes=episodes,
-                                                  timings=timings, rewards=rewards)
-            timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
-            if episodes is not None:
-                for k, v in episode_sums(generations, episodes.tool_names).items():
-                    tool_sums[k] = max(tool_sums.get(k, 0.0), v) if k.endswith("_max") else tool_sums.get(k, 0.0) + v
-            preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
-            if tp_leader:
-                sums["rollout/preemptions"] += preempted
-            batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
-            if cfg.actor.mask_truncated_responses:
-                mask_truncated(batch)
-            if rounds > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
-                batch.group_ids = [f"{g}#round{rounds}" for g in batch.group_ids]
-            start = time.perf_counter()
-            for k, v in score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length,
-                              rewards=rewards, timings=timings).items():
-                sums[k] = sums.get(k, 0.0) + v
-            sums["count"] = sums.get("count", 0.0) + len(batch)
-            sums["reward/sum"] = sums.get("reward/sum", 0.0) + float(batch.scores.sum())
-            sums["response/length_sum"] = sums.get("response/length_sum", 0.0) + float(batch.response_lengths.sum())
-            sums["response/length_max"] = max(sums.get("response/length_max", 0.0), float(batch.response_lengths.max()))
-            sums["response/clipped"] = sums.get("response/clipped", 0.0) + float(batch.truncated.sum())
-            timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
-        if greedy_baseline_needed(cfg):  # remax: the score of one greedy response per prompt is each row's baseline
-            sums["reward/greedy_baseline_mean"] = sums.get("reward/greedy_baseline_mean", 0.0) + attach_greedy_baselines(
-                cfg, engine, scorer, dataset, global_idx, batch, rows_per_prompt=[len(g) for g in generations],
-                world_size=world_size, rank=rank, step=step, round=rounds, episodes=episodes, timings=timings)
-        if not fg.enable:
-            kept.append(batch)
+        batch, round_stats = rollout_round(cfg, engine, scorer, dataset, sampler.next_batch(), step=step, round=groups.rounds + 1,
+                                           world_size=world_size, rank=rank, timings=timings, episodes=episodes,
+                                           stream_rewards=stream_rewards,
+                                           score_request=score_request if groups.rounds == 0 else None)
+        stats.add(round_stats)
+        if groups.add(batch):
             break
-        good = set(informative_groups(batch, fg.metric))
-        dropped += len(set(batch.group_ids)) - len(good)
-        if good:
-            kept.append(batch.select([i for i, g in enumerate(batch.group_ids) if g in good]))
-            num_kept += len(good)
-        enough = all_reduce_min(num_kept) >= per_rank
-        if enough or (fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches):
-            break
-    batch = RolloutBatch.concat(kept) if kept else None
-    metrics = {}
-    if fg.enable:
-        keep = int(all_reduce_min(num_kept))  # every process trains on the same number of groups
-        keep = min(keep, per_rank)
-        groups = list(dict.fromkeys(batch.group_ids))[:keep] if batch is not None else []
-        batch = batch.select([i for i, g in enumerate(batch.group_ids) if g in set(groups)]) if groups else None
-        metrics["batch/gen_rounds"] = float(rounds)
-        if batch is None:  # rewards that all failed score 0 everywhere: say so (exit 3), not "no group differs"
-            failed = Reduction()
-            failed.count("samples", sums["count"])
-            failed.mean("reward/error_fraction", sums["reward/error_fraction"], over="samples")
-            for k in ("reward/errors", "reward/timeouts"):
-                failed.sum(k, sums[k])
-            check_reward_errors(cfg, failed.reduce(), step=step, samples=scorer.last_error_samples)
-            raise RunAborted(f"step {step}: dynamic sampling found no group with different scores in {rounds} rounds "
-                             "(every response of each prompt scored the same); raise algorithm.filter_groups.max_num_gen_batches "
-                             "or check the reward")
+    batch = groups.finish(cfg, step=step, stats=stats, scorer=scorer)
+    return batch, rollout_metrics(stats, groups, step=step, episodes=episodes)
+
+
+def rollout_metrics(stats: RoundStats, groups: GroupFilter, *, step: int, episodes=None) -> dict[str, float]:
+    """The step's rollout metrics from every round's `stats`, reduced over processes in one all-reduce per kind:
+    batch/* (dynamic sampling), reward/*, response/*, rollout/preemptions (a warning when > 0), episode/* and tools/*."""
+    metrics, sums = {}, dict(stats.sums)
+    if groups.fg.enable:
+        metrics["batch/gen_rounds"] = float(groups.rounds)
     reduction = Reduction()  # every metric of the rollouts in one all-reduce per kind
-    if fg.enable:
-        reduction.sum("batch/kept_groups", len(groups))
-        reduction.sum("batch/dropped_groups", dropped)
+    if groups.fg.enable:
+        reduction.sum("batch/kept_groups", len(groups.groups))
+        reduction.sum("batch/dropped_groups", groups.dropped)
     reduction.count("samples", sums.pop("count"))
     reduction.max("response/length_max", sums.pop("response/length_max"))
     names = {"reward/sum": "reward/mean", "response/length_sum": "response/length_mean", "response/clipped": "response/clip_ratio"}
@@ -385,14 +455,14 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
         else:  # means over the responses
             reduction.mean(names.get(k, k), v, over="samples")
     if episodes is not None:
-        add_episode_metrics(reduction, tool_sums, episodes.tool_names)
+        add_episode_metrics(reduction, stats.tool_sums, episodes.tool_names)
     metrics.update(reduction.reduce())
     if metrics["rollout/preemptions"] > 0:
         warnings.warn(f"step {step}: the engine preempted {int(metrics['rollout/preemptions'])} sequences for lack of KV cache "
                       "(recomputed later: a slower generation); raise rollout.kv_cache_memory_bytes (CPU) or "
                       "rollout.gpu_memory_utilization (GPU), or leave kv_cache_memory_bytes unset on CPU to size it from the batch",
                       stacklevel=1)
-    return batch, metrics
+    return metrics
 
 
 def add_episode_metrics(reduction: Reduction, sums: dict[str, float], tool_names: list[str]) -> None:
@@ -513,23 +583,6 @@ def validate(cfg, engine, scorer, dataset, *, world_size: int, rank: int, step: 
     prompt_texts = [tokenizer.decode(batch.input_ids[i][(batch.attention_mask[i] > 0) & (batch.response_mask[i] == 0)].tolist())
                     if tokenizer is not None else "" for i in range(min(limit, len(batch)))]
     return metrics, generation_rows(batch, prompt_texts, limit=limit)
-
-
-def weight_sync_error(engine, actor, batch: RolloutBatch) -> float:
-    """Largest |engine - actor| logprob over process 0's first trajectory, at temperature 1 (invariant 3).
-
-    Every process scores the same sequence (broadcast from process 0), so the ranks of a TP group submit the
-    identical request; the actor forward is an FSDP2 collective. The engine must be ready (after
-    prepare_for_generation); the result is the largest error over all engines.
-    """
-    length = int(batch.attention_mask[0].sum())
-    seq = torch.tensor(broadcast_object(batch.input_ids[0, :length].tolist()))  # [L]
-    engine_lp = torch.tensor(engine.score_logprobs([seq.tolist()])[0])  # [L]
-    actor.load_params()  # after the push the shards may rest on the host (param_offload); the caller offloads again
-    actor.policy.eval()
-    with torch.no_grad():
-        actor_lp, _ = actor.policy(seq[None].to(actor.device), torch.ones_like(seq)[None].to(actor.device))  # [1, L]
-    return -all_reduce_min(-float((engine_lp - actor_lp[0].float().cpu()).abs().max()))
 
 
 def reduce_timings(timings: dict[str, float]) -> dict[str, float]:

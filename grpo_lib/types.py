@@ -76,6 +76,23 @@ class Generation:
 
 
 @dataclass
+class ScoreRequest:
+    """Sequences an engine scores inside a generate call that carries them (`generate(..., score=request)`; the weight
+    probe, every step): the call fills `scores` with score_logprobs' result for the weights it generated with, and
+    `weight_version` with that version; vLLM batches them with the call's requests, another engine scores them in it.
+    Example: ScoreRequest([[5, 6, 7]]) after the call -> scores [[0.0, -1.2, -0.4]] (entry 0 of each is 0)."""
+
+    sequences: list[list[int]]  # [S][L_s] token ids
+    scores: list[list[float]] | None = None  # [S][L_s] filled by the generate call that carried the request
+    weight_version: int | None = None  # the engine's weight version when it scored them
+
+    def fill(self, scores: list[list[float]], *, weight_version: int) -> None:
+        """The engine's side: the scores of `sequences`, from the weights of `weight_version`."""
+        assert self.scores is None, "a ScoreRequest is scored by one generate call only"
+        self.scores, self.weight_version = scores, weight_version
+
+
+@dataclass
 class RolloutBatch:
     """Trajectories of one step on this process (n per prompt, groups adjacent)."""
 
@@ -101,6 +118,7 @@ class RolloutBatch:
     teacher_logprobs: torch.Tensor | None = None  # [B, T] float, distillation teacher (temperature 1), 0 off the loss mask
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, T, k] float, the teacher's k most likely tokens (forward_kl_topk)
     teacher_topk_ids: torch.Tensor | None = None  # [B, T, k] long, their ids (0 off the loss mask)
+    weight_version: int | None = None  # the engine's weight version the rows were generated with (`engine.weight_version`)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -146,6 +164,11 @@ class RolloutBatch:
                 out[f.name] = torch.cat(values)
             elif isinstance(values[0], list):
                 out[f.name] = [x for v in values for x in v]
+            elif f.name == "weight_version":  # one batch, one version: rows of other weights are never mixed in
+                if len(set(values)) > 1:
+                    raise ValueError(f"RolloutBatch.concat: rows of weight versions {values}: a batch holds the rollouts "
+                                     "of one weight version")
+                out[f.name] = values[0]
             else:  # None: a field not filled yet
                 out[f.name] = None
         return RolloutBatch(**out)

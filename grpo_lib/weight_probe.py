@@ -15,13 +15,13 @@ How (`WeightProbe`, one per run, the same on every process):
     expect     whenever the engine is given weights: at setup (the engine loaded model.path, or a resume pushed the
                checkpoint's) and right after each update, before its push: the actor's logprobs of the probe
                (temperature 1), from the very weights the engine serves next (one forward of PROBE_TOKENS tokens;
-               the shards are on the device for the push anyway); `send` then queues the probe in the engine
-               (`engine.queue_scores`), which scores it inside its next generate call (vLLM: one more prompt-logprob
-               request in the same batch; no engine call of its own; validation's calls leave it queued, so it
-               rides in the next training step's first call whether or not a validation came between, as after a
-               resume: the same batch either way)
+               the shards are on the device for the push anyway); the next step's first generate call carries the
+               probe (`WeightSync.request`, grpo_lib/weight_sync.py: a `types.ScoreRequest`) and scores it (vLLM: one
+               more prompt-logprob request in the same batch; no engine call of its own; validation's calls carry
+               none, so it rides in the next training step's first call whether or not a validation came between, as
+               after a resume: the same batch either way)
     measure    after the next step's generation, before anything trains on it: the engine's logprobs of the probe
-               (`engine.pop_scores`) against `expect`'s; rollout/weight_probe_abs_diff = mean over the probe's
+               (the scores that generate call returned) against `expect`'s; rollout/weight_probe_abs_diff = mean over the probe's
                tokens of |engine - actor|, the largest over processes (every process probes its own engine), and
                rollout/weight_probe_tolerance, logged with the step whose rollouts they vouch for
     mismatch   a difference above the tolerance stops the run before that step's update (exit 3, train_grpo.py):
@@ -118,22 +118,18 @@ class WeightProbe:
             lp, _ = actor.policy(ids, torch.ones_like(ids))  # [1, L], entry 0 is 0
         self.expected = lp[0, 1:].float().cpu()  # [L-1]
 
-    def send(self, engine) -> None:
-        """After the engine got the weights `expect` scored: have it score the probe along with its next generate call."""
-        assert self.expected is not None, "WeightProbe.send before expect: score the actor's weights first"
-        engine.queue_scores([self.tokens])
-
     @property
     def pending(self) -> bool:
-        """Sent and not measured yet (the same on every process)."""
+        """Expected and not measured yet (the same on every process)."""
         return self.expected is not None
 
-    def measure(self, engine) -> dict[str, float]:
-        """After the engine's next generation (the engine ready): its logprobs of the probe against `expect`'s, as
-        metrics, equal on every process (the difference is the largest over processes, the tolerance the smallest).
-        The first probe of the run sets the noise the later tolerances come from (`calibrated_tolerance`)."""
+    def measure(self, engine_logprobs: list[float]) -> dict[str, float]:
+        """The engine's logprobs of the probe's tokens ([L], entry 0 is 0: score_logprobs' of `tokens`, from the
+        weights `expect` saw) against `expect`'s, as metrics, equal on every process (the difference is the largest over
+        processes, the tolerance the smallest). The first probe of the run sets the noise the later tolerances come
+        from (`calibrated_tolerance`)."""
         assert self.expected is not None, "WeightProbe.measure before expect: score the actor's weights before the push"
-        got = torch.tensor(engine.pop_scores()[0][1:], dtype=torch.float32)  # [L-1]
+        got = torch.tensor(engine_logprobs[1:], dtype=torch.float32)  # [L-1]
         diff = float((got - self.expected).abs().mean())
         if diff != diff:  # NaN (garbage weights can give it): the largest possible mismatch, not one that compares False
             diff = float("inf")
@@ -148,13 +144,15 @@ class WeightProbe:
 
 
 def worse_probe(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """The rollout/weight_probe_* metrics of the two probes of a step (`a` may hold none) that came closer to its
+    """The rollout/weight_probe_* metrics of the two probes of a step (either may hold none) that came closer to its
     tolerance: the last step logs the probe of its rollouts and the one of its final push in one row.
 
     Example: worse_probe({"rollout/weight_probe_abs_diff": 1e-6, "rollout/weight_probe_tolerance": 8e-6},
     {"rollout/weight_probe_abs_diff": 2e-6, "rollout/weight_probe_tolerance": 8e-6}) -> the second.
     """
     ratio = lambda m: m["rollout/weight_probe_abs_diff"] / m["rollout/weight_probe_tolerance"]  # noqa: E731
+    if "rollout/weight_probe_abs_diff" not in b:  # no probe (trainer.weight_probe=false): nothing to compare
+        return {k: v for k, v in a.items() if k.startswith("rollout/weight_probe_")}
     if "rollout/weight_probe_abs_diff" not in a or ratio(b) > ratio(a):
         return {k: v for k, v in b.items() if k.startswith("rollout/weight_probe_")}
     return {k: v for k, v in a.items() if k.startswith("rollout/weight_probe_")}

@@ -265,6 +265,7 @@ class GreedyAwareEngine:
     """Sampled: responses [10, 1] and [11, 12] per prompt; greedy (temperature 0, n 1): [13]. Records each call."""
 
     pad_id = 0
+    weight_version = 0  # the engine's weights as built (engines.base.EngineGlue)
 
     def __init__(self):
         self.calls = []

@@ -160,6 +160,7 @@ class FakeEngine:
     """n responses per prompt: texts r0, r1, ...; records the prompts of each generate call."""
 
     pad_id = 0  # as VLLMEngine.pad_id
+    weight_version = 0  # the engine's weights as built (engines.base.EngineGlue)
     preemptions_per_generate = 0
 
     def __init__(self):

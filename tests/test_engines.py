@@ -146,15 +146,22 @@ def test_only_dead_runs_segments_are_removed(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["vllm", "hf"])
-def test_queued_scores_ride_along_with_the_next_generate_and_change_nothing(outputs, name):
-    """engine.queue_scores (the weight probe's path, every step): vLLM scores the sequences inside its next generate
-    call (one more prompt-logprob request in the batch, plain and streamed), the hf engine when they are popped; the
-    scores equal score_logprobs' (a prefill batched with other requests: fp32 matmuls of other shapes, so within the
-    logprob-rescoring bound above, not bitwise) and the generated tokens equal those of the same call without them."""
+def test_a_score_request_comes_back_from_the_generate_call_that_carried_it_and_changes_nothing(outputs, name):
+    """generate(..., score=ScoreRequest) (the weight probe's path, every step): vLLM scores the sequences inside the
+    call (one more prompt-logprob request in the batch, plain and streamed), the hf engine after its responses in the
+    same call; the call fills the request with scores equal to score_logprobs' (a prefill batched with other requests:
+    fp32 matmuls of other shapes, so within the logprob-rescoring bound above, not bitwise) and the version it served,
+    and the generated tokens equal those of the same call without it."""
     (out,) = outputs[name]
-    for path in ("plain", "streamed", "unfolded"):
-        for got, want in zip(out[f"queued_{path}_scores"], out["direct_scores"], strict=True):
-            assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (path, got, want)
     for path in ("plain", "streamed"):
-        assert out[f"queued_{path}_sampled"] == out["sampled"], f"{path}: the queued scores changed what was generated"
-        assert out[f"folded_{path}"] == (name == "vllm"), f"{path}: folded into the generate call: {out[f'folded_{path}']}"
+        assert out[f"carried_{path}_scores"] is not None, f"{path}: the generate call did not fill the request"
+        for got, want in zip(out[f"carried_{path}_scores"], out["direct_scores"], strict=True):
+            assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (path, got, want)
+        assert out[f"carried_{path}_sampled"] == out["sampled"], f"{path}: the carried scores changed what was generated"
+        assert out[f"carried_{path}_version"] == 0, "the engine's weights as built: version 0"
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf"])
+def test_the_engine_reports_the_version_of_its_last_push(outputs, name):
+    (out,) = outputs[name]
+    assert (out["version_before_push"], out["version_after_push"]) == (0, 7)

@@ -108,6 +108,7 @@ class FinishingEngine:
     """Responses of different lengths, reported through on_finished shortest first (as an engine finishes them)."""
 
     pad_id = 0
+    weight_version = 0  # the engine's weights as built (engines.base.EngineGlue)
 
     def __init__(self, *, report: bool = True):
         self.report, self.reported = report, []

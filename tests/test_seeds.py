@@ -36,6 +36,7 @@ class RecordingEngine:
     """Answers each sample with [seed of that sample] and records what it was asked."""
 
     pad_id = 0
+    weight_version = 0  # the engine's weights as built (engines.base.EngineGlue)
 
     def __init__(self):
         self.calls = []

@@ -160,6 +160,7 @@ class TruncatingEngine:
     """Two responses per prompt: [10, 1] stopped, [11, 12, 13, 14] cut at max_tokens=4 (finish reason length)."""
 
     pad_id = 0
+    weight_version = 0  # the engine's weights as built (engines.base.EngineGlue)
 
     def pop_metrics(self, prefix=""):
         return {"rollout/preemptions": 0.0}

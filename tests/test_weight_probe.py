@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo_lib.engines.base import EngineGlue
+from grpo_lib.types import Generation
 from grpo_lib.weight_probe import calibrated_tolerance, PROBE_TOKENS, WeightMismatch, WeightProbe, mismatch, tolerance
+from grpo_lib.weight_sync import WeightSync
 
 
 class FakePolicy:
@@ -43,7 +44,7 @@ class FakeActor:
 
 
 class FakeEngine(EngineGlue):
-    """score_logprobs of one fixed table; queue_scores / pop_scores are EngineGlue's (scored when popped)."""
+    """score_logprobs of one fixed table; generate scores a carried ScoreRequest with it (as HFEngine does)."""
 
     def __init__(self, logprobs: list[float]):
         self.logprobs, self.requests = logprobs, []
@@ -51,6 +52,21 @@ class FakeEngine(EngineGlue):
     def score_logprobs(self, sequences):
         self.requests.append(sequences)
         return [self.logprobs]
+
+    def generate(self, prompt_ids, *, n, score=None, **sampling):
+        if score is not None:
+            score.fill(self.score_logprobs(score.sequences), weight_version=self.weight_version)
+        return [[Generation(token_ids=[1], logprobs=[0.0], text="", finish_reason="stop")] * n for _ in prompt_ids]
+
+
+def probe_step(probe: WeightProbe, engine: FakeEngine, *, step: int = 1) -> dict[str, float]:
+    """One step's probe as the trainer runs it: the request rides in the step's generate call, WeightSync.check
+    measures the scores that call returned."""
+    sync = WeightSync(engine, probe)
+    request = sync.request()
+    engine.generate([[5, 6]], n=2, temperature=1.0, max_tokens=4, score=request)
+    metrics, _ = sync.check(request, None, step=step)
+    return metrics
 
 
 def test_tolerance_by_hand():
@@ -84,8 +100,7 @@ def test_the_set_up_probe_calibrates_and_a_stale_bf16_weight_is_caught():
     for diff in (0.02, 0.03, 0.34):  # set-up (noise), a healthy step, the stale one
         probe.expect(FakeActor(actor_lp))
         engine = FakeEngine([0.0] + [-8.0 + diff] * (n - 1))
-        probe.send(engine)
-        metrics.append(probe.measure(engine))
+        metrics.append(probe_step(probe, engine))
     ceiling = 8 * 2**-7 * 9
     assert metrics[0]["rollout/weight_probe_tolerance"] == pytest.approx(ceiling)
     assert probe.noise == pytest.approx(0.02, rel=1e-5)
@@ -100,8 +115,7 @@ def test_a_set_up_probe_above_the_ceiling_stops_and_calibrates_nothing():
     probe = WeightProbe(list(range(8)), dtypes=[torch.float32])
     probe.expect(FakeActor([0.0] + [-2.0] * 7))
     engine = FakeEngine([0.0] + [-3.0] * 7)  # garbage at set-up: a whole nat
-    probe.send(engine)
-    assert isinstance(mismatch(probe.measure(engine), step=1), WeightMismatch) and probe.noise is None
+    assert isinstance(mismatch(probe_step(probe, engine), step=1), WeightMismatch) and probe.noise is None
 
 
 def test_the_probe_is_the_first_tokens_of_the_prompt_and_compares_their_mean_difference():
@@ -112,9 +126,10 @@ def test_the_probe_is_the_first_tokens_of_the_prompt_and_compares_their_mean_dif
     engine_lp = [0.0] + [-2.0 + 2**-18] * (PROBE_TOKENS // 2) + [-2.0] * (PROBE_TOKENS // 2 - 1)  # exact in float32
     actor, engine = FakeActor(actor_lp), FakeEngine(engine_lp)
     probe.expect(actor)
-    probe.send(engine)
-    assert probe.pending and engine.requests == [], "sent: the engine scores it with its next generate, not now"
-    metrics = probe.measure(engine)
+    request = WeightSync(engine, probe).request()
+    assert probe.pending and engine.requests == [], "requested: the engine scores it in the generate call that carries it"
+    assert request.sequences == [probe.tokens]
+    metrics = probe_step(probe, engine)
     assert engine.requests == [[probe.tokens]], "one request: the probe's tokens, the same on every process"
     assert not probe.pending
     # 16 of the 31 scored tokens differ by 2**-18: mean 16 x 2**-18 / 31; tolerance 8 x 2**-23 x (1 + 2)
@@ -130,8 +145,7 @@ def test_a_mismatch_stops_the_run_with_exit_3_and_says_why(engine_value):
     probe = WeightProbe(list(range(8)), dtypes=[torch.float32])
     probe.expect(FakeActor([0.0] + [-2.0] * 7))
     engine = FakeEngine([0.0] + [engine_value] * 7)
-    probe.send(engine)
-    metrics = probe.measure(engine)
+    metrics = probe_step(probe, engine)
     assert metrics["rollout/weight_probe_abs_diff"] == (pytest.approx(0.01) if engine_value == -2.01 else math.inf)
     error = mismatch(metrics, step=3)
     assert isinstance(error, WeightMismatch) and error.exit_code == 3
@@ -144,44 +158,7 @@ def test_a_mismatch_stops_the_run_with_exit_3_and_says_why(engine_value):
 def test_measure_before_expect_is_refused_and_runs_without_the_probe_stop_nothing():
     probe = WeightProbe([1, 2, 3], dtypes=[torch.float32])
     with pytest.raises(AssertionError, match="before expect"):
-        probe.measure(FakeEngine([0.0, -1.0, -1.0]))
+        probe.measure([0.0, -1.0, -1.0])
     assert mismatch({"actor/pg_loss": 0.1}, step=1) is None, "trainer.weight_probe=false: no probe metrics, no stop"
 
 
-def test_queued_scores_fold_into_one_generate_and_pop_once():
-    """EngineGlue's queue: an engine's generate takes the queued sequences once and folds their scores; pop_scores
-    returns the folded scores (no call of its own) and empties the queue; without a generate in between it scores."""
-    engine = FakeEngine([0.0, -1.0])
-    engine.queue_scores([[1, 2]])
-    assert engine.take_queued_scores() == [[1, 2]]
-    engine.fold_scores([[0.0, -0.5]])
-    assert engine.take_queued_scores() == [], "folded already: a second generate call must not score them again"
-    assert engine.pop_scores() == [[0.0, -0.5]] and engine.requests == []
-    with pytest.raises(AssertionError, match="without queue_scores"):
-        engine.pop_scores()
-    engine.queue_scores([[3, 4]])
-    assert engine.pop_scores() == [[0.0, -1.0]] and engine.requests == [[[3, 4]]]
-
-
-def test_validation_leaves_the_queued_probe_for_the_next_training_generate(monkeypatch):
-    """GRPOTrainer.validate holds the queue: validation's generate calls do not take the probe, so it always rides in the
-    next training step's first generate call, whether a validation ran after the push or not (a resumed run has none
-    in between: the same batch either way, so resume stays exact)."""
-    import train_grpo
-    from grpo_lib import step as S
-
-    engine, seen = FakeEngine([0.0, -1.0]), []
-    engine.queue_scores([[1, 2]])
-
-    def validate(cfg, engine, *args, **kwargs):
-        seen.append(engine.take_queued_scores())  # what a generate call inside validation would fold
-        return {}, []
-
-    monkeypatch.setattr(S, "validate", validate)
-    logger = type("Logger", (), {"log": lambda *a: None, "log_generations": lambda *a: None})()
-    trainer = train_grpo.GRPOTrainer(None, world_size=1, rank=0, resume=None)
-    trainer.parts = SimpleNamespace(engine=engine, probe=object(), scorer=None, val=None, tokenizer=None, episodes=None,
-                                    logger=logger)
-    trainer.validate(10)
-    assert seen == [[]], "validation's generate took the probe"
-    assert engine.take_queued_scores() == [[1, 2]], "the probe is still queued for the next training step"

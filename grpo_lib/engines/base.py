@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from grpo_lib.types import Generation
+from grpo_lib.types import Generation, ScoreRequest
 
 
 # ------------------------------------------------------------------------------------------------ interface
@@ -74,16 +74,18 @@ class Generator(Protocol):
     finish reasons ("stop" / "length") and text out. `seeds[i]` seeds sample 0 of prompt i, sample k uses
     seeds[i] + k (`grpo_lib/seeds.py`). `max_tokens` is one limit, or one per prompt (the multi-turn loop's remaining
     budget per episode). `on_finished` (`OnFinished`, optional) hears of each response as it finishes (the reward
-    stream scores it while the rest generate); what generate returns is the same with or without it. score_logprobs:
-    every token's logprob given its prefix (entry 0 is 0), temperature 1. An engine may also offer `open_session`
-    (`GenerationSession`: requests added while it generates; vLLM). Legal in the lifecycle state ready only.
+    stream scores it while the rest generate); what generate returns is the same with or without it. `score`
+    (`types.ScoreRequest`, optional: the weight probe) is scored inside the call, from the weights it generates with,
+    and changes nothing it generates. score_logprobs: every token's logprob given its prefix (entry 0 is 0),
+    temperature 1. An engine may also offer `open_session` (`GenerationSession`: requests added while it generates;
+    vLLM). Legal in the lifecycle state ready only.
     """
 
     pad_id: int
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int], top_p: float = 1.0,
                  top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
-                 on_finished: OnFinished | None = None) -> list[list[Generation]]: ...
+                 on_finished: OnFinished | None = None, score: ScoreRequest | None = None) -> list[list[Generation]]: ...
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
 
@@ -92,7 +94,10 @@ class Generator(Protocol):
 class WeightSink(Protocol):
     """Where the actor's weights go after an update: `push_weights` streams (Hugging Face name, full tensor) pairs into
     the engine in place (nothing reloads from disk); `reset_prefix_cache` drops what was computed with the old ones.
-    Legal while the engine holds its weights on the device (weights_only or ready)."""
+    `weight_version` is the version of the weights the engine serves (0 as built, then the `version` of each push:
+    `EngineGlue.prepare_for_generation`). Legal while the engine holds its weights on the device (weights_only or ready)."""
+
+    weight_version: int
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -116,18 +121,13 @@ class ColocatedMemory(Protocol):
     def restore_all(self) -> None: ...
 
     def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-                               free_trainer_memory: Callable[[], None] | None = None) -> None: ...
+                               free_trainer_memory: Callable[[], None] | None = None, version: int | None = None) -> None: ...
 
 
 @runtime_checkable
 class RolloutEngine(Generator, WeightSink, ColocatedMemory, Protocol):
     """What the trainer needs from a generation engine (vLLM or transformers): the three concerns above, and one
-    call for the engine's counters (`pop_metrics`: rollout/preemptions, memory/*; `EngineGlue` supplies it).
-    `EngineGlue` supplies the weight probe's score queue too (queue_scores / pop_scores)."""
-
-    def queue_scores(self, sequences: list[list[int]]) -> None: ...
-
-    def pop_scores(self) -> list[list[float]]: ...
+    call for the engine's counters (`pop_metrics`: rollout/preemptions, memory/*; `EngineGlue` supplies it)."""
 
     def pop_metrics(self, prefix: str = "") -> dict[str, float]: ...
 
@@ -243,59 +243,25 @@ class Lifecycle:
 class EngineGlue:
     """The phase-level calls every engine shares, over its `lifecycle` and its own release / restore methods."""
 
+    weight_version = 0  # the weights the engine was built with (model.path); each push with a version sets it
+
     def prepare_for_generation(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-                               free_trainer_memory: Callable[[], None] | None = None) -> None:
+                               free_trainer_memory: Callable[[], None] | None = None, version: int | None = None) -> None:
         """released -> ready with the actor's weights: empty the trainer's cache, restore weights, push, reset prefix
         cache, `free_trainer_memory()` (the actor's offload: the shards the push gathered leave the device BEFORE the
         cache is restored, which needs that memory free at once), restore cache. `weights` None (nothing changed since
-        the last push) is refused after a release that discarded the weights."""
+        the last push) is refused after a release that discarded the weights. `version` (with `weights`): the weight
+        version the engine reports from then on (`weight_version`; grpo_lib/weight_sync.py numbers them)."""
         self.lifecycle.empty_trainer_cache()
         self.restore_weights()
         if weights is not None:
             self.push_weights(weights)
             self.reset_prefix_cache()
+            if version is not None:
+                self.weight_version = version
         if free_trainer_memory is not None:
             free_trainer_memory()
         self.restore_cache()
-
-    # score_logprobs without a call of its own (the weight probe, every step): queue_scores asks for the scores of
-    # the weights the engine serves at its next generate, an engine that can batches them into that call
-    # (`take_queued_scores` / `fold_scores`: vLLM adds prompt-logprob requests to the same batch), and pop_scores returns
-    # them, scoring them then if no generate ran since (or the engine does not batch them).
-    _queued_scores: list[list[int]] | None = None
-    _folded_scores: list[list[float]] | None = None
-    _scores_held = False
-
-    def queue_scores(self, sequences: list[list[int]]) -> None:
-        """Score `sequences` (as score_logprobs) along with the next generate call; `pop_scores` returns the result."""
-        self._queued_scores, self._folded_scores = [list(s) for s in sequences], None
-
-    def pop_scores(self) -> list[list[float]]:
-        """score_logprobs of the sequences of the last queue_scores, from the next generate call after it (or now)."""
-        queued, folded = self._queued_scores, self._folded_scores
-        assert queued is not None, "pop_scores without queue_scores"
-        self._queued_scores = self._folded_scores = None
-        return folded if folded is not None else self.score_logprobs(queued)
-
-    @contextmanager
-    def hold_queued_scores(self):
-        """Generate calls inside leave the queued scores for a later one (validation: so the probe always rides in the
-        next training step's first generate call, whether or not a validation ran in between, as after a resume)."""
-        self._scores_held = True
-        try:
-            yield
-        finally:
-            self._scores_held = False
-
-    def take_queued_scores(self) -> list[list[int]]:
-        """For an engine's generate: the queued sequences it should score in this call (then `fold_scores`), or []."""
-        if self._scores_held or self._queued_scores is None or self._folded_scores is not None:
-            return []
-        return self._queued_scores
-
-    def fold_scores(self, scores: list[list[float]]) -> None:
-        """For an engine's generate: the scores of `take_queued_scores`'s sequences, computed in this call."""
-        self._folded_scores = scores
 
     def pop_metrics(self, prefix: str = "") -> dict[str, float]:
         """The engine's counters whose names start with `prefix`, summed since they were last popped; they restart at 0.

@@ -34,7 +34,7 @@ import torch
 
 from grpo_lib.dtypes import torch_dtype
 from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
-from grpo_lib.types import Generation
+from grpo_lib.types import Generation, ScoreRequest
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -157,12 +157,14 @@ class HFEngine(EngineGlue):
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
-                 logprobs: bool = True, on_finished: OnFinished | None = None) -> list[list[Generation]]:
+                 logprobs: bool = True, on_finished: OnFinished | None = None,
+                 score: ScoreRequest | None = None) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations. Sample k of prompt i uses seeds[i] + k.
         `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
         The sampled tokens' logprobs come out of the sampling step itself, so `logprobs` (the vLLM engine's switch) costs
         nothing here. `on_finished` (`grpo_lib.engines.base.OnFinished`) hears after every decode step of the rows
-        that finished in it."""
+        that finished in it. `score` (the weight probe) is scored by `score_logprobs` after the responses, in the same
+        call (no batching to share here)."""
         with self.lifecycle.transition("generate"):
             limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
             rows = [(list(ids), None if seeds is None else seeds[i] + k, limits[i])
@@ -173,6 +175,8 @@ class HFEngine(EngineGlue):
                     lambda finished, start=start: on_finished([divmod(start + r, n) + (g,) for r, g in finished]))
                 done += self._generate_rows(rows[start:start + self.cfg.max_num_seqs], temperature=temperature,
                                             top_p=top_p, top_k=top_k, on_finished=report)
+        if score is not None:
+            score.fill(self.score_logprobs(score.sequences), weight_version=self.weight_version)
         return [done[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     def _generate_rows(self, rows: list[tuple[list[int], int | None, int]], *, temperature: float, top_p: float,

@@ -54,7 +54,7 @@ from grpo_lib.distributed import broadcast_object
 from grpo_lib.dtypes import resolve as resolve_dtype
 from grpo_lib.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.engines.vllm_settings import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS, set_environment
-from grpo_lib.types import Generation
+from grpo_lib.types import Generation, ScoreRequest
 
 set_environment()  # vLLM's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0) before this module imports vllm (lazily, below)
 
@@ -266,9 +266,12 @@ class VLLMEngine(EngineGlue):
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
-                 logprobs: bool = True, on_finished: OnFinished | None = None) -> list[list[Generation]]:
+                 logprobs: bool = True, on_finished: OnFinished | None = None,
+                 score: ScoreRequest | None = None) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out).
         `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
+        `score` (the weight probe): its sequences go into the same batch as prompt-logprob requests (score_logprobs'
+        SamplingParams) and their scores into `score.scores`; what is generated is the same without them.
 
         logprobs=False skips the engine's sampling logprobs (a full log-softmax per step; Generation.logprobs are then
         zeros): only algorithm.rollout_correction and the rollout/logprob_abs_diff_mean metric read them.
@@ -284,7 +287,7 @@ class VLLMEngine(EngineGlue):
 
         with self.lifecycle.transition("generate"):
             requests, params = [], []
-            scored = self.take_queued_scores()  # queue_scores: prompt-logprob requests in the same batch
+            scored = score.sequences if score is not None else []  # prompt-logprob requests in the same batch
             for i, ids in enumerate(prompt_ids):
                 requests.append({"prompt_token_ids": list(ids)})
                 params.append(SamplingParams(
@@ -300,15 +303,16 @@ class VLLMEngine(EngineGlue):
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
                 result, score_outputs = self._generate_stepwise(requests, params, on_finished, score_requests)
-            if scored:
-                self.fold_scores([_prompt_logprobs(out, seq) for out, seq in zip(score_outputs, scored)])
+            if score is not None:
+                score.fill([_prompt_logprobs(out, seq) for out, seq in zip(score_outputs, scored)],
+                           weight_version=self.weight_version)
             self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
         return result
 
     def _generate_stepwise(self, requests: list[dict], params: list, on_finished: OnFinished,
                            score_requests: list[dict]) -> tuple[list[list[Generation]], list]:
         """One request per sample (LLMEngine.add_request), the engine stepped here, `on_finished` after every step;
-        `score_requests` (queue_scores) ride along: their outputs come back second, in order, and never reach on_finished."""
+        `score_requests` (generate's `score`) ride along: their outputs come back second, in order, and never reach on_finished."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
@@ -350,16 +354,17 @@ class VLLMEngine(EngineGlue):
         return result, score_outputs
 
     @contextlib.contextmanager
-    def open_session(self, *, temperature: float, top_p: float = 1.0, top_k: int = -1, logprobs: bool = True):
+    def open_session(self, *, temperature: float, top_p: float = 1.0, top_k: int = -1, logprobs: bool = True,
+                     score: ScoreRequest | None = None):
         """A `GenerationSession` on the running engine (grpo_lib/engines/base.py): requests added one by one with
         LLMEngine.add_request and the engine stepped by the caller, as `_generate_stepwise` does; each request's
-        SamplingParams are the ones `generate` builds for n=1, so a request samples what generate would. The queued
-        scores (queue_scores) ride along and are folded on leaving; unfinished requests are aborted on leaving."""
+        SamplingParams are the ones `generate` builds for n=1, so a request samples what generate would. `score`'s
+        sequences (as generate's) ride along and are filled in on leaving; unfinished requests are aborted on leaving."""
         with self.lifecycle.transition("generate"):
             session = _Session(self.llm.llm_engine, self._request_counter, temperature=temperature, top_p=top_p,
                                top_k=top_k, logprobs=logprobs)
             preemptions_before = self.preemptions_total()
-            scored = self.take_queued_scores()
+            scored = score.sequences if score is not None else []
             try:
                 for seq in scored:
                     session.add_score(seq)
@@ -368,8 +373,9 @@ class VLLMEngine(EngineGlue):
                     session.step()
             finally:
                 session.abort()
-            if scored:
-                self.fold_scores([_prompt_logprobs(out, seq) for out, seq in zip(session.score_outputs, scored)])
+            if score is not None:
+                score.fill([_prompt_logprobs(out, seq) for out, seq in zip(session.score_outputs, scored)],
+                           weight_version=self.weight_version)
             self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
 
     def preemptions_total(self) -> int:

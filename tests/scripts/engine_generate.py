@@ -5,7 +5,7 @@
 
 Prompts are fixed random token ids (a random tiny model answers a chat prompt with one repeated token; random
 prompts give varied greedy continuations). Written: greedy tokens, seeded samples (n=3) with their logprobs,
-the engine's logprobs of one sequence (directly and queued with a generate call), the n-children seed rule (vLLM),
+the engine's logprobs of one sequence (directly and carried by a generate call), the n-children seed rule (vLLM),
 the Protocol check, and greedy tokens
 again after pushing perturbed weights (the same perturbation in every engine, seeded).
 """
@@ -26,6 +26,7 @@ from grpo_lib.config import RolloutConfig  # noqa: E402
 from grpo_lib.distributed import init_distributed  # noqa: E402
 from grpo_lib.engines.base import RolloutEngine  # noqa: E402
 from grpo_lib.engines.vllm import VLLMEngine  # noqa: E402
+from grpo_lib.types import ScoreRequest  # noqa: E402
 
 
 def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
@@ -69,24 +70,25 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
     engine.generate(prompts[:3], n=1, temperature=1.0, max_tokens=[4, 12, 8], seeds=[1, 2, 3], on_finished=reports.append)
     out["report_lengths"] = [len(g.token_ids) for finished in reports for _, _, g in finished]
     out["child_rule"] = child[0][0].token_ids == sampled[0][1].token_ids
-    # queue_scores (the weight probe): scored along with the next generate, which returns what it returns without them
+    # a ScoreRequest (the weight probe) scored by the generate call that carries it, which returns what it returns
+    # without it
     scored = [prompts[4] + [7, 8, 9], prompts[1]]
     out["direct_scores"] = engine.score_logprobs(scored)
     for path, kwargs in (("plain", {}), ("streamed", {"on_finished": lambda finished: None})):
-        engine.queue_scores(scored)
-        again = engine.generate(prompts[:3], n=3, temperature=1.0, max_tokens=12, seeds=[101, 202, 303], **kwargs)
-        out[f"folded_{path}"] = not engine.take_queued_scores()  # the generate call scored them
-        out[f"queued_{path}_scores"] = engine.pop_scores()
-        out[f"queued_{path}_sampled"] = [[s.token_ids for s in group] for group in again]
-    engine.queue_scores(scored)  # no generate in between: pop_scores scores them itself
-    out["queued_unfolded_scores"] = engine.pop_scores()
+        request = ScoreRequest([list(s) for s in scored])
+        again = engine.generate(prompts[:3], n=3, temperature=1.0, max_tokens=12, seeds=[101, 202, 303], score=request, **kwargs)
+        out[f"carried_{path}_scores"] = request.scores
+        out[f"carried_{path}_version"] = request.weight_version
+        out[f"carried_{path}_sampled"] = [[s.token_ids for s in group] for group in again]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     noise = torch.Generator().manual_seed(1)
     weights = [(name, t + 0.05 * torch.randn(t.shape, generator=noise)) for name, t in model.state_dict().items()]
+    out["version_before_push"] = engine.weight_version
     engine.release()
-    engine.prepare_for_generation(weights)
+    engine.prepare_for_generation(weights, version=7)
+    out["version_after_push"] = engine.weight_version
     out["greedy_after_push"] = [group[0].token_ids for group in engine.generate(prompts, n=1, temperature=0.0, max_tokens=20)]
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))

@@ -146,6 +146,7 @@ class ScriptedEngine:
     """The model, played by `script(context_text, seed) -> turn text` (module docstring)."""
 
     pad_id = 0
+    weight_version = 0  # the engine's weights as built (engines.base.EngineGlue)
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script = tokenizer, script
