@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: demo demo-lora demo-tool demo-distill test test-fast venv clean
+.PHONY: demo demo-lora demo-tool demo-python-tool demo-distill test test-fast venv clean
 
 $(STAMP): requirements-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -46,6 +46,17 @@ artifacts/data/arith_tool/train.parquet: $(STAMP) data_prep/synthetic.py data_pr
 
 demo-tool: artifacts/tiny_qwen3_tool/config.json artifacts/data/arith_tool/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu_tool.yaml
+
+# the same demo with the sandboxed Python tool: the model warmed up to call it with `print(a + b)` (its own folders)
+artifacts/tiny_qwen3_python_tool/config.json: $(STAMP) data_prep/tiny_model.py data_prep/synthetic.py recipes/tool_config/tiny_python_tool_config.yaml
+	$(VPY) data_prep/tiny_model.py --out artifacts/tiny_qwen3_python_tool --tool-config recipes/tool_config/tiny_python_tool_config.yaml \
+		--tool-warmup-fraction 0.5 --warmup-steps 600
+
+artifacts/data/arith_python_tool/train.parquet: $(STAMP) data_prep/synthetic.py data_prep/gsm8k_tool.py
+	$(VPY) data_prep/synthetic.py --tool python --out artifacts/data/arith_python_tool --train-size 2000 --test-size 100
+
+demo-python-tool: artifacts/tiny_qwen3_python_tool/config.json artifacts/data/arith_python_tool/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu_python_tool.yaml
 
 # the on-policy distillation demo: make demo's student and data, and a teacher trained further (more warm-up steps on
 # mostly correct answers; the same tokenizer, built from the same corpus)

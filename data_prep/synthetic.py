@@ -12,6 +12,12 @@ calculator of recipes/tool_config/calculator_tool_config.yaml: a system prompt n
 extra_info.tools_kwargs.calculator.create_kwargs), the tiny tool demo's data (`make demo-tool`):
 
       python data_prep/synthetic.py --tool --out artifacts/data/arith_tool --train-size 2000 --test-size 100
+
+`--tool python` writes the same rows for the sandboxed Python tool of recipes/tool_config/tiny_python_tool_config.yaml
+(named `python`; its system prompt asks for code that prints the sum), the tiny Python tool demo's data
+(`make demo-python-tool`):
+
+      python data_prep/synthetic.py --tool python --out artifacts/data/arith_python_tool --train-size 2000 --test-size 100
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from data_prep.gsm8k import make_rows, write_parquet
 DATA_SOURCE = "synthetic/arithmetic"
 TOOL_NAME = "calculator"  # the tool_schema name of recipes/tool_config/calculator_tool_config.yaml
 TOOL_SYSTEM_PROMPT = "Call `{tool}` with the sum, then answer after ####."  # short: the tiny model's context is small
+PYTHON_TOOL_NAME = "python"  # the tool_schema name of recipes/tool_config/tiny_python_tool_config.yaml
+PYTHON_TOOL_SYSTEM_PROMPT = "Call `{tool}` to print the sum, then answer after ####."
+# --tool's choices -> (the tool's schema name, its system prompt)
+TOOLS = {"calculator": (TOOL_NAME, TOOL_SYSTEM_PROMPT), "python": (PYTHON_TOOL_NAME, PYTHON_TOOL_SYSTEM_PROMPT)}
 
 
 def render_answer(a: int, op: str, b: int, result: int) -> str:
@@ -50,8 +60,12 @@ def make_problems(*, num: int, seed: int, max_operand: int = 9) -> list[dict]:
 
 
 def write_dataset(out: str | Path, *, train_size: int, test_size: int, seed: int = 0, max_operand: int = 9,
-                  tool: bool = False) -> dict[str, Path]:
-    """Write `train.parquet` / `test.parquet` in verl's schema (`tool`: its multi-turn tool format); returns {split: path}."""
+                  tool: bool | str = False) -> dict[str, Path]:
+    """Write `train.parquet` / `test.parquet` in verl's schema (`tool`: its multi-turn tool format for that tool of
+    TOOLS, True meaning the calculator); returns {split: path}."""
+    tool = "calculator" if tool is True else tool
+    if tool and tool not in TOOLS:
+        raise ValueError(f"unknown tool {tool!r} for the synthetic tool data: one of {sorted(TOOLS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -61,8 +75,9 @@ def write_dataset(out: str | Path, *, train_size: int, test_size: int, seed: int
         if tool:
             from data_prep import gsm8k_tool
 
-            rows = gsm8k_tool.make_rows(records, split, data_source=DATA_SOURCE, tool_name=TOOL_NAME,
-                                        system_prompt=TOOL_SYSTEM_PROMPT)
+            tool_name, system_prompt = TOOLS[tool]
+            rows = gsm8k_tool.make_rows(records, split, data_source=DATA_SOURCE, tool_name=tool_name,
+                                        system_prompt=system_prompt)
         else:
             rows = make_rows(records, split=split, data_source=DATA_SOURCE)
         write_parquet(rows, paths[split])
@@ -76,10 +91,11 @@ def main() -> None:
     parser.add_argument("--test-size", type=int, default=200)
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tool", action="store_true", help="verl's multi-turn tool format for the calculator tool")
+    parser.add_argument("--tool", nargs="?", const="calculator", default=None, choices=sorted(TOOLS),
+                        help="verl's multi-turn tool format for this tool (--tool alone: the calculator)")
     args = parser.parse_args()
     paths = write_dataset(args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, max_operand=args.max_operand,
-                          tool=args.tool)
+                          tool=args.tool or False)
     for split, path in paths.items():
         print(f"wrote {split}: {path}")
 

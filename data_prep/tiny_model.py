@@ -23,6 +23,11 @@ answer directly with noisy sums. GRPO then has two ways to the reward, and the t
 
       python data_prep/tiny_model.py --out artifacts/tiny_qwen3_tool --tool-config recipes/tool_config/calculator_tool_config.yaml \
           --tool-warmup-fraction 0.5 --warmup-steps 600
+
+The tool's kind comes from its schema's argument: `expression` (the calculator: `{"expression": "3 + 4"}`, response
+"7") or `code` (the Python tool of recipes/tool_config/tiny_python_tool_config.yaml, `make demo-python-tool`:
+`{"code": "print(3 + 4)"}`, response "7\\n", what PythonTool answers for that code); the system prompt is
+data_prep/synthetic.py's for that tool (`--tool python`), so the warm-up prompts are the training prompts.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from data_prep.synthetic import GSM8K_INSTRUCTION, TOOL_NAME, TOOL_SYSTEM_PROMPT, make_problems, render_answer
+from data_prep.synthetic import GSM8K_INSTRUCTION, TOOLS, make_problems, render_answer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A Qwen2.5-style template, short enough for the tiny model's context (transformers renders with trim_blocks: a newline
@@ -182,10 +187,30 @@ def load_tool_schemas(tool_config: str | Path) -> list[dict]:
         box.close()
 
 
-def tool_call_text(a: int, b: int) -> str:
-    """The calculator call of one problem, hermes format. Example: (3, 4) ->
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}</tool_call>'."""
-    return "<tool_call>" + json.dumps({"name": TOOL_NAME, "arguments": {"expression": f"{a} + {b}"}}) + "</tool_call>"
+def tool_kind(schemas: list[dict]) -> str:
+    """Which of data_prep/synthetic.py's TOOLS the (single) tool of `schemas` is, by its argument: `expression` ->
+    "calculator", `code` -> "python"; ValueError naming the schema otherwise."""
+    function = schemas[0]["function"]
+    properties = (function.get("parameters") or {}).get("properties") or {}
+    kind = "python" if "code" in properties else "calculator" if "expression" in properties else None
+    if len(schemas) != 1 or kind is None or TOOLS[kind][0] != function["name"]:
+        raise ValueError(f"the tiny tool model warms up on one tool named {TOOLS['calculator'][0]!r} (argument "
+                         f"`expression`) or {TOOLS['python'][0]!r} (argument `code`); the tool config has "
+                         f"{[(s['function']['name'], sorted(properties)) for s in schemas]}")
+    return kind
+
+
+def tool_call_text(a: int, b: int, kind: str = "calculator") -> str:
+    """The tool call of one problem, hermes format. Example: (3, 4) ->
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}</tool_call>'; (3, 4, "python") ->
+    '<tool_call>{"name": "python", "arguments": {"code": "print(3 + 4)"}}</tool_call>'."""
+    arguments = {"code": f"print({a} + {b})"} if kind == "python" else {"expression": f"{a} + {b}"}
+    return "<tool_call>" + json.dumps({"name": TOOLS[kind][0], "arguments": arguments}) + "</tool_call>"
+
+
+def tool_response_text(result: int, kind: str = "calculator") -> str:
+    """What the tool answers for the call of tool_call_text: "7" (calculator), "7\\n" (python: what print writes)."""
+    return f"{result}\n" if kind == "python" else str(result)
 
 
 def tool_episode_texts(tokenizer, schemas: list[dict], row: dict, *, use_tool: bool, answer: int) -> list[tuple[str, bool]]:
@@ -193,15 +218,17 @@ def tool_episode_texts(tokenizer, schemas: list[dict], row: dict, *, use_tool: b
     data's system + user messages, tools=), then either [the call, <|im_end|>], the template's tool turn (not trained:
     loss_mask 0 in training), [the answer copying the tool's sum, <|im_end|>]; or [a direct answer with `answer`].
     """
-    messages = [{"role": "system", "content": TOOL_SYSTEM_PROMPT.format(tool=TOOL_NAME)},
+    kind = tool_kind(schemas)
+    name, system_prompt = TOOLS[kind]
+    messages = [{"role": "system", "content": system_prompt.format(tool=name)},
                 {"role": "user", "content": row["question"] + " " + GSM8K_INSTRUCTION}]
     eos = tokenizer.eos_token
     prompt = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
     if not use_tool:
         return [(prompt, False), (render_answer(row["a"], row["op"], row["b"], answer) + eos, True)]
-    call = tool_call_text(row["a"], row["b"])
+    call = tool_call_text(row["a"], row["b"], kind)
     full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": call},
-                                                     {"role": "tool", "content": str(row["result"])}],
+                                                     {"role": "tool", "content": tool_response_text(row["result"], kind)}],
                                          tools=schemas, add_generation_prompt=True, tokenize=False)
     tool_turn = full[len(prompt) + len(call):]  # "<|im_end|>\n<|im_start|>user\n<tool_response>..." to the next turn
     assert tool_turn.startswith(eos), f"the template ends an assistant turn with {tool_turn[:20]!r}, not {eos!r}"
@@ -220,7 +247,7 @@ def build_tool_tokenizer(corpus: list[str], problems: list[dict], schemas: list[
 
 def warm_up_tool(model, tokenizer, schemas: list[dict], *, steps: int, correct_prob: float, tool_fraction: float,
                  max_operand: int, seed: int, lr: float = 3e-3, batch_size: int = 64) -> float:
-    """`warm_up` on multi-turn tool episodes: `tool_fraction` of them call the calculator (always the right expression,
+    """`warm_up` on multi-turn tool episodes: `tool_fraction` of them call the tool (always the right expression or code,
     the answer copied from its response), the rest answer directly, right with `correct_prob`. Returns the last loss."""
     rng = random.Random(seed)
     problems = make_problems(num=4096, seed=seed, max_operand=max_operand)
@@ -290,9 +317,9 @@ def main() -> None:
     parser.add_argument("--warmup-correct-prob", type=float, default=0.3, help="fraction of warm-up answers that are right")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tool-config", default=None, help="build the tool model: warm up on multi-turn episodes with "
-                        "this tool config's calculator (module docstring)")
+                        "this tool config's calculator or Python tool (module docstring)")
     parser.add_argument("--tool-warmup-fraction", type=float, default=0.3, help="with --tool-config: fraction of warm-up "
-                        "episodes that call the calculator")
+                        "episodes that call the tool")
     parser.add_argument("--max-operand", type=int, default=9, help="with --tool-config: largest operand of the warm-up sums")
     args = parser.parse_args()
     path = make_tiny_model(

@@ -15,7 +15,8 @@ from grpo_lib.tools.config import load_tools
 REPO = Path(__file__).resolve().parents[1]
 # recipe -> (processes, the tool whose create_kwargs its data carries)
 TOOL_RECIPES = {"qwen3_4b_gsm8k_tool.yaml": (4, gsm8k_tool.TOOL_NAME), "tiny_cpu_tool.yaml": (1, synthetic.TOOL_NAME),
-                "qwen3_4b_gsm8k_python_tool.yaml": (4, python_tool.TOOL_NAME)}
+                "qwen3_4b_gsm8k_python_tool.yaml": (4, python_tool.TOOL_NAME),
+                "tiny_cpu_python_tool.yaml": (1, synthetic.PYTHON_TOOL_NAME)}
 
 
 def test_every_tool_recipe_is_listed():
@@ -37,14 +38,15 @@ def test_tool_recipe_runs_episodes_with_a_tool_config_that_loads(name, monkeypat
     assert verl.rollout.multi_turn.max_assistant_turns == mt.max_assistant_turns + 1, "verl's spelling lands on the field"
 
 
-def test_tiny_tool_recipe_budgets_hold_a_whole_tool_episode():
-    """The tiny recipe's data.max_prompt_length and data.max_response_length hold its warm-up's longest episode
+@pytest.mark.parametrize("name", ["tiny_cpu_tool.yaml", "tiny_cpu_python_tool.yaml"])
+def test_tiny_tool_recipe_budgets_hold_a_whole_tool_episode(name):
+    """The tiny recipes' (calculator and Python tool) data.max_prompt_length and data.max_response_length hold its warm-up's longest episode
     (data_prep/tiny_model.py; even with two-digit operands: prompt, then call + tool turn + answer), tokenized by the tool
     model's own tokenizer (built as make_tiny_model builds it, no model needed)."""
     from data_prep.synthetic import GSM8K_INSTRUCTION, make_problems
     from data_prep.tiny_model import build_tool_tokenizer, load_tool_schemas, tool_episode_texts
 
-    cfg = load_config(REPO / "recipes" / "tiny_cpu_tool.yaml")
+    cfg = load_config(REPO / "recipes" / name)
     schemas = load_tool_schemas(REPO / cfg.rollout.multi_turn.tool_config_path)
     problems = make_problems(num=2000, seed=1, max_operand=99)  # make_tiny_model's corpus problems (seed 0)
     tokenizer = build_tool_tokenizer([p["question"] + " " + GSM8K_INSTRUCTION + "\n" + p["answer"] for p in problems], problems, schemas)
