@@ -1,7 +1,7 @@
 """The tiny Python tool demo (make demo-python-tool: recipes/tiny_cpu_python_tool.yaml, data_prep/synthetic.py --tool
 python, data_prep/tiny_model.py --tool-config recipes/tool_config/tiny_python_tool_config.yaml): the warm-up's calls
 are code the real PythonTool answers with exactly the response the warm-up shows, the data names the Python tool, and
-(slow) the warmed-up tiny model calls the tool in a short training run, with no tool errors."""
+(slow) the variant's recipe trains with every turn a python call, each answered by the sandbox."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from data_prep import synthetic
 from data_prep.tiny_model import load_tool_schemas, tool_episode_texts, tool_kind
 from grpo_lib.tools.config import load_tools
 from grpo_lib.tools.hermes import parse_tool_calls
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import HF_ENGINE, REPO, read_metrics
+from tests.test_train_tools_e2e import run_with_tool_calls
 
 TOOL_CONFIG = REPO / "recipes" / "tool_config" / "tiny_python_tool_config.yaml"
 
@@ -55,20 +56,23 @@ def test_synthetic_python_tool_rows_name_the_python_tool(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_warmed_up_tiny_model_calls_the_python_tool_in_training(tmp_path):
-    """The demo's setup end to end for 2 steps, smaller (4 prompts x 4, 200 warm-up steps): the warmed-up model calls
-    `python` in training episodes, every call answered (no failures, errors or timeouts)."""
-    from data_prep.tiny_model import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "model", tool_config=TOOL_CONFIG, tool_warmup_fraction=0.9, warmup_steps=200, seed=0)
+def test_the_python_tool_variant_trains_with_every_call_answered(eos_model_dir, tmp_path):
+    """The variant's recipe, tool config and data end to end for 2 steps (4 prompts x 4) with every assistant turn read
+    as a `python` call (tests/scripts/train_with_tool_calls.py: the random tiny model writes no calls; the demo's
+    warm-up, 600 steps, is too long for the suite): each call runs in the sandbox and is answered (no failures,
+    errors or timeouts). The hf engine: the subject is the variant, not the engine (tests/conftest.py HF_ENGINE)."""
     data = synthetic.write_dataset(tmp_path / "data", train_size=64, test_size=8, tool="python")
     out = tmp_path / "run"
-    run_train([str(REPO / "recipes" / "tiny_cpu_python_tool.yaml"), f"model.path={model}",
-               f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]", f"trainer.default_local_dir={out}",
-               "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.total_training_steps=2",
-               "trainer.val_before_train=false", "trainer.test_freq=-1", "rollout.enforce_eager=true"], timeout=900)
+    proc = run_with_tool_calls(
+        [str(REPO / "recipes" / "tiny_cpu_python_tool.yaml"), f"model.path={eos_model_dir}",
+         f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]", f"trainer.default_local_dir={out}",
+         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.total_training_steps=2",
+         "data.max_prompt_length=512", "data.max_response_length=160",  # eos_model_dir's tokenizer: longer prompts
+         "trainer.val_before_train=false", "trainer.test_freq=-1", HF_ENGINE],
+        tool="python", arguments={"code": "print(6 * 7)"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(Path(out))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["tools/python/calls"] > 0, f"the model made no python call at step {r['step']}"
+        assert r["tools/python/calls"] > 0, f"no python call at step {r['step']}"
         assert r["tools/python/failures"] == 0 and r["tools/errors"] == 0 and r["tools/timeouts"] == 0, r
