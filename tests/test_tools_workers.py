@@ -1,0 +1,189 @@
+"""Sync tool calls in killable worker processes (grpo_lib/tools/workers.py, the placements of grpo_lib/tools/calls.py;
+issue 30 item 6): a timed-out CPU-bound or sleeping call is killed with its worker, so no thread, process or CPU of
+the trainer is left behind (before, each one ran on in an abandoned thread: a CPU-bound one slowed the trainer 10x
+after 24 timeouts, a sleeping one leaked 82 threads)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from grpo_lib.tools.base import BaseTool, ToolSchema
+from grpo_lib.tools.builtin import CalculatorTool
+from grpo_lib.tools.calls import ToolBox
+from grpo_lib.tools.config import ToolConfigError
+from grpo_lib.tools.hermes import ToolCall
+
+
+def schema(name: str) -> ToolSchema:
+    return ToolSchema({"type": "function", "function": {"name": name, "description": "d", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}}})
+
+
+def box_of(*tools, timeout_s=5.0, **kwargs) -> ToolBox:
+    return ToolBox({t.name: t for t in tools}, timeout_s=timeout_s, max_response_chars=500, truncate_side="left", **kwargs)
+
+
+class Spins(BaseTool):
+    """CPU-bound: spins for 20 s (ends by itself, so a runtime that fails to kill it cannot spin the suite forever)."""
+
+    def execute(self, instance_id, parameters, **kwargs):
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            pass
+        return "late"
+
+
+class Naps(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        time.sleep(20)
+        return "late"
+
+
+class Echo(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        print("a tool's own print goes to stderr, not into the reply")
+        return f"echo {parameters['x']} from {os.getpid()}", 0.5, {}
+
+
+class Dies(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        os._exit(7)
+
+
+def _children() -> list[int]:
+    """Live (not zombie) child processes of this process."""
+    me, out = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[1] == me and stat[0] != "Z":  # fields after the name: state, ppid
+            out.append(int(pid))
+    return out
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process itself (its threads), not of its reaped children."""
+    t = os.times()
+    return t.user + t.system
+
+
+def test_cpu_bound_calls_that_time_out_leave_no_process_thread_or_cpu_behind():
+    box = box_of(Spins({}, schema("spin")), Echo({}, schema("echo")), timeout_s=0.3)
+    try:
+        assert box.placements == {"spin": "process", "echo": "process"}
+        threads, children = threading.active_count(), len(_children())
+        for i in range(10):
+            spin, echo = box.run([("e", ToolCall("spin", {"x": str(i)})), ("e", ToolCall("echo", {"x": str(i)}))])
+            assert (spin.kind, spin.text, spin.abandoned) == ("timeout", "Error: spin did not answer within 0.3 s.", False)
+            assert echo.kind == "ok" and echo.text.startswith(f"echo {i} from "), echo
+        assert box._pool.killed == 10 and box._pool.started == 11  # one worker killed per timeout, one fresh after each
+        # what is left: the echo worker, idle; no spinning worker and no abandoned thread
+        assert len(_children()) <= children + 1, _children()
+        assert threading.active_count() <= threads + 1  # + the idle worker's reaper (asyncio's child watcher)
+        # an abandoned spinning thread would hold the GIL and burn ~1 CPU second per second of this window
+        before = _cpu_s()
+        time.sleep(1.0)
+        assert _cpu_s() - before < 0.25, "CPU still used by this process after the calls were answered"
+    finally:
+        box.close()
+    assert _children() == [], "close kills and reaps the idle worker"
+
+
+def test_sleeping_calls_that_time_out_leak_no_thread():
+    box = box_of(Naps({}, schema("nap")), timeout_s=0.2)
+    try:
+        assert box.placements == {"nap": "process"}
+        threads = threading.active_count()
+        for _ in range(10):  # 40 timeouts: in threads, 40 sleepers would still run
+            outs = box.run([(f"e{j}", ToolCall("nap", {"x": "1"})) for j in range(4)])
+            assert [(o.kind, o.abandoned) for o in outs] == [("timeout", False)] * 4
+            assert threading.active_count() <= threads + 4, "at most one reaper per live worker (4 calls at once)"
+        assert box._pool.killed == 40 and box.abandoned_running == {"nap": 0}
+        assert threading.active_count() <= threads  # every worker was killed and reaped: no reaper left either
+        assert _children() == []
+    finally:
+        box.close()
+
+
+def test_a_worker_that_dies_is_that_calls_error_and_the_next_call_gets_a_fresh_one():
+    box = box_of(Dies({}, schema("die")), Echo({}, schema("echo")))
+    try:
+        died, echo = box.run([("e", ToolCall("die", {"x": "1"})), ("e", ToolCall("echo", {"x": "1"}))])
+        assert died.kind == "error" and died.text == "Error: die failed: its worker process exited (status 7) during the call"
+        assert (echo.kind, echo.step_reward) == ("ok", 0.5) and echo.text.startswith("echo 1 from ")
+        assert int(echo.text.rsplit(" ", 1)[1]) != os.getpid(), "execute ran in a worker, not in this process"
+        [again] = box.run([("e", ToolCall("die", {"x": "2"}))])
+        assert again.kind == "error" and "exited (status 7)" in again.text
+    finally:
+        box.close()
+
+
+class Raises(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        raise SystemExit(3)
+
+
+def test_a_base_exception_in_a_worker_is_an_error_observation_and_the_worker_lives_on():
+    box = box_of(Raises({}, schema("bad")))
+    try:
+        first, second = box.run([("e", ToolCall("bad", {"x": "1"}))]), box.run([("e", ToolCall("bad", {"x": "2"}))])
+        assert [o.text for o in first + second] == ["Error: bad failed: SystemExit: 3"] * 2
+        assert box._pool.started == 1, "the worker caught it: no restart"
+    finally:
+        box.close()
+
+
+class Stateful(BaseTool):
+    def create(self, instance_id=None, **kwargs):
+        return instance_id
+
+    def execute(self, instance_id, parameters, **kwargs):
+        return "x"
+
+
+class Unpicklable(BaseTool):
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.lock = threading.Lock()
+
+    def execute(self, instance_id, parameters, **kwargs):
+        return "x"
+
+
+class AsyncTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        return "x"
+
+
+class ForcedProcess(Unpicklable):
+    execute_in = "process"
+
+
+class ForcedThread(Echo):
+    execute_in = "thread"
+
+
+def test_where_each_kind_of_tool_runs():
+    from grpo_lib.tools.builtin import Gsm8kTool
+
+    tools = [Stateful({}, schema("stateful")), Unpicklable({}, schema("lock")), AsyncTool({}, schema("async")),
+             ForcedThread({}, schema("forced")), CalculatorTool({}, schema("calc")), Gsm8kTool({}, schema("gsm8k")),
+             Echo({}, schema("echo"))]
+    box = box_of(*tools)
+    try:
+        assert box.placements == {"stateful": "thread", "lock": "thread", "async": "loop", "forced": "thread",
+                                  "calc": "thread", "gsm8k": "thread", "echo": "process"}
+        [forced] = box.run([("e", ToolCall("forced", {"x": "1"}))])
+        assert forced.text == f"echo 1 from {os.getpid()}", "execute_in = 'thread' runs in this process"
+    finally:
+        box.close()
+    with pytest.raises(ToolConfigError, match=r"tool lock: execute_in = 'process', but the tool cannot be pickled .*"
+                                              r"set execute_in = 'thread'"):
+        box_of(ForcedProcess({}, schema("lock")))
+
