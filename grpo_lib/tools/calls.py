@@ -66,7 +66,7 @@ from grpo_lib.tools.workers import WorkerError, WorkerPool
 
 MAX_ABANDONED = 64  # abandoned plain calls of one tool still running before a turn raises ToolStallError
 STALL_GRACE_S = 30.0  # seconds past timeout_s a turn's calls may take in all before the step is aborted
-MAX_WORKERS = 32  # worker processes for the "process" tools at once (each a Python interpreter, ~20 MB)
+MAX_WORKERS = 16  # worker processes for the "process" tools at once (each an interpreter with the tool's imports)
 CALL_FORMAT = 'Call a tool as <tool_call>{"name": <tool name>, "arguments": {...}}</tool_call>.'
 
 
