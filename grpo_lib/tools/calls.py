@@ -40,7 +40,7 @@ not pickle is refused when the ToolBox is built; PythonTool says "thread" (it ki
 limit). create / calc_reward / release of a sync tool always run in a thread (they own the episode state), and
 methods a class inherits unchanged from `BaseTool` (no-op defaults) run inline. The worker pool starts workers as
 calls need them, up to max_workers (MAX_WORKERS) at once: a turn with more process calls than that runs them in
-waves, and the turn's bound below grows by a timeout per wave.
+waves, and the turn's bound below grows by a timeout and a worker start-up (stall_grace_s / 2 at most) per wave.
 
 What cannot stall or crash the loop: any BaseException a tool raises (SystemExit, KeyboardInterrupt, GeneratorExit, a
 CancelledError of its own; sync or async) is that call's "error" outcome, never raised in the loop's thread. What
@@ -233,8 +233,10 @@ class ToolBox:
     def run(self, calls: list[tuple[str, ToolCall]]) -> list[CallOutcome]:
         """Every (instance id, call) at once; one outcome per call, in order."""
         in_workers = sum(self.placements.get(call.name) == "process" for _, call in calls)
-        waves = max(1, -(-in_workers // self._pool.max_workers))  # more process calls than workers wait for one
-        return self._run_all([self._call(episode, call) for episode, call in calls], waves=waves)
+        waves = -(-in_workers // self._pool.max_workers)  # more process calls than workers wait for one
+        # each wave may start workers (bounded by the pool's start_timeout_s) before its calls' clocks start
+        bound_s = max(1, waves) * self.timeout_s + waves * self._pool.start_timeout_s + self.stall_grace_s
+        return self._run_all([self._call(episode, call) for episode, call in calls], bound_s=bound_s)
 
     def finish(self, episodes: list[str]) -> list[tuple[dict[str, float], list[CallOutcome]]]:
         """calc_reward then release of every tool for every episode -> per episode ({tool: reward}, failed calls).
@@ -403,7 +405,7 @@ class ToolBox:
         threading.Thread(target=work, name=f"tool-call-{name}", daemon=True).start()
         return future
 
-    def _run_all(self, jobs: list, waves: int = 1) -> list:
+    def _run_all(self, jobs: list, bound_s: float | None = None) -> list:
         """Every job at once on the loop, their results in order. ToolStallError when a tool has max_abandoned calls
         still running (before starting more), or when the jobs have not all returned timeout_s + stall_grace_s on."""
         import concurrent.futures
@@ -422,13 +424,14 @@ class ToolBox:
             return await asyncio.gather(*jobs)
 
         future = asyncio.run_coroutine_threadsafe(gather(), self._loop)
-        bound = waves * self.timeout_s + self.stall_grace_s
+        bound = bound_s if bound_s is not None else self.timeout_s + self.stall_grace_s
         try:
             return future.result(timeout=bound)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise ToolStallError(f"the tool calls of a turn did not return within {bound:g} s (rollout.multi_turn."
-                                 f"tool_timeout_s={self.timeout_s:g} + {self.stall_grace_s:g} s): an async tool blocks the "
+                                 f"tool_timeout_s={self.timeout_s:g} + {self.stall_grace_s:g} s, + worker start-ups and "
+                                 "waves where calls wait for a worker process): an async tool blocks the "
                                  "event loop without awaiting (time.sleep or CPU work in an `async def`), so no timeout can "
                                  "fire. Make the blocking part a plain method (it then runs in a thread) or await it") from None
 

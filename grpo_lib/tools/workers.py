@@ -53,8 +53,8 @@ class _Worker:
         if self.proc.returncode is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
+            except (ProcessLookupError, PermissionError):  # already gone (reaped below)
+                pass
         await self.proc.wait()
 
     def died(self) -> str:
@@ -99,7 +99,10 @@ class WorkerPool:
             except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
                 await worker.kill()
                 return "error", WorkerError(f"{worker.died()} during the call")
-            except BaseException:  # cancelled (the loop stops) or a reply that does not unpickle: the worker goes
+            except Exception as error:  # noqa: BLE001 - a reply this process cannot unpickle: the worker goes too
+                await worker.kill()
+                return "error", WorkerError(f"its reply could not be read ({type(error).__name__}: {error})")
+            except BaseException:  # cancelled (the turn's bound passed, or the loop stops): the worker goes
                 await asyncio.shield(worker.kill())
                 raise
             self._idle.append(worker)
