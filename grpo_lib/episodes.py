@@ -125,7 +125,7 @@ class EpisodeRunner:
         if not mt.enable:
             return None
         tools = load_all_tools(mt.tool_config_path, mt.function_tool_path, import_timeout_s=cfg.reward.import_timeout_s)
-        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s,
+        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s, worker_start_timeout_s=cfg.reward.import_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs,

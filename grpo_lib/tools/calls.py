@@ -40,7 +40,8 @@ not pickle is refused when the ToolBox is built; PythonTool says "thread" (it ki
 limit). create / calc_reward / release of a sync tool always run in a thread (they own the episode state), and
 methods a class inherits unchanged from `BaseTool` (no-op defaults) run inline. The worker pool starts workers as
 calls need them, up to max_workers (MAX_WORKERS) at once: a turn with more process calls than that runs them in
-waves, and the turn's bound below grows by a timeout and a worker start-up (stall_grace_s / 2 at most) per wave.
+waves, and the turn's bound below grows by a timeout and a worker start-up (worker_start_timeout_s at most, the
+trainer passes reward.import_timeout_s) per wave; a worker that does not start within it is that call's error.
 
 What cannot stall or crash the loop: any BaseException a tool raises (SystemExit, KeyboardInterrupt, GeneratorExit, a
 CancelledError of its own; sync or async) is that call's "error" outcome, never raised in the loop's thread. What
@@ -181,12 +182,13 @@ class ToolBox:
 
     def __init__(self, tools: dict, *, timeout_s: float, max_response_chars: int, truncate_side: str,
                  stall_grace_s: float = STALL_GRACE_S, max_abandoned: int = MAX_ABANDONED,
-                 max_workers: int = MAX_WORKERS):
+                 max_workers: int = MAX_WORKERS, worker_start_timeout_s: float = 120.0):
         self.tools = dict(tools)  # name -> tool object, in the config's order
         self._schemas = {name: _schema_of(tool) for name, tool in self.tools.items()}  # name -> plain-dict schema
         blobs: dict[str, bytes] = {}  # name -> the pickled tool, for the "process" tools
         self.placements = {name: _placement(name, tool, blobs) for name, tool in self.tools.items()}  # loop|process|thread
-        self._pool = WorkerPool(blobs, max_workers=max_workers, start_timeout_s=stall_grace_s / 2)
+        # a worker's start-up imports the tool's module: bounded like the tool's own import (reward.import_timeout_s)
+        self._pool = WorkerPool(blobs, max_workers=max_workers, start_timeout_s=worker_start_timeout_s)
         self.timeout_s, self.max_response_chars, self.truncate_side = timeout_s, max_response_chars, truncate_side
         self.failed_create: dict[tuple[str, str], str] = {}  # (episode, tool) -> why its create failed
         self._instances: dict[tuple[str, str], str] = {}  # (episode, tool) -> the instance id its create returned
