@@ -1,7 +1,7 @@
 """Killable worker processes for plain (sync) tool calls: a call past its timeout is ended by killing its worker, so
 no thread or CPU of the trainer is left running it (a thread cannot be killed).
 
-    pool = WorkerPool({"slow": pickle.dumps(tool)}, max_workers=32, start_timeout_s=15)
+    pool = WorkerPool({"slow": pickle.dumps(tool)}, max_workers=16, start_timeout_s=120)
     kind, value = await pool.call("slow", "execute", ("ep0", {"x": 1}), {}, timeout_s=30)   # on the tool loop
     # ("ok", (text, reward, metrics)) | ("timeout", False) | ("error", WorkerError("ValueError: ..."))
     await pool.close()
