@@ -196,3 +196,34 @@ def test_where_each_kind_of_tool_runs():
                                               r"set execute_in = 'thread'"):
         box_of(ForcedProcess({}, schema("lock")))
 
+
+
+def test_a_worker_dies_with_a_trainer_that_dies_mid_call(tmp_path):
+    """The trainer killed (or exiting without close) while a call spins: its worker must not spin on as an orphan."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (
+        "import os, sys, threading, time\n"
+        f"sys.path[:0] = [{str(repo)!r}, {str(repo / 'tests')!r}]\n"
+        "from test_tools_workers import Spins, box_of, schema, ToolCall, _children\n"
+        "box = box_of(Spins({}, schema('spin')), timeout_s=60)\n"
+        "threading.Thread(target=lambda: box.run([('e', ToolCall('spin', {'x': '1'}))]), daemon=True).start()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not _children() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print(*_children(), flush=True)\n"
+        "os._exit(0)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    [worker] = [int(p) for p in proc.stdout.split()]
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        alive = "grpo_lib.tools.workers" in open(f"/proc/{worker}/cmdline").read()  # not a reused pid
+    except OSError:  # gone
+        alive = False
+    assert not alive, f"worker {worker} outlived its trainer ({proc.stderr[-2000:]})"

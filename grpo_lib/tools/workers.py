@@ -154,10 +154,24 @@ def _write(stream, obj) -> None:
     stream.flush()
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the trainer's thread that started it ends (the trainer killed, or it exits
+    without ToolBox.close while a call runs); an idle worker exits anyway when its stdin closes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the stdin EOF is the only signal
+        pass
+    if os.getppid() == 1:  # the trainer died before the call above
+        os._exit(0)
+
+
 def serve() -> None:
     """The worker's loop: hello (sys.path, tools), "ready", then one (name, method, args, kwargs) -> reply at a time."""
     import inspect
 
+    _die_with_parent()
     inp, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # the tool's prints go to stderr, never into the replies
