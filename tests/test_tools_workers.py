@@ -112,7 +112,7 @@ def test_cpu_bound_calls_that_time_out_leave_no_process_thread_or_cpu_behind():
         assert len(set(_children()) - children) <= 1, _children()
         assert _settled(lambda: _new_threads(threads), 1) <= 1  # the idle worker's reaper (asyncio's child watcher)
         # an abandoned spinning thread would hold the GIL and burn ~1 CPU second per second of this window (measured:
-        # 0.66 s with the same calls run in threads on this 2-core machine under load)
+        # 1.0 s for one such call run in a thread instead, on this 2-core machine)
         before = _cpu_s(tids)
         time.sleep(1.0)
         assert _cpu_s(tids) - before < 0.25, "CPU still used by this process after the calls were answered"
