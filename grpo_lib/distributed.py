@@ -210,6 +210,32 @@ def barrier() -> None:
         dist.barrier()
 
 
+def raise_agreed(error: Exception | None) -> None:
+    """Every process calls this at the same point with the error it caught there (None: it had none); when any
+    process had one, every process raises, so none is left waiting in the next collective for one that stopped: a
+    process its own error, the others the first failing process's (the same class where it pickles and builds from
+    its message, a ToolStallError stays one: exit 3 on every process; else RuntimeError), naming that process.
+    One all-gather of small objects; without a group, `error` is raised as is.
+
+    Example (2 processes): process 1 raise_agreed(ToolStallError("stuck")), process 0 raise_agreed(None) -> process 1
+    raises its error, process 0 ToolStallError("process 1: stuck")."""
+    if not is_on():
+        if error is not None:
+            raise error
+        return
+    reports = all_gather_object(None if error is None else _LeaderError(error))
+    if error is not None:
+        raise error
+    for who, report in enumerate(reports):
+        if report is None:
+            continue
+        try:
+            agreed = type(report.exc)(f"process {who}: {report.exc}") if report.exc is not None else None
+        except Exception:  # noqa: BLE001 - an exception class that does not take one message
+            agreed = None
+        raise agreed or RuntimeError(f"process {who} failed: {report.text}")
+
+
 class Reduction:
     """Metrics reduced over processes in one packed all-reduce per kind of reduction, whatever their number.
 

@@ -60,10 +60,10 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
-from grpo_lib.distributed import group_leader_call
+from grpo_lib.distributed import group_leader_call, raise_agreed
 from grpo_lib.engines.base import OnFinished
 from grpo_lib.seeds import turn_seed
-from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
+from grpo_lib.tools.calls import CallOutcome, ToolBox, ToolStallError, escape_control_tokens
 from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch, ScoreRequest
@@ -125,7 +125,7 @@ class EpisodeRunner:
         if not mt.enable:
             return None
         tools = load_all_tools(mt.tool_config_path, mt.function_tool_path, import_timeout_s=cfg.reward.import_timeout_s)
-        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s,
+        toolbox = ToolBox(tools, timeout_s=mt.tool_timeout_s, worker_start_timeout_s=cfg.reward.import_timeout_s,
                           max_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
         try:
             return cls(tokenizer=tokenizer, toolbox=toolbox, multi_turn=mt, chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
@@ -152,7 +152,27 @@ class EpisodeRunner:
         `score` (the weight probe) rides in the first engine call: the session, or the first turn's generate.
 
         The per-episode loop (module docstring) where the engine offers `open_session` and the episodes need not
-        stay in step with other processes (`self.per_episode`: no tensor parallelism); else one engine call per turn."""
+        stay in step with other processes (`self.per_episode`: no tensor parallelism); else one engine call per turn.
+
+        A ToolStallError on any process is raised on every process when each has generated its share (or, with no
+        share, called `sit_out`): the step stops everywhere (exit 3) and no process waits in a collective for it."""
+        try:
+            out = self._generate(engine, prompts, n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
+                                 top_k=top_k, seeds=seeds, logprobs=logprobs, timings=timings, on_finished=on_finished)
+        except ToolStallError as stall:
+            raise_agreed(stall)
+            raise  # raise_agreed raised it already; kept for readers
+        raise_agreed(None)
+        return out
+
+    def sit_out(self) -> None:
+        """This process has no episode this round (a validation set smaller than the process count): it takes part
+        in the round's agreement on a tool stall as `generate` does, raising the others' ToolStallError."""
+        raise_agreed(None)
+
+    def _generate(self, engine, prompts: PromptBatch, *, n: int, temperature: float, max_tokens: int, top_p: float,
+                  top_k: int, seeds: list[int] | None, logprobs: bool, timings: dict | None,
+                  on_finished: OnFinished | None) -> list[list[Generation]]:
         assert prompts.messages is not None, "multi-turn prompts keep their messages: load_prompts(..., tools=schemas)"
         episodes = [
             _Episode(instance_id=f"{i}:{k}:{prompts.group_ids[i]}", prompt_ids=list(prompts.prompt_ids[i]),

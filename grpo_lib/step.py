@@ -226,6 +226,8 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     """
     submit, keep = tp_group_share(len(global_idx), world_size=world_size, rank=rank, tp_size=cfg.rollout.tensor_model_parallel_size)
     if not submit:  # a validation set smaller than the process count: this TP group has no prompt (all its members agree)
+        if episodes is not None:
+            episodes.sit_out()  # joins the others' agreement on a tool stall (EpisodeRunner.generate)
         return dataset.batch([]), []
     group = dataset.batch([global_idx[i] for i in submit])
     mine = dataset.batch([global_idx[submit[j]] for j in keep])

@@ -57,7 +57,7 @@ class EpisodeStats:
     timeouts: int = 0  # tool methods stopped at rollout.multi_turn.tool_timeout_s
     truncated_responses: int = 0  # tool responses cut to rollout.multi_turn.max_tool_response_length
     dropped_calls: int = 0  # calls past rollout.multi_turn.max_parallel_calls in one turn (not run)
-    abandoned_calls: int = 0  # timeouts of plain (sync) tool methods: their threads ran on
+    abandoned_calls: int = 0  # timeouts of plain (sync) tool methods run in threads: they ran on
     reward_errors: int = 0  # calc_reward calls that raised, timed out or returned no finite number (scored 0)
     tool_rewards: dict[str, float] | None = None  # tool name -> calc_reward at the episode's end
     step_rewards: list[float] | None = None  # execute's step reward of each call run, in order

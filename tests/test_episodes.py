@@ -338,3 +338,38 @@ def test_tools_under_tensor_parallelism_run_on_the_leader_and_every_member_gets_
     assert all(failures == {} for *_, failures in zero["led"]), zero["led"]
     assert zero["ran_led"] == [0] * 8 and one["ran_led"] == [], (zero["ran_led"], one["ran_led"])
     assert zero["alone"] != one["alone"], "without the leader, process 1's timeouts give it other contexts"
+
+
+@pytest.mark.multiprocess
+def test_a_tool_stall_on_one_process_stops_the_step_on_every_process(tiny_model_dir, tmp_path):
+    """Issue 30 item 6: a ToolStallError on one data-parallel process only left the others waiting in the step's next
+    collective for a process that had stopped. Now every process raises it from EpisodeRunner.generate (the failing
+    process's own, the other's naming it), and both still meet in the collective after it (no hang)."""
+    from tests.conftest import torchrun_records
+
+    zero, one = torchrun_records("stall_agreement_worker.py", str(tiny_model_dir), str(tmp_path), out_dir=tmp_path,
+                                 timeout=120)
+    assert one["raised"] is not None and "did not return within 0.5 s" in one["raised"], one
+    assert zero["raised"] is not None and zero["raised"].startswith("process 1: the tool calls of a turn"), zero
+    assert zero["after"] == one["after"] == 2.0
+
+
+def test_a_process_with_no_share_joins_the_stall_agreement(monkeypatch):
+    """A process with no prompt this round (a validation set smaller than the process count) does not call generate:
+    generate_share has it sit out, taking part in the same agreement, so a stall elsewhere is raised there too."""
+    from grpo_lib import episodes as E
+    from grpo_lib.step import generate_share
+
+    calls = []
+    monkeypatch.setattr(E, "raise_agreed", lambda error: calls.append(error))
+    runner = E.EpisodeRunner.__new__(E.EpisodeRunner)  # sit_out reads no state
+
+    class Empty:
+        def batch(self, rows):
+            assert rows == []
+            return "empty"
+
+    cfg = type("Cfg", (), {"rollout": type("R", (), {"tensor_model_parallel_size": 1})()})()
+    prompts, generations = generate_share(cfg, None, Empty(), [5], world_size=2, rank=1, purpose="val", step=0, round=0,
+                                          sampling={"n": 1}, episodes=runner)
+    assert (prompts, generations) == ("empty", []) and calls == [None]

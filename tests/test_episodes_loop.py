@@ -20,7 +20,9 @@ SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, logprobs=True)
 
 
 class SleepyTool(BaseTool):
-    """Answers "zz" after 1 s (a plain function: it runs in a thread)."""
+    """Answers "zz" after 1 s (a plain function, here in a thread: the test times the overlap, not a worker's start)."""
+
+    execute_in = "thread"
 
     def execute(self, instance_id, parameters, **kwargs):
         time.sleep(1.0)

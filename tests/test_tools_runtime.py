@@ -106,6 +106,7 @@ def test_a_turn_whose_calls_never_return_raises_a_stall_after_its_bound():
 class Hangs(BaseTool):
     """A sync tool that hangs until `release` is set (a thread that cannot be killed)."""
 
+    execute_in = "thread"  # the thread runtime's bound on abandoned calls (a worker process would be killed instead)
     release = threading.Event()
 
     def execute(self, instance_id, parameters, **kwargs):
@@ -135,6 +136,8 @@ def test_abandoned_sync_calls_are_counted_and_bounded():
 
 
 class Sleeps(BaseTool):
+    execute_in = "thread"  # 200 calls at once: one thread each (a worker process each would be 200 interpreters)
+
     def execute(self, instance_id, parameters, **kwargs):
         time.sleep(0.3)
         return "done"

@@ -273,10 +273,11 @@ class MultiTurnConfig:
     middle keeps half of max_tool_response_length from each end (verl's default)."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call (create, execute, calc_reward or release) may take; a slower call is answered with a timeout
-    message and counted (tools/timeouts). A synchronous tool runs in a thread of its own that cannot be killed: the
-    episode moves on, the call is counted as abandoned (tools/abandoned) and its thread finishes on its own; 64
-    abandoned calls of one tool still running, or a turn whose calls have not all returned 30 s past this timeout (an
-    async tool blocking the event loop), stop the run after saving (exit 3)."""
+    message and counted (tools/timeouts). A synchronous execute of a tool that keeps no per-episode state runs in a
+    worker process, killed at this timeout (docs/TOOLS.md); any other synchronous call runs in a thread of its own
+    that cannot be killed: the episode moves on, the call is counted as abandoned (tools/abandoned) and its thread
+    finishes on its own; 64 abandoned calls of one tool still running, or a turn whose calls have not all returned
+    30 s past this timeout (an async tool blocking the event loop), stop the run after saving (exit 3)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@
     hermes.py   reading `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` out of an assistant turn
     calls.py    running the calls of a turn: per-call timeouts, argument checks, truncation, the text the model sees;
                 what a tool raises, blocks on or leaves running, bounded
+    workers.py  killable worker processes that run sync tools' execute (a call past its timeout is killed)
 
 The episode loop that uses them is grpo_lib/episodes.py.
 """

@@ -14,6 +14,12 @@ the `instance_id` the episode loop passes (one per episode and tool):
 Every method may be a plain function or a coroutine (`async def`), as verl's are. A class need not subclass
 `BaseTool`: only `execute` is required; `BaseTool` supplies the no-op defaults and `self.name`.
 
+Where a plain (sync) `execute` runs (grpo_lib/tools/calls.py): by default in a worker process that is killed at the
+call's timeout, when the tool keeps no per-episode state (defines no create / calc_reward / release) and pickles;
+otherwise in a thread, which runs on past its timeout (counted as tools/abandoned). A class sets
+`execute_in = "process"` (its execute then runs on the worker's copy of the tool: what it changes on `self` is not
+seen by create / calc_reward / release) or `execute_in = "thread"` to choose.
+
 Example (a tool that counts its calls):
 
     class Counter(BaseTool):
@@ -62,6 +68,8 @@ class ToolSchema(dict):
 
 class BaseTool:
     """Defaults of verl's tool interface: subclass and write `execute` (and `create` / `calc_reward` for state)."""
+
+    execute_in: str | None = None  # "process" | "thread" | None: decided from the class (module docstring)
 
     def __init__(self, config: dict, tool_schema: ToolSchema):
         self.config = config

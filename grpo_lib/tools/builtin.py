@@ -177,6 +177,8 @@ class PythonTool(BaseTool):
     ("Error: the code used its 10 s of CPU time and was stopped.", 0.0, {}).
     """
 
+    execute_in = "thread"  # the code already runs in a sandbox child killed at wall_time_s; its slots are process-wide
+
     def __init__(self, config, tool_schema):
         super().__init__(config, tool_schema)
         known = {"cpu_time_s", "wall_time_s", "memory_mb", "file_mb", "dir_mb", "max_output_bytes", "max_concurrent",

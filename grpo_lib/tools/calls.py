@@ -21,19 +21,33 @@ Every response text, an error's too, is cut to `max_response_chars` characters a
 `truncated` says so.
 
 How calls run: one asyncio event loop in a daemon thread, kept for the whole run (an async tool's connections live
-across turns). An `async def` method runs on that loop and is cancelled at its timeout; a plain method runs in its own
-daemon thread, one per call (the pool fits the batch, so no call waits for a thread and the timeout clock starts when
-the call starts). A thread cannot be killed: a plain call past its timeout is abandoned (its outcome says so, counted
-as tools/abandoned) and runs on; once MAX_ABANDONED of a tool's abandoned calls still run, the next turn raises
-ToolStallError instead of piling up more. A tool that must stop its work at the timeout runs it in a process it kills
-itself (PythonTool runs the code in a child it kills at its own wall limit). Methods a class inherits unchanged from
-`BaseTool` (no-op defaults) run inline.
+across turns). An `async def` method runs on that loop and is cancelled at its timeout. A plain (sync) `execute` runs
+where its tool's placement says (`placements`, decided once when the ToolBox is built):
+
+    "process"  in a killable worker process (grpo_lib/tools/workers.py): the tool is pickled once and rebuilt in each
+               worker; at its timeout the worker is killed (nothing keeps running) and a fresh one takes the next call.
+               The default for a sync tool that keeps no per-episode state (it does not define create / calc_reward /
+               release) and pickles: function tools, a config tool with only `execute`.
+    "thread"   in a daemon thread of its own, one per call. A thread cannot be killed: a call past its timeout is
+               abandoned (its outcome says so, counted as tools/abandoned) and runs on; once MAX_ABANDONED of a tool's
+               abandoned calls still run, the next turn raises ToolStallError instead of piling up more. The default
+               for a tool with per-episode state (its create / calc_reward / release must see what execute changed on
+               `self`, and a worker's copy is another object: the built-in calculator and gsm8k tools) or one that
+               does not pickle (a lock, a client, a class defined inside a function).
+
+A tool class chooses with `execute_in = "process" | "thread"` (grpo_lib/tools/base.py): "process" on a tool that does
+not pickle is refused when the ToolBox is built; PythonTool says "thread" (it kills its own sandbox child at its wall
+limit). create / calc_reward / release of a sync tool always run in a thread (they own the episode state), and
+methods a class inherits unchanged from `BaseTool` (no-op defaults) run inline. The worker pool starts workers as
+calls need them, up to max_workers (MAX_WORKERS) at once: a turn with more process calls than that runs them in
+waves, and the turn's bound below grows by a timeout and a worker start-up (worker_start_timeout_s at most, the
+trainer passes reward.import_timeout_s) per wave; a worker that does not start within it is that call's error.
 
 What cannot stall or crash the loop: any BaseException a tool raises (SystemExit, KeyboardInterrupt, GeneratorExit, a
 CancelledError of its own; sync or async) is that call's "error" outcome, never raised in the loop's thread. What
 aborts the step: a turn whose calls have not all returned `timeout_s + stall_grace_s` after it started (an async tool
 that blocks the loop without awaiting), or too many abandoned calls: ToolStallError, which train_grpo.py turns into
-a stop that saves the last step and exits 3.
+a stop that saves the last step and exits 3 (on every process: grpo_lib/episodes.py agrees on it after generating).
 """
 
 from __future__ import annotations
@@ -42,14 +56,18 @@ import asyncio
 import inspect
 import json
 import math
+import pickle
 import threading
 from dataclasses import dataclass
 
 from grpo_lib.tools.base import BaseTool
+from grpo_lib.tools.config import ToolConfigError
 from grpo_lib.tools.hermes import ToolCall
+from grpo_lib.tools.workers import WorkerError, WorkerPool
 
 MAX_ABANDONED = 64  # abandoned plain calls of one tool still running before a turn raises ToolStallError
 STALL_GRACE_S = 30.0  # seconds past timeout_s a turn's calls may take in all before the step is aborted
+MAX_WORKERS = 16  # worker processes for the "process" tools at once (each an interpreter with the tool's imports)
 CALL_FORMAT = 'Call a tool as <tool_call>{"name": <tool name>, "arguments": {...}}</tool_call>.'
 
 
@@ -71,7 +89,7 @@ class CallOutcome:
     tool: str | None  # the tool's name; None when the call named no tool of the config
     step_reward: float = 0.0  # execute's step reward (0 unless ok)
     truncated: bool = False
-    abandoned: bool = False  # a timeout of a plain method: its thread runs on (tools/abandoned)
+    abandoned: bool = False  # a timeout of a plain method run in a thread: it runs on (tools/abandoned)
     method: str = "execute"  # or create / calc_reward / release
 
 
@@ -163,9 +181,14 @@ class ToolBox:
     """The run's tools, their per-episode instances and the thread-side event loop that runs them."""
 
     def __init__(self, tools: dict, *, timeout_s: float, max_response_chars: int, truncate_side: str,
-                 stall_grace_s: float = STALL_GRACE_S, max_abandoned: int = MAX_ABANDONED):
+                 stall_grace_s: float = STALL_GRACE_S, max_abandoned: int = MAX_ABANDONED,
+                 max_workers: int = MAX_WORKERS, worker_start_timeout_s: float = 120.0):
         self.tools = dict(tools)  # name -> tool object, in the config's order
         self._schemas = {name: _schema_of(tool) for name, tool in self.tools.items()}  # name -> plain-dict schema
+        blobs: dict[str, bytes] = {}  # name -> the pickled tool, for the "process" tools
+        self.placements = {name: _placement(name, tool, blobs) for name, tool in self.tools.items()}  # loop|process|thread
+        # a worker's start-up imports the tool's module: bounded like the tool's own import (reward.import_timeout_s)
+        self._pool = WorkerPool(blobs, max_workers=max_workers, start_timeout_s=worker_start_timeout_s)
         self.timeout_s, self.max_response_chars, self.truncate_side = timeout_s, max_response_chars, truncate_side
         self.failed_create: dict[tuple[str, str], str] = {}  # (episode, tool) -> why its create failed
         self._instances: dict[tuple[str, str], str] = {}  # (episode, tool) -> the instance id its create returned
@@ -211,7 +234,11 @@ class ToolBox:
 
     def run(self, calls: list[tuple[str, ToolCall]]) -> list[CallOutcome]:
         """Every (instance id, call) at once; one outcome per call, in order."""
-        return self._run_all([self._call(episode, call) for episode, call in calls])
+        in_workers = sum(self.placements.get(call.name) == "process" for _, call in calls)
+        waves = -(-in_workers // self._pool.max_workers)  # more process calls than workers wait for one
+        # each wave may start workers (bounded by the pool's start_timeout_s) before its calls' clocks start
+        bound_s = max(1, waves) * self.timeout_s + waves * self._pool.start_timeout_s + self.stall_grace_s
+        return self._run_all([self._call(episode, call) for episode, call in calls], bound_s=bound_s)
 
     def finish(self, episodes: list[str]) -> list[tuple[dict[str, float], list[CallOutcome]]]:
         """calc_reward then release of every tool for every episode -> per episode ({tool: reward}, failed calls).
@@ -241,8 +268,13 @@ class ToolBox:
         return [out[e] for e in episodes]
 
     def close(self) -> None:
-        """Stop the event loop (abandoned calls' threads are daemons: they never hold the process)."""
+        """Kill the worker processes and stop the event loop (abandoned calls' threads are daemons: they never hold
+        the process)."""
         if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(self._pool.close(), self._loop).result(timeout=5)
+            except Exception:  # noqa: BLE001 - a worker that cannot be reaped in 5 s is in its own session: killed anyway
+                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
 
@@ -261,7 +293,11 @@ class ToolBox:
         if (episode, call.name) in self.failed_create:
             return self._outcome(f"Error: {call.name} could not start for this episode: {self.failed_create[episode, call.name]}",
                                  "error", call.name)
-        kind, value = await self._timed(call.name, tool.execute, self._instance(episode, call.name), call.arguments)
+        if self.placements[call.name] == "process":
+            kind, value = await self._pool.call(call.name, "execute", (self._instance(episode, call.name), call.arguments),
+                                                {}, timeout_s=self.timeout_s)
+        else:
+            kind, value = await self._timed(call.name, tool.execute, self._instance(episode, call.name), call.arguments)
         if kind == "ok":
             try:
                 text, step_reward = _response_parts(value)
@@ -371,7 +407,7 @@ class ToolBox:
         threading.Thread(target=work, name=f"tool-call-{name}", daemon=True).start()
         return future
 
-    def _run_all(self, jobs: list) -> list:
+    def _run_all(self, jobs: list, bound_s: float | None = None) -> list:
         """Every job at once on the loop, their results in order. ToolStallError when a tool has max_abandoned calls
         still running (before starting more), or when the jobs have not all returned timeout_s + stall_grace_s on."""
         import concurrent.futures
@@ -390,13 +426,14 @@ class ToolBox:
             return await asyncio.gather(*jobs)
 
         future = asyncio.run_coroutine_threadsafe(gather(), self._loop)
-        bound = self.timeout_s + self.stall_grace_s
+        bound = bound_s if bound_s is not None else self.timeout_s + self.stall_grace_s
         try:
             return future.result(timeout=bound)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise ToolStallError(f"the tool calls of a turn did not return within {bound:g} s (rollout.multi_turn."
-                                 f"tool_timeout_s={self.timeout_s:g} + {self.stall_grace_s:g} s): an async tool blocks the "
+                                 f"tool_timeout_s={self.timeout_s:g} + {self.stall_grace_s:g} s, + worker start-ups and "
+                                 "waves where calls wait for a worker process): an async tool blocks the "
                                  "event loop without awaiting (time.sleep or CPU work in an `async def`), so no timeout can "
                                  "fire. Make the blocking part a plain method (it then runs in a thread) or await it") from None
 
@@ -420,8 +457,35 @@ def _created(value) -> tuple[str | None, str]:
 
 
 def _describe(error: BaseException) -> str:
-    """"ValueError: bad" for an exception; a ToolCrash shows the BaseException it carries ("SystemExit: 3")."""
-    return str(error) if isinstance(error, ToolCrash) else f"{type(error).__name__}: {error}"
+    """"ValueError: bad" for an exception; a ToolCrash shows the BaseException it carries ("SystemExit: 3"), a
+    WorkerError what failed in the worker process ("ValueError: bad")."""
+    return str(error) if isinstance(error, (ToolCrash, WorkerError)) else f"{type(error).__name__}: {error}"
+
+
+def _placement(name: str, tool, blobs: dict[str, bytes]) -> str:
+    """Where tool `name`'s execute runs: "loop" (async), "process" (its pickle is put in blobs) or "thread" (module
+    docstring). ToolConfigError for an execute_in that is neither, or "process" on a tool that does not pickle."""
+    chosen = getattr(tool, "execute_in", None)
+    if chosen not in (None, "process", "thread"):
+        raise ToolConfigError(f"tool {name}: execute_in must be 'process' or 'thread' (or unset), got {chosen!r}")
+    if inspect.iscoroutinefunction(tool.execute):
+        return "loop"
+    if chosen == "thread" or (chosen is None and _keeps_state(tool)):
+        return "thread"
+    try:
+        blobs[name] = pickle.dumps(tool)
+    except Exception as error:  # noqa: BLE001 - whatever pickle refuses (a lock, a socket, a local class)
+        if chosen == "process":
+            raise ToolConfigError(f"tool {name}: execute_in = 'process', but the tool cannot be pickled for its worker process "
+                             f"({type(error).__name__}: {error}); make it picklable or set execute_in = 'thread'") from None
+        return "thread"
+    return "process"
+
+
+def _keeps_state(tool) -> bool:
+    """Whether the tool defines create / calc_reward / release of its own (not BaseTool's no-op defaults)."""
+    return any(getattr(type(tool), method, None) not in (None, getattr(BaseTool, method))
+               for method in ("create", "calc_reward", "release"))
 
 
 def _schema_of(tool) -> dict:

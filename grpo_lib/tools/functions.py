@@ -100,11 +100,18 @@ def response_of(value: Any) -> tuple[str, float, dict]:
 
 
 class FunctionTool(BaseTool):
-    """A registered function as a tool: execute(instance_id, arguments) is fn(**arguments), run in a thread."""
+    """A registered function as a tool: execute(instance_id, arguments) is fn(**arguments). A plain function runs in
+    a killable worker process (grpo_lib/tools/calls.py): the tool pickles as (its file, its tool name), and the worker
+    imports the file again to find the function."""
 
-    def __init__(self, fn: Callable, tool_schema: ToolSchema):
+    def __init__(self, fn: Callable, tool_schema: ToolSchema, source: Path | None = None):
         super().__init__({}, tool_schema)
-        self.fn = fn
+        self.fn, self.source = fn, source  # source: the function tool file it came from (None: pickled by reference)
+
+    def __reduce__(self):
+        if self.source is None:
+            return super().__reduce__()
+        return _rebuild_function_tool, (type(self), str(self.source), self.name, self.tool_schema.model_dump())
 
     def execute(self, instance_id, parameters, **kwargs):
         return response_of(self.fn(**parameters))
@@ -141,8 +148,20 @@ def load_function_tools(path: str | Path, *, import_timeout_s: float = 120.0) ->
         if problems:
             raise ToolConfigError(f"{at}: " + "; ".join(problems))
         cls = AsyncFunctionTool if inspect.iscoroutinefunction(fn) else FunctionTool
-        tools[name] = cls(fn, ToolSchema(schema))
+        tools[name] = cls(fn, ToolSchema(schema), path)
     return tools
+
+
+_FILES: dict[str, dict[str, Callable]] = {}  # in a worker process: a function tool file's functions, imported once
+
+
+def _rebuild_function_tool(cls: type, path: str, name: str, schema: dict) -> FunctionTool:
+    """Tool `name` of the function tool file at `path`, its file imported again (a worker process rebuilding it; the
+    schema comes along, so nothing is inferred twice)."""
+    if path not in _FILES:
+        where = f"function tool file {path!r}"
+        _FILES[path] = {n: fn for n, fn, _ in _import_registering(Path(path), where)}
+    return cls(_FILES[path][name], ToolSchema(schema), Path(path))
 
 
 def load_all_tools(tool_config_path: str | None, function_tool_path: str | None, *,

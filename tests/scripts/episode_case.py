@@ -36,18 +36,22 @@ def call(name: str, **arguments) -> str:
 
 
 class EchoTool(BaseTool):
+    execute_in = "thread"  # the loop tests time their turns: no worker start-up (this module imports torch) in them
+
     def execute(self, instance_id, parameters, **kwargs):
         return parameters["text"], 0.5, {}
 
 
 class RaisingTool(BaseTool):
+    execute_in = "thread"
+
     def execute(self, instance_id, parameters, **kwargs):
         raise RuntimeError("boom")
 
 
 class HangingTool(BaseTool):
     def execute(self, instance_id, parameters, **kwargs):
-        time.sleep(30)  # a plain function: abandoned in its daemon thread at the timeout
+        time.sleep(30)  # a plain function: its worker process is killed at the timeout
         return "late", 0.0, {}
 
 
@@ -58,6 +62,8 @@ class AsyncHangingTool(BaseTool):
 
 
 class LongTool(BaseTool):
+    execute_in = "thread"
+
     def execute(self, instance_id, parameters, **kwargs):
         return "0123456789" * 100, 0.0, {}
 

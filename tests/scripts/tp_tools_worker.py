@@ -29,6 +29,8 @@ RAN: list[int] = []
 
 
 class SlowOnProcessOne(BaseTool):
+    execute_in = "thread"  # it reads this process's rank and records into RAN: a worker process has neither
+
     def execute(self, instance_id, parameters, **kwargs):
         RAN.append(dist.get_rank())
         if dist.get_rank() == 1:
