@@ -91,14 +91,15 @@ def merge_overrides(*overrides: str) -> list[str]:
     return list(merged.values())
 
 
-# The in-process engine for trainer runs whose subject is not the engine (resume, signals, full disks, trust, data,
-# metrics): rollout.name=hf generates with the actor's own transformers model, no vLLM import and no engine start
-# (a tiny 3-step run: ~20 s against ~70 s with vLLM on a loaded 2-core machine). Real vLLM stays where the engine is
-# the subject, and each moved behaviour is still proven against it elsewhere:
-# - exact resume after SIGKILL: tests/test_train_tools_e2e.py (with tools; the resumed weights pushed to vLLM) and
+# The in-process engine for trainer runs whose subject is not the engine (resume, signals, full disks, data, rewards):
+# rollout.name=hf generates with the actor's own transformers model, no vLLM import and no engine start (a tiny 3-step
+# run: ~20 s against ~70 s with vLLM on a loaded 2-core machine). Used by tests/test_checkpoint.py,
+# tests/test_data_train.py, tests/test_trust.py's reward / sampling / validation runs, tests/test_python_tool_demo.py.
+# Real vLLM stays where the engine is the subject, and each moved behaviour is still proven against it elsewhere:
+# - exact resume after SIGKILL, the resumed weights pushed to vLLM: tests/test_train_tools_e2e.py (with tools) and
 #   tests/test_engine_lifecycle.py (the resume's release / push / wake order);
-# - a skipped parameter caught by the weight probe: tests/test_weight_probe.py and tests/test_train_e2e.py (probe
-#   metrics of every vLLM run, the engine serving pushed weights);
+# - the weight probe catching a stale parameter, in float32 and bf16: tests/test_trust.py (kept on vLLM);
+# - rewards scored as vLLM's responses finish (the stream): tests/test_rewards_stream.py, tests/test_train_e2e.py;
 # - the lifecycle, TP, weight push, token equality, LoRA push and the demo: tests/test_engine*.py,
 #   tests/test_tensor_parallel_train.py, tests/test_lora_e2e.py, tests/test_perf_train.py.
 HF_ENGINE = "rollout.name=hf"

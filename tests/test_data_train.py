@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, REPO, read_metrics, run_train, tiny_overrides
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
 
@@ -66,7 +66,7 @@ def test_gsm8k_prep_script_output_trains(tiny_model_dir, tmp_path):
     assert prep.returncode == 0, f"data_prep/gsm8k.py failed: {prep.stderr}"
     data = {"train": tmp_path / "gsm8k" / "train.parquet", "test": tmp_path / "gsm8k" / "test.parquet"}
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, *TWO_STEPS,
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, *TWO_STEPS, HF_ENGINE,
                       "trainer.val_before_train=true")])
     rows = metric_rows(out)
     summary = next(r for r in rows if "data/train_prompts" in r)
@@ -114,7 +114,7 @@ def verl_parquet(tmp_path) -> dict[str, Path]:
 def test_verl_schema_parquet_with_custom_reward_trains(tiny_model_dir, verl_parquet, tmp_path):
     reward_file = write_custom_reward(tmp_path / "verl_reward.py", VERL_REWARD)
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, verl_parquet, out, *TWO_STEPS,
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, verl_parquet, out, *TWO_STEPS, HF_ENGINE,
                f"reward.custom.path={reward_file}", "reward.custom.name=compute_score")])
     steps = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2], f"2 training steps: {steps}"
@@ -147,7 +147,7 @@ def test_raising_and_slow_rewards_are_counted_and_run_finishes(tiny_model_dir, t
     pd.DataFrame(rows[:2]).to_parquet(data["test"])
     reward_file = write_custom_reward(tmp_path / "flaky_reward.py", FLAKY_REWARD)
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, *TWO_STEPS, "data.shuffle=false",
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, *TWO_STEPS, HF_ENGINE, "data.shuffle=false",
                f"reward.custom.path={reward_file}", "reward.timeout_s=1", "reward.num_workers=2")])
     steps = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2], f"the run finishes its 2 steps: {steps}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo_lib.config import Config, DataConfig
-from tests.conftest import read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, read_metrics, run_train, tiny_overrides
 
 # --------------------------------------------------------------------------------------- in-process checks
 
@@ -114,7 +114,7 @@ def test_reward_failing_on_every_response_exits_3_after_saving(tiny_model_dir, t
     reward = tmp_path / "reward.py"
     reward.write_text(textwrap.dedent(FAILING_REWARD))
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, "data.shuffle=false",
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, data, out, HF_ENGINE, "data.shuffle=false",
                       "trainer.total_training_steps=3", "data.max_prompt_length=192", f"reward.custom.path={reward}")],
                      check=False)
     assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
@@ -213,7 +213,7 @@ def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tin
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
     out = tmp_path / "run"
-    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, "trainer.total_training_steps=2",
+    proc = run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, HF_ENGINE, "trainer.total_training_steps=2",
                       "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2",
                       f"reward.custom.path={reward}", "reward.num_workers=0")], check=False)
     assert proc.returncode == 3, f"exit 3 expected, got {proc.returncode}: {proc.stderr[-3000:]}"
@@ -225,7 +225,7 @@ def test_dynamic_sampling_without_a_usable_group_exits_3_without_a_traceback(tin
 @pytest.mark.slow
 def test_val_only_reports_pass_at_n_and_logs_generations(tiny_model_dir, arith_data, tmp_path):
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, "trainer.val_only=true",
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, HF_ENGINE, "trainer.val_only=true",
                "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
                "trainer.val_generations_to_log=5")])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -275,7 +275,7 @@ def test_no_reward_worker_survives_sigkill_of_the_trainer(tiny_model_dir, arith_
     marks.mkdir()
     reward = tmp_path / "reward.py"
     reward.write_text(textwrap.dedent(HANGING_REWARD.format(marks=str(marks))))
-    args = [*tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run", f"reward.custom.path={reward}",
+    args = [*tiny_overrides(tiny_model_dir, arith_data, tmp_path / "run", HF_ENGINE, f"reward.custom.path={reward}",
             "reward.timeout_s=250", "reward.num_workers=2", "trainer.val_before_train=false")]
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, str(repo / "train_grpo.py"), "recipes/tiny_cpu.yaml", *args], cwd=repo,
