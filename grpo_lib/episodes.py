@@ -158,7 +158,8 @@ class EpisodeRunner:
         share, called `sit_out`): the step stops everywhere (exit 3) and no process waits in a collective for it."""
         try:
             out = self._generate(engine, prompts, n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
-                                 top_k=top_k, seeds=seeds, logprobs=logprobs, timings=timings, on_finished=on_finished)
+                                 top_k=top_k, seeds=seeds, logprobs=logprobs, timings=timings, on_finished=on_finished,
+                                 score=score)
         except ToolStallError as stall:
             raise_agreed(stall)
             raise  # raise_agreed raised it already; kept for readers
@@ -172,7 +173,7 @@ class EpisodeRunner:
 
     def _generate(self, engine, prompts: PromptBatch, *, n: int, temperature: float, max_tokens: int, top_p: float,
                   top_k: int, seeds: list[int] | None, logprobs: bool, timings: dict | None,
-                  on_finished: OnFinished | None) -> list[list[Generation]]:
+                  on_finished: OnFinished | None, score: ScoreRequest | None) -> list[list[Generation]]:
         assert prompts.messages is not None, "multi-turn prompts keep their messages: load_prompts(..., tools=schemas)"
         episodes = [
             _Episode(instance_id=f"{i}:{k}:{prompts.group_ids[i]}", prompt_ids=list(prompts.prompt_ids[i]),
