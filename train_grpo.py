@@ -239,11 +239,14 @@ class GRPOTrainer:
         from grpo_lib.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
-        if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
-            self.validate(self.resume.step)
-            return 0
-        if cfg.trainer.val_before_train and p.val is not None and self.resume.step == 0:
-            self.validate(0)
+        try:  # a validation that cannot finish (tools that never return: exit 3) saves nothing: no step ran yet
+            if cfg.trainer.val_only:  # validate and exit: no step, no checkpoint
+                self.validate(self.resume.step)
+                return 0
+            if cfg.trainer.val_before_train and p.val is not None and self.resume.step == 0:
+                self.validate(0)
+        except S.RunAborted as error:
+            return self.stop_run(error, last_step=self.resume.step, sampler_state=p.sampler.state_dict())
         install_stop_handlers()  # first SIGTERM / SIGINT: finish the step, save, exit 0
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
@@ -266,7 +269,10 @@ class GRPOTrainer:
                       "intact; check actor/grad_norm in metrics.jsonl, the data and actor.lr", file=sys.stderr)
                 return 3
             if cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0 and p.val is not None:
-                self.validate(step)
+                try:
+                    self.validate(step)
+                except S.RunAborted as error:  # on every process alike: the completed step is saved, exit 3 (or 2)
+                    return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
             stopping = stop_requested()  # agreed by all processes
             if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or step == p.total_steps or stopping:
                 try:
@@ -372,12 +378,21 @@ class GRPOTrainer:
         return batch
 
     def validate(self, step: int) -> None:
-        """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples."""
+        """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples. Tool calls
+        that never return (agreed by every process) or a chat template that cannot extend an episode raise
+        step.RunAborted (exit 3 / 2), as in a step."""
         from grpo_lib import step as S
+        from grpo_lib.episodes import TemplateError
+        from grpo_lib.tools.calls import ToolStallError
 
         p = self.parts
-        metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
-                                   step=step, tokenizer=p.tokenizer, episodes=p.episodes)
+        try:
+            metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
+                                       step=step, tokenizer=p.tokenizer, episodes=p.episodes)
+        except TemplateError as error:
+            raise S.RunAborted(f"validation at step {step}: {error}", exit_code=2) from error
+        except ToolStallError as error:
+            raise S.RunAborted(f"validation at step {step}: {error}") from error
         p.logger.log(step, metrics)
         p.logger.log_generations(step, rows)
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from grpo_lib.distributed import group_leader_call, raise_agreed
 from grpo_lib.engines.base import OnFinished
 from grpo_lib.seeds import turn_seed
-from grpo_lib.tools.calls import CallOutcome, ToolBox, ToolStallError, escape_control_tokens
+from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
 from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
 from grpo_lib.types import EpisodeStats, Generation, PromptBatch, ScoreRequest
@@ -154,14 +154,15 @@ class EpisodeRunner:
         The per-episode loop (module docstring) where the engine offers `open_session` and the episodes need not
         stay in step with other processes (`self.per_episode`: no tensor parallelism); else one engine call per turn.
 
-        A ToolStallError on any process is raised on every process when each has generated its share (or, with no
-        share, called `sit_out`): the step stops everywhere (exit 3) and no process waits in a collective for it."""
+        An error on any process (a ToolStallError, a TemplateError, ...) is raised on every process when each has
+        generated its share (or, with no share, called `sit_out`): the step, or the validation, stops everywhere (exit 3;
+        2 for a template) and no process waits in a collective for it."""
         try:
             out = self._generate(engine, prompts, n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
                                  top_k=top_k, seeds=seeds, logprobs=logprobs, timings=timings, on_finished=on_finished,
                                  score=score)
-        except ToolStallError as stall:
-            raise_agreed(stall)
+        except Exception as error:  # noqa: BLE001 - a ToolStallError, a TemplateError, an engine's: agreed, then raised
+            raise_agreed(error)
             raise  # raise_agreed raised it already; kept for readers
         raise_agreed(None)
         return out

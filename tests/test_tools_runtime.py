@@ -274,3 +274,38 @@ def test_one_assistant_turn_with_tools_warns_that_no_call_can_be_answered():
     assert warning.startswith("rollout.multi_turn.max_assistant_turns=1 with tools") and "no tool call can be answered" in warning
     cfg.rollout.multi_turn.enable = False
     assert multi_turn_warnings(cfg) == []
+
+
+@pytest.mark.parametrize("when", ["after step 2", "before training"])
+def test_a_tool_stall_in_validation_saves_the_completed_step_and_exits_3(tmp_path, monkeypatch, capsys, when):
+    """Validation's tool calls that never return (raised on every process: EpisodeRunner.generate's agreement) stop the
+    run like a step's: exit 3, the step just completed saved (before, a traceback, exit 1, the step lost)."""
+    from types import SimpleNamespace
+
+    import train_grpo
+    from grpo_lib import step as S
+    from grpo_lib import stopping
+    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.config import load_config
+    from tests.conftest import REPO
+
+    cfg = load_config(str(REPO / "recipes" / "tiny_cpu.yaml"), [
+        f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=3", "trainer.test_freq=2",
+        "trainer.save_freq=-1", f"trainer.val_before_train={'true' if when == 'before training' else 'false'}"])
+    trainer = train_grpo.GRPOTrainer(cfg, world_size=1, rank=0, resume=ResumePlan())
+    trainer.parts = SimpleNamespace(val=object(), total_steps=3, sampler=SimpleNamespace(state_dict=lambda: {"position": 0}),
+                                    engine=None, scorer=None, tokenizer=None, episodes=None,
+                                    logger=SimpleNamespace(log=lambda *a, **k: None, advance=lambda: None))
+    saved, steps = [], []
+    monkeypatch.setattr(trainer, "step", lambda step: steps.append(step) or {"actor/skipped_nonfinite_steps": 0.0})
+    monkeypatch.setattr(trainer, "save", lambda step, sampler_state=None: saved.append(step) or tmp_path / f"global_step_{step}")
+    monkeypatch.setattr(stopping, "install_stop_handlers", lambda: None)
+
+    def stalled(*args, **kwargs):
+        raise ToolStallError("tool calls of the turn had not returned 60 s after they started")
+
+    monkeypatch.setattr(S, "validate", stalled)
+    assert trainer.run_steps() == 3
+    err = capsys.readouterr().err
+    assert "validation at step" in err and "had not returned" in err, err
+    assert (steps, saved) == (([1, 2], [2]) if when == "after step 2" else ([], [])), (steps, saved)

@@ -244,3 +244,33 @@ def test_a_worker_dies_with_a_trainer_that_dies_mid_call(tmp_path):
     except OSError:  # gone
         alive = False
     assert not alive, f"worker {worker} outlived its trainer ({proc.stderr[-2000:]})"
+
+
+def test_a_worker_starts_whatever_the_trainer_s_working_directory(tmp_path, monkeypatch):
+    """`python /path/to/train_grpo.py` run from another folder: the worker (`python -m grpo_lib.tools.workers`) still
+    finds grpo_lib (before, it imported it from the working directory only, and every call was an error)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    box = box_of(Echo({}, schema("echo")))
+    try:
+        [echo] = box.run([("e", ToolCall("echo", {"x": "1"}))])
+        assert echo.kind == "ok" and echo.text.startswith("echo 1 from "), echo.text
+    finally:
+        box.close()
+
+
+def test_the_turn_bound_counts_the_calls_already_waiting_for_a_worker(monkeypatch):
+    """The per-episode loop runs one batch per episode on one pool: a batch behind 16 calls already taken (of other
+    episodes) waits a wave for a worker, and its bound says so (before, each batch counted only its own calls, and a
+    healthy run could stop as stalled)."""
+    box = box_of(Echo({}, schema("echo")), timeout_s=5.0, max_workers=16, worker_start_timeout_s=7.0)
+    bounds = []
+    monkeypatch.setattr(box, "_run_all", lambda jobs, bound_s=None: (bounds.append(bound_s), [job.close() for job in jobs])[1])
+    try:
+        box.run([("e", ToolCall("echo", {"x": "1"}))])
+        box._pool.outstanding = 16  # 16 calls of other episodes taken by the pool and not yet answered
+        box.run([("e", ToolCall("echo", {"x": "1"}))])
+        assert bounds == [1 * 5.0 + 1 * 7.0 + box.stall_grace_s, 2 * 5.0 + 2 * 7.0 + box.stall_grace_s], bounds
+    finally:
+        box._pool.outstanding = 0
+        box.close()

@@ -277,7 +277,8 @@ class MultiTurnConfig:
     worker process, killed at this timeout (docs/TOOLS.md); any other synchronous call runs in a thread of its own
     that cannot be killed: the episode moves on, the call is counted as abandoned (tools/abandoned) and its thread
     finishes on its own; 64 abandoned calls of one tool still running, or a turn whose calls have not all returned
-    30 s past this timeout (an async tool blocking the event loop), stop the run after saving (exit 3)."""
+    30 s past this timeout (an async tool blocking the event loop; calls waiting for a worker process add a timeout and
+    the worker's start-up bound, reward.import_timeout_s, per wave of them), stop the run after saving (exit 3)."""
 
 
 @dataclass

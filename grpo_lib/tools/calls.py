@@ -235,7 +235,9 @@ class ToolBox:
     def run(self, calls: list[tuple[str, ToolCall]]) -> list[CallOutcome]:
         """Every (instance id, call) at once; one outcome per call, in order."""
         in_workers = sum(self.placements.get(call.name) == "process" for _, call in calls)
-        waves = -(-in_workers // self._pool.max_workers)  # more process calls than workers wait for one
+        # more process calls than workers wait for one: this batch's, behind those already taken (the per-episode loop
+        # runs one batch per episode, all on one pool)
+        waves = -(-(in_workers + (self._pool.outstanding if in_workers else 0)) // self._pool.max_workers)
         # each wave may start workers (bounded by the pool's start_timeout_s) before its calls' clocks start
         bound_s = max(1, waves) * self.timeout_s + waves * self._pool.start_timeout_s + self.stall_grace_s
         return self._run_all([self._call(episode, call) for episode, call in calls], bound_s=bound_s)

@@ -27,7 +27,9 @@ import pickle
 import signal
 import struct
 import sys
+from pathlib import Path
 
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding grpo_lib
 _HEADER = struct.Struct(">Q")  # the byte length of the pickle that follows
 
 
@@ -74,6 +76,7 @@ class WorkerPool:
         self._slots: asyncio.Semaphore | None = None  # made on the loop at the first call
         self.started = 0  # workers started in all (a fresh one after each kill)
         self.killed = 0  # workers killed at a call's timeout
+        self.outstanding = 0  # calls taken and not yet answered, waiting for a worker or in one (read by ToolBox.run)
 
     @property
     def alive(self) -> int:
@@ -84,6 +87,13 @@ class WorkerPool:
         """tool `name`'s `method`(*args, **kwargs) in a worker, under timeout_s from when a worker takes it."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_workers)
+        self.outstanding += 1
+        try:
+            return await self._call_in_slot(name, method, args, kwargs, timeout_s=timeout_s)
+        finally:
+            self.outstanding -= 1
+
+    async def _call_in_slot(self, name: str, method: str, args: tuple, kwargs: dict, *, timeout_s: float) -> tuple[str, object]:
         async with self._slots:
             try:
                 worker = self._idle.pop() if self._idle else await self._start()
@@ -113,7 +123,10 @@ class WorkerPool:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "grpo_lib.tools.workers", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=None, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                 # `-m grpo_lib.tools.workers` imports grpo_lib before it reads the trainer's sys.path: the folder
+                 # holding grpo_lib first, whatever the trainer's working directory
+                 "PYTHONPATH": os.pathsep.join([_PROJECT_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])})
         worker = _Worker(proc)
         try:
             await worker.send({"sys_path": list(sys.path), "tools": self.blobs})
@@ -124,6 +137,9 @@ class WorkerPool:
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
             await worker.kill()
             raise WorkerError(f"{worker.died()} while starting") from None
+        except BaseException:  # cancelled while starting (the turn's bound passed, or the loop stops): it goes too
+            await asyncio.shield(worker.kill())
+            raise
         assert ready == "ready", f"a tool worker answered {ready!r} at start-up"
         return worker
 
