@@ -107,6 +107,38 @@ def single_turn(engine, prompt_ids: list[list[int]], lengths: list[list[int]], s
     return seconds
 
 
+def tool_episode_setup(model_dir: Path, tools_path: Path, *, prompts: int, n: int, budget: int, eager: bool,
+                       max_assistant_turns: int):
+    """The multi-turn benches' common set-up: a config for the tiny model with episodes on (the tool config at
+    `tools_path`), its tokenizer, the EpisodeRunner, a vLLM engine on CPU, `prompts` addition questions rendered with
+    the tools' schemas, and their seeds -> (tokenizer, runner, engine, PromptBatch, seeds)."""
+    from transformers import AutoTokenizer
+
+    from data_prep.synthetic import GSM8K_INSTRUCTION
+    from grpo_lib.config import load_config
+    from grpo_lib.data import render_prompt
+    from grpo_lib.engines import build_engine
+    from grpo_lib.episodes import EpisodeRunner
+    from grpo_lib.types import PromptBatch
+
+    cfg = load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_prompt_length=512",
+                             "actor.ppo_micro_batch_size_per_gpu=8", f"data.max_response_length={budget}",
+                             f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}",
+                             f"rollout.kv_cache_memory_bytes={256 * 2**20}", f"rollout.enforce_eager={str(eager).lower()}",
+                             "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools_path}",
+                             f"rollout.multi_turn.max_assistant_turns={max_assistant_turns}"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    runner = EpisodeRunner.from_config(cfg, tokenizer=tokenizer)
+    engine = build_engine(cfg, on_cpu=True, world_size=1)
+    messages = [[{"role": "user", "content": f"What is {i % 10} + {i // 10}? {GSM8K_INSTRUCTION}"}] for i in range(prompts)]
+    prompt_ids = [render_prompt(m, tokenizer, apply_chat_template=True, system_prompt=None, tools=runner.toolbox.schemas)
+                  for m in messages]
+    batch = PromptBatch(prompt_ids=prompt_ids, group_ids=[f"p{i}" for i in range(prompts)],
+                        data_sources=["synthetic"] * prompts, ground_truths=["0"] * prompts,
+                        extra_infos=[{} for _ in messages], messages=messages)
+    return tokenizer, runner, engine, batch, [1000 * (i + 1) for i in range(prompts)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=32)
@@ -121,39 +153,20 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer
 
     import grpo_lib.episodes as episodes
-    from data_prep.synthetic import GSM8K_INSTRUCTION
     from data_prep.tiny_model import make_tiny_model
-    from grpo_lib.config import load_config
-    from grpo_lib.data import render_prompt
-    from grpo_lib.engines import build_engine
-    from grpo_lib.episodes import EpisodeRunner
     from grpo_lib.tools.hermes import ToolCall
-    from grpo_lib.types import PromptBatch
 
     episodes.parse_tool_calls = lambda text: [ToolCall("calculator", {"expression": "6 * 7"})]  # module docstring
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers, seed=0)
         (Path(tmp) / "tools.yaml").write_text(TOOLS)
-        cfg = load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_prompt_length=512", "actor.ppo_micro_batch_size_per_gpu=8",
-                                 f"data.max_response_length={args.budget}", f"data.train_batch_size={args.prompts}",
-                                 f"actor.ppo_mini_batch_size={args.prompts}", f"rollout.n={args.n}",
-                                 f"rollout.kv_cache_memory_bytes={256 * 2**20}", f"rollout.enforce_eager={str(args.eager).lower()}",
-                                 "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={Path(tmp) / 'tools.yaml'}",
-                                 "rollout.multi_turn.max_assistant_turns=3"])
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        runner = EpisodeRunner.from_config(cfg, tokenizer=tokenizer)
-        engine = build_engine(cfg, on_cpu=True, world_size=1)
-        messages = [[{"role": "user", "content": f"What is {i % 10} + {i // 10}? {GSM8K_INSTRUCTION}"}] for i in range(args.prompts)]
-        prompt_ids = [render_prompt(m, tokenizer, apply_chat_template=True, system_prompt=None, tools=runner.toolbox.schemas)
-                      for m in messages]
-        prompts = PromptBatch(prompt_ids=prompt_ids, group_ids=[f"p{i}" for i in range(args.prompts)],
-                              data_sources=["synthetic"] * args.prompts, ground_truths=["0"] * args.prompts,
-                              extra_infos=[{} for _ in messages], messages=messages)
-        seeds = [1000 * (i + 1) for i in range(args.prompts)]
+        tokenizer, runner, engine, prompts, seeds = tool_episode_setup(
+            model_dir, Path(tmp) / "tools.yaml", prompts=args.prompts, n=args.n, budget=args.budget, eager=args.eager,
+            max_assistant_turns=3)
+        prompt_ids = prompts.prompt_ids
         rows = []
         for round_ in range(args.rounds + 1):
             capped = TurnCappedEngine(engine, args.turn_tokens)

@@ -218,16 +218,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer
+    from bench_episodes import tool_episode_setup  # bench/ is this script's own folder (sys.path[0])
 
-    from data_prep.synthetic import GSM8K_INSTRUCTION
     from data_prep.tiny_model import make_tiny_model
-    from grpo_lib.config import load_config
-    from grpo_lib.data import render_prompt
-    from grpo_lib.engines import build_engine
-    from grpo_lib.episodes import EpisodeRunner
     from grpo_lib.seeds import turn_seed
-    from grpo_lib.types import PromptBatch
 
     call_tokens, answer_tokens = (tuple(int(x) for x in v.split(",")) for v in (args.call_tokens, args.answer_tokens))
     budget = answer_tokens[1] + 5 * (call_tokens[1] + 40)  # 5 calls, each with a tool turn of ~35 tokens
@@ -235,22 +229,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model", warmup_steps=0, seed=0)
         (Path(tmp) / "tools.yaml").write_text(TOOLS % {"lo": args.min_latency_s, "hi": args.max_latency_s})
-        cfg = load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_prompt_length=512",
-                                 "actor.ppo_micro_batch_size_per_gpu=8", f"data.max_response_length={budget}",
-                                 f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
-                                 f"rollout.n={args.n}", f"rollout.kv_cache_memory_bytes={256 * 2**20}", "rollout.enforce_eager=true",
-                                 "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={Path(tmp) / 'tools.yaml'}",
-                                 "rollout.multi_turn.max_assistant_turns=8"])
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        runner = EpisodeRunner.from_config(cfg, tokenizer=tokenizer)
-        engine = build_engine(cfg, on_cpu=True, world_size=1)
-        messages = [[{"role": "user", "content": f"What is {i % 10} + {i // 10}? {GSM8K_INSTRUCTION}"}] for i in range(args.prompts)]
-        prompt_ids = [render_prompt(m, tokenizer, apply_chat_template=True, system_prompt=None, tools=runner.toolbox.schemas)
-                      for m in messages]
-        prompts = PromptBatch(prompt_ids=prompt_ids, group_ids=[f"p{i}" for i in range(args.prompts)],
-                              data_sources=["synthetic"] * args.prompts, ground_truths=["0"] * args.prompts,
-                              extra_infos=[{} for _ in messages], messages=messages)
-        seeds = [1000 * (i + 1) for i in range(args.prompts)]
+        tokenizer, runner, engine, prompts, seeds = tool_episode_setup(
+            model_dir, Path(tmp) / "tools.yaml", prompts=args.prompts, n=args.n, budget=budget, eager=True,
+            max_assistant_turns=8)
+        prompt_ids = prompts.prompt_ids
         plan = plan_episodes(seeds, args.n, long_fraction=args.long_fraction, call_tokens=call_tokens,
                              answer_tokens=answer_tokens, seed=0)
         steps = count_steps(engine.llm.llm_engine)
