@@ -287,64 +287,80 @@ class GRPOTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
-        when the rewards cannot be trusted or DAPO finds no usable group; the step's generation metrics are logged."""
+        when the rollouts cannot be trusted (rewards, tools, the engine's weights) or DAPO finds no usable group; the
+        step's generation metrics are logged then."""
         from grpo_lib import step as S
         from grpo_lib.perf import PhaseMemory
-        from grpo_lib.weight_probe import worse_probe
 
-        cfg, p = self.cfg, self.parts
-        engine, actor, reference = p.engine, p.actor, p.reference
+        cfg, actor = self.cfg, self.parts.actor
         timings: dict[str, float] = {}
-        memory = PhaseMemory(p.device)  # memory/{gen,update,push}_peak_mb: each phase's own high-water mark
+        memory = PhaseMemory(self.parts.device)  # memory/{gen,update,push}_peak_mb: each phase's own high-water mark
         with timed(timings, "step"):
             memory.begin("gen")
-            # 1-3. prompts -> generate -> reward (repeated for DAPO dynamic sampling); the engine is ready
-            gen_metrics: dict[str, float] = {}
-            try:
-                batch = self.collect_rollouts(step, timings, into=gen_metrics)
-                engine.release()  # sleep (rollout.free_cache_engine): the KV cache and weights make room for the update
-                S.check_reward_errors(cfg, gen_metrics, step=step, samples=p.scorer.last_error_samples)
-                if p.episodes is not None:  # a tool that failed on every call of the step: exit 3, like the rewards
-                    S.check_tool_errors(gen_metrics, p.episodes.tool_names, step=step,
-                                        max_error_fraction=cfg.reward.max_error_fraction)
-            except S.RunAborted:
-                if gen_metrics:
-                    p.logger.log(step, gen_metrics)
-                raise
+            batch, gen_metrics = self.rollouts(step, timings)  # 1-3. prompts -> generate -> reward; the engine sleeps after
             memory.begin("update")  # everything while the engine sleeps: balance, reference / old logprobs, the update
             if cfg.trainer.balance_batch:  # whole groups move between processes, mini-batch by mini-batch
                 batch = S.balance_batch(actor, batch)
             plan = actor.plan_step(batch)  # the step's mini-batches and micro-batches, decided once for steps 5 and 7
-            # 4. reference logprobs (only with a KL term)
-            if reference is not None:
-                with timed(timings, "ref"):
-                    batch.ref_logprobs = reference.compute_logprobs(batch)
-            # 4b. teacher logprobs (only with distillation): the batch's teacher_* fields
-            if p.teacher is not None:
-                with timed(timings, "teacher"):
-                    p.teacher.score(batch)
-            # 5. old logprobs (only when the step makes more than one update, or KL in reward needs them)
-            if needs_old_logprobs(cfg):
-                with timed(timings, "old_logprob"):
-                    batch.old_logprobs = actor.compute_logprobs(batch, plan)
-            # 6. advantages (group-relative; KL-in-reward first subtracts the penalty from token rewards, hence after 4-5)
-            adv_metrics = S.compute_advantages(cfg, batch)
-            # 7. update
-            with timed(timings, "update"):
+            self.score_logprobs(batch, plan, timings)  # 4-5. reference / teacher / old logprobs, where the config needs them
+            adv_metrics = S.compute_advantages(cfg, batch)  # 6. advantages (after 4-5: KL-in-reward needs their logprobs)
+            with timed(timings, "update"):  # 7. update, then the push: the engine serves the new weights
                 train_metrics = actor.update(batch, plan)
-            # push (grpo_lib/weight_sync.py): the probe's logprobs of the weights about to be pushed, then wake weights ->
-            # push as version `step` -> actor.offload -> wake KV cache: the engine serves them from here on
-            p.sync.expect(actor, timings=timings)
-            memory.begin("push")
-            p.sync.push(actor, version=step, timings=timings)
-            memory.end()
-            if step == p.total_steps:  # no generation follows the last push: its probe is scored by one call
-                train_metrics.update(worse_probe(gen_metrics, p.sync.check_last_push(timings=timings)))  # run_steps checks
-            if cfg.trainer.check_weight_sync:  # a debug pass: the actor's shards come back for it, then leave again
-                train_metrics["debug/weight_sync_max_abs_diff"] = p.sync.full_check(actor, batch)
+            train_metrics.update(self.push_weights(step, batch, gen_metrics, timings, memory))
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
-        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings), **engine.pop_metrics("memory/"),
-                **memory.metrics()}
+        return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings),
+                **self.parts.engine.pop_metrics("memory/"), **memory.metrics()}
+
+    def rollouts(self, step: int, timings: dict[str, float]):
+        """Steps 1-3: the step's rollouts and their checks -> (RolloutBatch, generation metrics), the engine released
+        (rollout.free_cache_engine: its KV cache and weights make room for the update). Rewards or a tool failing on
+        every call of the step raise step.RunAborted (exit 3), as `collect_rollouts` does for the engine's weights; the
+        metrics gathered so far are logged first."""
+        from grpo_lib import step as S
+
+        cfg, p, metrics = self.cfg, self.parts, {}
+        try:
+            batch = self.collect_rollouts(step, timings, into=metrics)
+            p.engine.release()
+            S.check_reward_errors(cfg, metrics, step=step, samples=p.scorer.last_error_samples)
+            if p.episodes is not None:
+                S.check_tool_errors(metrics, p.episodes.tool_names, step=step, max_error_fraction=cfg.reward.max_error_fraction)
+        except S.RunAborted:
+            if metrics:
+                p.logger.log(step, metrics)
+            raise
+        return batch, metrics
+
+    def score_logprobs(self, batch, plan, timings: dict[str, float]) -> None:
+        """Steps 4-5, into `batch`: the reference's logprobs (a KL term), the teacher's (distillation: the teacher_*
+        fields), the actor's old logprobs (more than one update in the step, or KL in reward), cut as `plan` says."""
+        p = self.parts
+        if p.reference is not None:
+            with timed(timings, "ref"):
+                batch.ref_logprobs = p.reference.compute_logprobs(batch)
+        if p.teacher is not None:
+            with timed(timings, "teacher"):
+                p.teacher.score(batch)
+        if needs_old_logprobs(self.cfg):
+            with timed(timings, "old_logprob"):
+                batch.old_logprobs = p.actor.compute_logprobs(batch, plan)
+
+    def push_weights(self, step: int, batch, gen_metrics: dict[str, float], timings: dict[str, float], memory) -> dict[str, float]:
+        """The push after step `step`'s update (grpo_lib/weight_sync.py): the probe's logprobs of the weights about to be
+        pushed, then wake weights -> push as version `step` -> actor.offload -> wake KV cache. The last step's probe is
+        scored now (no generation follows; run_steps checks it) and trainer.check_weight_sync's debug pass runs here."""
+        from grpo_lib.weight_probe import worse_probe
+
+        p, metrics = self.parts, {}
+        p.sync.expect(p.actor, timings=timings)
+        memory.begin("push")
+        p.sync.push(p.actor, version=step, timings=timings)
+        memory.end()
+        if step == p.total_steps:
+            metrics.update(worse_probe(gen_metrics, p.sync.check_last_push(timings=timings)))
+        if self.cfg.trainer.check_weight_sync:  # the actor's shards come back for it, then leave again
+            metrics["debug/weight_sync_max_abs_diff"] = p.sync.full_check(p.actor, batch)
+        return metrics
 
     def collect_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]):
         """The step's rollouts (step.collect_rollouts; their metrics go `into`) with the weight probe riding in their
@@ -487,19 +503,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     init_distributed()
-    from grpo_lib.checkpoint_lock import RunLockHeld, take_run_lock
+    from grpo_lib.checkpoint_lock import take_agreed_run_lock
     from grpo_lib.distributed import broadcast_object
 
-    lock, refusal = None, None
-    if rank == 0:  # one run at a time per folder: process 0 holds the lock for the run (grpo_lib/checkpoint_lock.py)
-        try:
-            lock = take_run_lock(Path(cfg.trainer.default_local_dir))
-        except (RunLockHeld, OSError) as exc:
-            refusal = str(exc) if isinstance(exc, RunLockHeld) else (
-                f"trainer.default_local_dir={cfg.trainer.default_local_dir!r}: its run lock cannot be taken ({exc})")
-        if lock is not None and lock.stale:
-            print(f"warning: {lock.stale}", file=sys.stderr)
-    refusal = broadcast_object(refusal)  # every process of the run agrees: all go on, or all exit 2
+    # one run at a time per folder: process 0 holds the lock for the run, every process agrees (all go on, or all exit 2)
+    lock, refusal = take_agreed_run_lock(Path(cfg.trainer.default_local_dir), rank=rank, agree=broadcast_object)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

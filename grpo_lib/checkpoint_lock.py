@@ -10,6 +10,8 @@ processes of the run, on this machine or on others sharing the folder, are the s
     ...                              # the run
     lock.release()                   # every way out of main (train_grpo.py's finally); the file is removed
 
+train_grpo.py calls `take_agreed_run_lock`: process 0 takes it, every process gets the refusal (one broadcast).
+
 How, and why these primitives:
 - `fcntl.flock` on the lock file, non-blocking. The kernel drops a flock when its process ends in any way (a crash,
   SIGKILL, the OOM killer), so a dead run never holds the folder. On Linux NFS clients flock is carried by the NFS
@@ -40,6 +42,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -160,6 +163,24 @@ def take_run_lock(run_dir: Path) -> RunLock:
     lock = RunLock(path=path, fd=fd, info=info, stale=stale)
     threading.Thread(target=lock._beat, name="run-lock-heartbeat", daemon=True).start()
     return lock
+
+
+def take_agreed_run_lock(run_dir: Path, *, rank: int, agree) -> tuple[RunLock | None, str | None]:
+    """The run's lock: taken by process 0, its outcome agreed by every process of the run -> (the lock on process 0,
+    None elsewhere; the refusal every process exits 2 with, or None). `agree(value)` returns process 0's value on every
+    process (distributed.broadcast_object; passed in: this module stays standard library only). A stale lock taken over
+    is a warning on process 0's stderr."""
+    lock, refusal = None, None
+    if rank == 0:
+        try:
+            lock = take_run_lock(run_dir)
+        except RunLockHeld as exc:
+            refusal = str(exc)
+        except OSError as exc:
+            refusal = f"trainer.default_local_dir={str(run_dir)!r}: its run lock cannot be taken ({exc})"
+        if lock is not None and lock.stale:
+            print(f"warning: {lock.stale}", file=sys.stderr)
+    return lock, agree(refusal)
 
 
 def _held_message(run_dir: Path, info: dict, *, heartbeat_s: float | None = None) -> str:
