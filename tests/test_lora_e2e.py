@@ -32,9 +32,15 @@ def lora_run(tiny_model_dir, arith_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_e2e")
     reward = out / "reward.py"
     reward.write_text(REWARD)
-    overrides = tiny_overrides(tiny_model_dir, arith_data, out, *LORA, "trainer.save_merged=true", f"reward.custom.path={reward}")
-    proc = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(1))
+    proc = run_train(["recipes/tiny_cpu.yaml", *lora_overrides(tiny_model_dir, arith_data, out, reward)], launcher=accelerate_launch(1))
     return out, proc
+
+
+def lora_overrides(model_dir, data, out, reward) -> list[str]:
+    """The LoRA run's settings (uneven mini-batches of 2, micro-batches of 3, packed): the module's 1-process run and
+    the 2-process run that must match it."""
+    return tiny_overrides(model_dir, data, out, *LORA, "trainer.save_merged=true", f"reward.custom.path={reward}",
+                          "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=3", "model.use_remove_padding=true")
 
 
 @pytest.mark.slow
@@ -123,18 +129,13 @@ def test_checkpoint_adapter_and_merged_folder(lora_run, tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path):
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    runs = {}
-    for procs in (1, 2):
-        out = tmp_path / f"p{procs}"
-        overrides = tiny_overrides(
-            tiny_model_dir, arith_data, out, *LORA,
-            f"reward.custom.path={reward}", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=3",
-            "model.use_remove_padding=true")
-        run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs))
-        runs[procs] = read_metrics(out)
+def test_two_processes_match_one(lora_run, tiny_model_dir, arith_data, tmp_path):
+    """2 processes (FSDP2-sharded actor, one vLLM engine each, the merged weights gathered from the shards and pushed)
+    log the metrics of the module's 1-process run (the same settings)."""
+    out, _ = lora_run
+    run_train(["recipes/tiny_cpu.yaml", *lora_overrides(tiny_model_dir, arith_data, tmp_path / "p2", out / "reward.py")],
+              launcher=accelerate_launch(2))
+    runs = {1: read_metrics(out), 2: read_metrics(tmp_path / "p2")}
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3
     assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in one), "the policy loss never moved: the test would prove nothing"

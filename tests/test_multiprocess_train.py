@@ -1,11 +1,16 @@
-"""The number of processes is a memory knob only: 2 processes (gloo, FSDP2-sharded actor and reference, one vLLM
-engine each) train exactly like 1.
+"""The number of processes is a memory knob only: 2 processes (gloo, FSDP2-sharded actor and reference, one engine
+each) train exactly like 1.
 
 Per-request sampling seeds make the samples independent of which process runs a prompt, and every loss is
 normalised by the global token / sequence counts, so the metrics of both runs agree step by step, with fixed
 padded micro-batches and with packed token-budget micro-batches. Also checked on the 2-process run: the actor
 is sharded (start-up line, half the parameter bytes), both engines score like the gathered actor after every
 push, and the Hugging Face export gathered from the shards equals the 1-process one.
+
+The runs generate on the in-process hf engine (the subject is the trainer's sharding and normalisation, not the
+engine); 2 processes with one vLLM engine each train like 1 in tests/test_lora_e2e.py and tests/test_train_tools_e2e.py
+(and under tensor parallelism in tests/test_tensor_parallel_train.py), where each engine's weights are checked after
+every push.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import accelerate_launch, read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, accelerate_launch, read_metrics, run_train, tiny_overrides
 from tests.tolerances import adamw_flip_bound, assert_close_after_adamw
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
@@ -42,7 +47,7 @@ def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path, setting):
         overrides = tiny_overrides(
             tiny_model_dir, arith_data, out,
             f"reward.custom.path={reward}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
-            "trainer.check_weight_sync=true", *SETTINGS[setting],
+            "trainer.check_weight_sync=true", HF_ENGINE, *SETTINGS[setting],
         )
         logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs)).stdout
         runs[procs] = read_metrics(out)

@@ -16,7 +16,7 @@ from grpo_lib.config import load_config
 from grpo_lib.plan import print_plan
 from grpo_lib.plan_memory import GIB, teacher_fit_problem
 from tests.cli import run_main
-from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, REPO, read_metrics, run_train, tiny_overrides
 
 DATA = REPO / "tests" / "data"
 RECIPE = REPO / "recipes" / "qwen3_1_7b_from_8b_gsm8k_distill.yaml"
@@ -149,7 +149,7 @@ def test_tiny_distillation_run_trains_with_the_teacher(tiny_model_dir, arith_dat
 
     teacher = make_tiny_model(tmp_path / "teacher", warmup_steps=0, seed=1)
     out = tmp_path / "run"
-    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, "distillation.enabled=true",
+    run_train(["recipes/tiny_cpu.yaml", *tiny_overrides(tiny_model_dir, arith_data, out, "distillation.enabled=true", HF_ENGINE,
                                                         f"{TEACHER_KEY}={teacher}", "distillation.distillation_loss.loss_mode=forward_kl_topk",
                                                         "distillation.distillation_loss.topk=4")])
     steps = [m for m in read_metrics(out) if m.get("step", 0) >= 1 and "distillation/loss" in m]

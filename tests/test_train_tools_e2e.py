@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch, read_metrics, tiny_overrides
+from tests.conftest import HF_ENGINE, REPO, accelerate_launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
 
@@ -44,13 +44,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900,
-                        launcher: list[str] | None = None, faults: list[str] = (), log=None) -> subprocess.CompletedProcess:
+                        launcher: list[str] | None = None, faults: list[str] = (), log=None,
+                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """train_grpo.py under tests/scripts/train_with_tool_calls.py; `faults`: train_with_faults.py's (e.g. a SIGKILL).
     With `log` (a path) the output goes to that file, not to pipes (a killed run's reward worker would hold a pipe open
-    while it lives, as tests/test_checkpoint.py's run_killed says); stdout and stderr then both hold it."""
+    while it lives, as tests/test_checkpoint.py's run_killed says); stdout and stderr then both hold it. `env`: added
+    to the environment (STALL_GRACE_S: the script's tool-box grace)."""
     cmd = [*(launcher or [sys.executable]), str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool,
            json.dumps(arguments), *faults, "--", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if log is None:
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     with open(log, "w") as fh:
@@ -206,12 +208,13 @@ def test_lora_trains_with_tools(eos_model_dir, arith_data, tmp_path):
 
 def test_a_tool_failing_on_every_call_of_a_step_stops_the_run_after_saving(eos_model_dir, arith_data, tmp_path):
     """The tool answers its first call of the run only: step 1 has one answered call (the run goes on), step 2 none,
-    so the run stops there as failing rewards do: exit 3, step 1 saved, step 2's generation metrics logged."""
+    so the run stops there as failing rewards do: exit 3, step 1 saved, step 2's generation metrics logged. On the hf
+    engine (the check is the trainer's, after either loop; the per-episode loop on vLLM answers every call above)."""
     (tmp_path / "tools.yaml").write_text(TOOLS.replace("grpo_lib.tools.builtin.CalculatorTool", "tests.scripts.episode_case.FailsAfter")
                                          .replace("config: {}", "config: {ok_calls: 1}"))
     out = tmp_path / "run"
     # no validation before step 1: its episodes would take the one good call
-    args = multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml", "trainer.val_before_train=false")
+    args = multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml", "trainer.val_before_train=false", HF_ENGINE)
     proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *args], tool="calculator", arguments={"expression": "1"})
     assert proc.returncode == 3, proc.stderr[-4000:]
     assert "step 2: tool calculator failed on every one of its" in proc.stderr
@@ -224,8 +227,9 @@ def test_a_tool_failing_on_every_call_of_a_step_stops_the_run_after_saving(eos_m
 
 def test_a_tool_that_blocks_the_loop_stops_the_run_after_saving(eos_model_dir, arith_data, tmp_path):
     """The tool answers step 1's 16 calls (4 prompts x 4 episodes, one call each before the turn limit), then blocks
-    the tool loop for 120 s on the next (time.sleep in an async def): step 2's calls never return, so 1 + 30 s later
-    (tool_timeout_s + the stall grace) the step is aborted: exit 3, step 1 saved."""
+    the tool loop for 120 s on the next (time.sleep in an async def): step 2's calls never return, so 1 + 5 s later
+    (tool_timeout_s + the stall grace, shortened from the product's 30 s by the script's STALL_GRACE_S) the step is
+    aborted: exit 3, step 1 saved."""
     import time
 
     (tmp_path / "tools.yaml").write_text(TOOLS.replace("grpo_lib.tools.builtin.CalculatorTool", "tests.scripts.episode_case.StallsAfter")
@@ -234,9 +238,10 @@ def test_a_tool_that_blocks_the_loop_stops_the_run_after_saving(eos_model_dir, a
     args = multi_turn_overrides(eos_model_dir, arith_data, out, tmp_path / "tools.yaml", "trainer.val_before_train=false",
                                 "rollout.multi_turn.tool_timeout_s=1")
     started = time.monotonic()
-    proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *args], tool="calculator", arguments={"expression": "1"})
+    proc = run_with_tool_calls(["recipes/tiny_cpu.yaml", *args], tool="calculator", arguments={"expression": "1"},
+                               env={"STALL_GRACE_S": "5"})
     assert proc.returncode == 3, proc.stderr[-4000:]
-    assert "step 2: the tool calls of a turn did not return within 31 s" in proc.stderr, proc.stderr[-4000:]
+    assert "step 2: the tool calls of a turn did not return within 6 s" in proc.stderr, proc.stderr[-4000:]
     assert (out / "global_step_1").is_dir() and not (out / "global_step_2").exists()
     assert time.monotonic() - started < 600
     assert [r["step"] for r in read_metrics(out) if "actor/pg_loss" in r] == [1]

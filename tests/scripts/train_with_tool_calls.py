@@ -8,6 +8,8 @@ before `train_grpo.main(argv)`, as tests/scripts/train_with_faults.py installs i
 assistant turn as one call of TOOL_NAME with JSON_ARGUMENTS; rollout.multi_turn.max_assistant_turns ends the episodes.
 Everything else is the product's own path: tool config loading, the episode loop, engines, rewards, the update.
 FAULTS are tests/scripts/train_with_faults.py's (`--signal "KILL update 3"`, `--nan-steps ...`), installed the same way.
+With STALL_GRACE_S in the environment, the tool box waits that long past tool_timeout_s for a turn's calls before it
+aborts the step (the product's 30 s, grpo_lib/tools/calls.py STALL_GRACE_S, would make the stall test wait 30 s).
 Reward workers import this file as `__mp_main__` (grpo_lib/rewards/pool.py): its top level stays imports only.
 """
 
@@ -25,11 +27,17 @@ def main(argv: list[str]) -> int:
     name, arguments = argv[0], json.loads(argv[1])
     import train_grpo  # first, as `python train_grpo.py` does: it sets the environment defaults before vllm loads
 
+    import os
+
     import grpo_lib.episodes as episodes
+    import grpo_lib.tools.calls as calls
     from grpo_lib.tools.hermes import ToolCall
     from tests.scripts.train_with_faults import install
 
     episodes.parse_tool_calls = lambda text: [ToolCall(name, dict(arguments))]
+    if "STALL_GRACE_S" in os.environ:
+        grace, init = float(os.environ["STALL_GRACE_S"]), calls.ToolBox.__init__
+        calls.ToolBox.__init__ = lambda self, *a, **kw: init(self, *a, **{"stall_grace_s": grace, **kw})
     return train_grpo.main(install(argv[2:]))  # the faults before `--` (none: nothing installed), then train_grpo's arguments
 
 
