@@ -21,7 +21,8 @@
 #            packing isolation check on the GPU in bf16
 #   packed   3 steps with model.use_remove_padding=true and bf16 compute on a warmed tiny model (its responses stop at
 #            spread lengths): packed and shared-prompt micro-batches (perf/shared_prefix > 0 required), the isolation
-#            check on the sharded policy, the weight probe's ratios (rollout/weight_probe_ratio) printed
+#            check on the sharded policy, the weight probe's ratios (rollout/weight_probe_ratio) printed; WARM_MODEL=DIR
+#            uses a model folder of that kind instead of warming one up (~20 s on CPU)
 #   lora     recipes/tiny_cpu_lora.yaml, bf16 compute, 2 steps (adapters only, merged push), weight sync checked
 #   resume   2 steps saving a DCP checkpoint each step, then the same command to 3 steps: resumes from step 2 on CUDA
 #   gputest  the suite's GPU-only tests (pytest from .whl/): the offload of shards to the host and back
@@ -115,8 +116,9 @@ fi
 $PY data_prep/tiny_model.py --out "$WORK/model" --warmup-steps 0 > "$WORK/prep.log" 2>&1 \
   && $PY data_prep/synthetic.py --out "$WORK/data" --train-size 256 --test-size 16 >> "$WORK/prep.log" 2>&1 \
   || { row "prep" FAIL "tiny model / data: $(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; finish; }
-if has packed; then  # a warmed model: its responses end at spread lengths (random weights never stop: no spread)
-  $PY data_prep/tiny_model.py --out "$WORK/model_warm" --warmup-steps 300 >> "$WORK/prep.log" 2>&1 \
+WARM=${WARM_MODEL:-$WORK/model_warm}  # WARM_MODEL: a model folder whose responses already stop at spread lengths
+if has packed && [ -z "${WARM_MODEL:-}" ]; then  # a warmed model: its responses end at spread lengths (random weights never stop: no spread)
+  $PY data_prep/tiny_model.py --out "$WARM" --warmup-steps 300 >> "$WORK/prep.log" 2>&1 \
     || row "prep: warmed model" FAIL "$(tail -2 "$WORK/prep.log" | tr '\n' ' ')"
 fi
 ENGINE=()
@@ -175,8 +177,8 @@ if has tiny; then
     train tiny_tp2 recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 rollout.tensor_model_parallel_size=2
   fi
 fi
-if has packed && [ -f "$WORK/model_warm/config.json" ]; then
-  if MODEL="$WORK/model_warm" train packed recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 \
+if has packed && [ -f "$WARM/config.json" ]; then
+  if MODEL="$WARM" train packed recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 \
        model.use_remove_padding=true actor.fsdp_config.param_dtype=bfloat16; then
     $PY scripts/gpu_report.py layouts "$WORK/packed/run/metrics.jsonl" --name "packed: layouts" --verdict "$VERDICT"
   fi

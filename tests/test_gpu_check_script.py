@@ -82,15 +82,17 @@ def test_gpu_check_names_an_old_driver(tmp_path):
     assert "gpu_check: FAILED: env: gpu" in proc.stdout
 
 
-def test_gpu_check_packed_stage_runs_shared_prompt_micro_batches(tmp_path):
-    """Issue 28 item 10: the `packed` stage (a warmed tiny model whose responses stop at spread lengths, packing on,
-    bf16 compute) runs packed shared-prompt micro-batches (perf/shared_prefix > 0), the packing isolation check on the
-    sharded policy and the weight probe, and says so in its verdict row; here on CPU as on the GPU image."""
+def test_gpu_check_packed_stage_runs_shared_prompt_micro_batches(tmp_path, eos_model_dir):
+    """Issue 28 item 10: the `packed` stage (a tiny model whose responses stop at spread lengths, packing on, bf16
+    compute) runs packed shared-prompt micro-batches (perf/shared_prefix > 0), the packing isolation check on the
+    sharded policy and the weight probe, and says so in its verdict row; here on CPU as on the GPU image. The model is
+    conftest's eos-likely one (WARM_MODEL): its responses stop at spread lengths as the script's warmed model's do,
+    without the script's ~20 s warm-up."""
     blocker, work = tmp_path / "no_vllm", tmp_path / "work"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
     env = {**os.environ, "STAGES": "packed", "ALLOW_CPU": "1", "WORK": str(work), "WHEELS": str(tmp_path / "none"),
-           "PY": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(blocker)}
+           "PY": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(blocker), "WARM_MODEL": str(eos_model_dir)}
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     out = proc.stdout + proc.stderr
