@@ -94,12 +94,18 @@ def merge_overrides(*overrides: str) -> list[str]:
 # The in-process engine for trainer runs whose subject is not the engine (resume, signals, full disks, data, rewards):
 # rollout.name=hf generates with the actor's own transformers model, no vLLM import and no engine start (a tiny 3-step
 # run: ~20 s against ~70 s with vLLM on a loaded 2-core machine). Used by tests/test_checkpoint.py,
-# tests/test_data_train.py, tests/test_trust.py's reward / sampling / validation runs, tests/test_python_tool_demo.py.
+# tests/test_data_train.py, tests/test_trust.py's reward / sampling / validation runs, tests/test_python_tool_demo.py,
+# tests/test_algorithm_recipes.py's recipe runs, tests/test_teacher.py's distillation run, tests/test_multiprocess_train.py
+# (2 processes train like 1) and tests/test_train_tools_e2e.py's tool failing on every call.
 # Real vLLM stays where the engine is the subject, and each moved behaviour is still proven against it elsewhere:
 # - exact resume after SIGKILL, the resumed weights pushed to vLLM: tests/test_train_tools_e2e.py (with tools) and
 #   tests/test_engine_lifecycle.py (the resume's release / push / wake order);
 # - the weight probe catching a stale parameter, in float32 and bf16: tests/test_trust.py (kept on vLLM);
 # - rewards scored as vLLM's responses finish (the stream): tests/test_rewards_stream.py, tests/test_train_e2e.py;
+# - 2 processes with one vLLM engine each training like 1: tests/test_lora_e2e.py, tests/test_train_tools_e2e.py (and
+#   tensor parallel: tests/test_tensor_parallel_train.py); a tool's failures counted on vLLM's per-episode loop:
+#   tests/test_train_tools_e2e.py's run with tools; the recipes' losses are the trainer's (tests/test_train_e2e.py
+#   trains on vLLM); greedy vLLM generation (ReMax's baseline): tests/test_engines.py's token-for-token equality;
 # - the lifecycle, TP, weight push, token equality, LoRA push and the demo: tests/test_engine*.py,
 #   tests/test_tensor_parallel_train.py, tests/test_lora_e2e.py, tests/test_perf_train.py.
 HF_ENGINE = "rollout.name=hf"
