@@ -181,7 +181,7 @@ class ToolBox:
     """The run's tools, their per-episode instances and the thread-side event loop that runs them."""
 
     def __init__(self, tools: dict, *, timeout_s: float, max_response_chars: int, truncate_side: str,
-                 stall_grace_s: float = STALL_GRACE_S, max_abandoned: int = MAX_ABANDONED,
+                 stall_grace_s: float | None = None, max_abandoned: int = MAX_ABANDONED,
                  max_workers: int = MAX_WORKERS, worker_start_timeout_s: float = 120.0):
         self.tools = dict(tools)  # name -> tool object, in the config's order
         self._schemas = {name: _schema_of(tool) for name, tool in self.tools.items()}  # name -> plain-dict schema
@@ -196,7 +196,9 @@ class ToolBox:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-loop", daemon=True)
         self._thread.start()
-        self.stall_grace_s, self.max_abandoned = stall_grace_s, max_abandoned
+        # None: the module's STALL_GRACE_S, read when the box is built
+        self.stall_grace_s = STALL_GRACE_S if stall_grace_s is None else stall_grace_s
+        self.max_abandoned = max_abandoned
         self.abandoned_running: dict[str, int] = {name: 0 for name in self.tools}  # changed on the loop's thread only
 
     @property
