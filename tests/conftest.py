@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked_runs
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -143,8 +145,14 @@ def run_train(args: list[str], *, launcher: list[str] | None = None, timeout: in
     With `faults` (e.g. ["--signal", "TERM update 2"]) the run goes through tests/scripts/train_with_faults.py."""
     script = [str(REPO / "tests" / "scripts" / "train_with_faults.py"), *faults, "--"] if faults else [str(REPO / "train_grpo.py")]
     cmd = (launcher or [sys.executable]) + [*script, *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # one process: forked from the warm server (tests/forked_runs.py), unless the run sets a PYTHON* variable of its own
+    # (PYTHONPATH with a sitecustomize acts at interpreter start: that needs a fresh interpreter)
+    fresh = any(key.startswith("PYTHON") and key != "PYTHONUNBUFFERED" for key in (env or {}))
+    if launcher is None and not fresh and forked_runs.enabled():
+        proc = forked_runs.run_forked(cmd, cwd=REPO, env=run_env, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-3000:]}")
     return proc

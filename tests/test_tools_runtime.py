@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from grpo_lib.step import RunAborted, check_tool_errors
 from grpo_lib.tools.base import BaseTool, ToolSchema
 from grpo_lib.tools.builtin import evaluate
 from grpo_lib.tools.calls import ToolBox, ToolStallError
@@ -194,6 +193,8 @@ def test_a_calc_reward_of_no_finite_number_is_counted_as_a_reward_error(value):
 
 def test_reward_errors_past_the_error_fraction_stop_the_run():
     metrics = {"tools/reward_error_fraction": 0.75, "tools/errors": 6.0, "tools/timeouts": 0.0}
+    from grpo_lib.step import RunAborted, check_tool_errors  # here, not at the top: the tool workers import this module
+
     with pytest.raises(RunAborted, match=r"step 4: 75% of episodes had a tool calc_reward .*max_error_fraction=0.5"):
         check_tool_errors(metrics, [], step=4, max_error_fraction=0.5)
     check_tool_errors({**metrics, "tools/reward_error_fraction": 0.5}, [], step=4, max_error_fraction=0.5)  # at it: goes on
