@@ -33,14 +33,28 @@ def accelerate_launch(procs: int) -> list[str]:
         (["--multi_gpu"] if procs > 1 else [])
 
 
+def launch(cmd: list[str], *, procs: int, timeout: float = 600, env: dict[str, str] | None = None,
+           accelerate: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch` (accelerate=False: `torch.distributed.run`) of `procs` processes running cmd = [SCRIPT, *args]
+    from the repo root, one thread each, with extra `env`. The processes are forked from the warm server
+    (tests/forked_runs.py: the launchers' environment, the first failure stops the others, outputs one after another in
+    rank order, the first failure's exit status); GRPO_TEST_FORK=0, or an `env` of the run's own that needs a fresh
+    interpreter (_sets_python_variable), runs the real launcher. Tests whose subject is the launcher itself (its
+    signals, its exit summary) call accelerate_launch."""
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    run_env.pop("WORLD_SIZE", None)
+    if forked_runs.enabled() and not _sets_python_variable(env):
+        return forked_runs.launch([sys.executable, *map(str, cmd)], procs=procs, cwd=REPO, env=run_env, timeout=timeout,
+                                  port=free_port(), accelerate=accelerate)
+    launcher = accelerate_launch(procs) if accelerate else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port())]
+    return subprocess.run([*launcher, *map(str, cmd)], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
+
+
 def torchrun_records(script: str, *args: str, out_dir: Path, procs: int = 2, timeout: int = 300) -> list[dict]:
-    """Launch tests/scripts/`script` on `procs` gloo processes (torch.distributed.run, its own port, one thread each)
-    with `args`, fail with its stderr, and return each process's OUT/rank{r}.json record, in rank order."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port()),
-           str(REPO / "tests" / "scripts" / script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    """Launch tests/scripts/`script` on `procs` gloo processes (`launch`, torch.distributed.run's environment) with
+    `args`, fail with its stderr, and return each process's OUT/rank{r}.json record, in rank order."""
+    proc = launch([REPO / "tests" / "scripts" / script, *args], procs=procs, timeout=timeout, accelerate=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(procs)]
 
@@ -139,20 +153,40 @@ def _tiny_base(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[st
     ]
 
 
-def run_train(args: list[str], *, launcher: list[str] | None = None, timeout: int = 600, check: bool = True,
-              env: dict[str, str] | None = None, faults: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run train_grpo.py (or `launcher + [train_grpo.py, ...]`) from the repo root, with extra `env`; fail with its output.
-    With `faults` (e.g. ["--signal", "TERM update 2"]) the run goes through tests/scripts/train_with_faults.py."""
+def run_script(cmd: list, *, procs: int | None = None, timeout: float = 600,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """cmd = [SCRIPT, *args] from the repo root with extra `env`, its output captured: one process forked from the
+    warm server (tests/forked_runs.py), or a fresh interpreter when `env` sets a PYTHON* variable of its own
+    (_sets_python_variable) or GRPO_TEST_FORK=0; `procs` processes: `launch`."""
+    if procs is not None:
+        return launch(cmd, procs=procs, timeout=timeout, env={"PYTHONUNBUFFERED": "1", **(env or {})})
+    full = [sys.executable, *map(str, cmd)]
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if forked_runs.enabled() and not _sets_python_variable(env):
+        return forked_runs.run_forked(full, cwd=REPO, env=run_env, timeout=timeout)
+    return subprocess.run(full, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
+
+
+def _sets_python_variable(env: dict[str, str] | None) -> bool:
+    """Whether a run's own environment sets a PYTHON* variable that acts at interpreter start (PYTHONPATH with a
+    sitecustomize): such a run needs a fresh interpreter, not a fork."""
+    return any(key.startswith("PYTHON") and key != "PYTHONUNBUFFERED" for key in (env or {}))
+
+
+def run_train(args: list[str], *, launcher: list[str] | None = None, procs: int | None = None, timeout: int = 600,
+              check: bool = True, env: dict[str, str] | None = None, faults: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run train_grpo.py from the repo root with extra `env`, fail with its output: in one process or in `procs`
+    processes (`run_script`), or as `launcher + [train_grpo.py, ...]` (a real launcher: the tests of its signals and
+    its exit summary). With `faults` (e.g. ["--signal", "TERM update 2"]) the run goes through
+    tests/scripts/train_with_faults.py."""
     script = [str(REPO / "tests" / "scripts" / "train_with_faults.py"), *faults, "--"] if faults else [str(REPO / "train_grpo.py")]
     cmd = (launcher or [sys.executable]) + [*script, *args]
-    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    # one process: forked from the warm server (tests/forked_runs.py), unless the run sets a PYTHON* variable of its own
-    # (PYTHONPATH with a sitecustomize acts at interpreter start: that needs a fresh interpreter)
-    fresh = any(key.startswith("PYTHON") and key != "PYTHONUNBUFFERED" for key in (env or {}))
-    if launcher is None and not fresh and forked_runs.enabled():
-        proc = forked_runs.run_forked(cmd, cwd=REPO, env=run_env, timeout=timeout)
+    if launcher is None:
+        proc = run_script([*script, *args], procs=procs, timeout=timeout, env=env)
     else:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
+        assert procs is None, "procs or launcher, not both"
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-3000:]}")
     return proc

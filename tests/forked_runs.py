@@ -20,16 +20,17 @@ GRPO_TEST_FORK=0 runs every trainer run as a plain subprocess instead.
 
 from __future__ import annotations
 
-import array
 import atexit
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 # what the server imports before it forks (the heavy imports of a trainer run; vllm only where it imports)
@@ -49,35 +50,116 @@ def enabled() -> bool:
 def run_forked(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` for cmd =
     [sys.executable, SCRIPT, *args], run in a child forked from the warm server (module docstring)."""
-    assert cmd[0] == sys.executable and len(cmd) >= 2, cmd
-    path = _server_path()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(path)
+    run = _Run(cmd, cwd=cwd, env=env)
+    return run.result(run.wait(timeout))
+
+
+def launch(cmd: list[str], *, procs: int, cwd: Path, env: dict[str, str], timeout: float, port: int,
+           accelerate: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --num_processes procs --multi_gpu SCRIPT ARGS` (accelerate=False: `torch.distributed.run
+    --nproc_per_node procs`) for cmd = [sys.executable, SCRIPT, *args]: each process forked from the warm server with
+    the environment those launchers give it (rank, world size, rendezvous on 127.0.0.1:port, accelerate's settings of
+    tests/conftest.py's accelerate_launch). As the launchers do, the first process to fail has the others stopped
+    (SIGTERM, SIGKILL 10 s later). The result: the processes' stdout and stderr, one after the other in rank order,
+    and the first failure's exit status (0 when all exit 0)."""
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(procs), "LOCAL_WORLD_SIZE": str(procs),
+              "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(procs),
+              "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+              "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+    if accelerate:
+        common.update({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_DYNAMO_MODE": "default",
+                       "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False"})
+    runs = [_Run(cmd, cwd=cwd, env={**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)})
+            for r in range(procs)]
+    deadline = time.monotonic() + timeout
+    codes: dict[int, int] = {}
+    first_failure, stop_at = None, None
+    try:
+        while len(codes) < procs:
+            waiting = [r for r in range(procs) if r not in codes]
+            limit = min(deadline, stop_at + STOP_GRACE_S if stop_at else deadline) - time.monotonic()
+            if limit <= 0 and stop_at is not None and time.monotonic() < deadline:
+                for r in waiting:
+                    _kill_group(runs[r].pid)
+                limit = deadline - time.monotonic()
+            if limit <= 0:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            ready, _, _ = select.select([runs[r].conn for r in waiting], [], [], limit)
+            for r in waiting:
+                if runs[r].conn in ready:
+                    codes[r] = runs[r].wait(None)
+                    if codes[r] != 0 and first_failure is None:
+                        first_failure, stop_at = r, time.monotonic()
+                        for other in range(procs):
+                            if other not in codes and other != r:
+                                _signal_group(runs[other].pid, signal.SIGTERM)
+    finally:
+        for r in range(procs):
+            if r not in codes:
+                _kill_group(runs[r].pid)
+    results = [run.result(codes[r]) for r, run in enumerate(runs)]
+    returncode = 0 if first_failure is None else codes[first_failure]
+    return subprocess.CompletedProcess(cmd, returncode, "".join(p.stdout for p in results), "".join(p.stderr for p in results))
+
+
+STOP_GRACE_S = 10.0
+
+
+class _Run:
+    """One forked run: its connection to its waiter, its pid and its captured stdout / stderr."""
+
+    def __init__(self, cmd: list[str], *, cwd: Path, env: dict[str, str]):
+        assert cmd[0] == sys.executable and len(cmd) >= 2, cmd
+        self.cmd = cmd
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.connect(_server_path())
         request = json.dumps({"argv": cmd[1:], "cwd": str(cwd), "env": env}).encode()
-        conn.sendall(len(request).to_bytes(8, "big"))
-        socket.send_fds(conn, [request], [null.fileno(), out.fileno(), err.fileno()])
-        reader = conn.makefile("r")
-        pid = int(reader.readline())
-        conn.settimeout(timeout)
+        self.conn.sendall(len(request).to_bytes(8, "big"))
+        with open(os.devnull, "rb") as null:
+            socket.send_fds(self.conn, [request], [null.fileno(), self.out.fileno(), self.err.fileno()])
+        self.pid = int(self._line())
+
+    def _line(self) -> str:
+        """One line from the waiter, read a byte at a time (nothing of the next line is buffered away from select)."""
+        data = b""
+        while not data.endswith(b"\n"):
+            byte = self.conn.recv(1)
+            if not byte:
+                return ""
+            data += byte
+        return data.decode()
+
+    def wait(self, timeout: float | None) -> int:
+        """The run's exit status (-N for signal N); TimeoutExpired (the run killed) after timeout seconds."""
+        self.conn.settimeout(timeout)
         try:
-            line = reader.readline()
+            line = self._line()
         except TimeoutError:
-            _kill_group(pid)
-            raise subprocess.TimeoutExpired(cmd, timeout) from None
+            _kill_group(self.pid)
+            raise subprocess.TimeoutExpired(self.cmd, timeout) from None
         if not line:  # the waiter died: the server went away
-            _kill_group(pid)
-            raise RuntimeError(f"the forked run of {cmd[1]} lost its server")
-        returncode = int(line)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = (f.read().decode("utf-8", "replace") for f in (out, err))
-    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+            _kill_group(self.pid)
+            raise RuntimeError(f"the forked run of {self.cmd[1]} lost its server")
+        return int(line)
+
+    def result(self, returncode: int) -> subprocess.CompletedProcess:
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", "replace"))
+            f.close()
+        self.conn.close()
+        return subprocess.CompletedProcess(self.cmd, returncode, *texts)
 
 
 def _kill_group(pid: int) -> None:
+    _signal_group(pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, signum: int) -> None:
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
 

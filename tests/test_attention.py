@@ -266,16 +266,12 @@ def test_start_up_check_runs_on_the_sharded_policy_in_the_compute_dtype(tmp_path
     run's, and flash-attn got CPU float32 tensors). A backend that lets packed rows attend to each other stops every
     process with the check's message."""
     import json
-    import os
-    import subprocess
 
-    from tests.conftest import REPO, accelerate_launch
+    from tests.conftest import REPO, launch
     from tests.scripts import grad_case as case
 
     model_dir = case.write_tiny_model(tmp_path / "model")
-    cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "isolation_worker.py"), str(model_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = launch([REPO / "tests" / "scripts" / "isolation_worker.py", model_dir, tmp_path], procs=2)
     assert proc.returncode == 0, f"--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}"
     for r in range(2):
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from grpo_lib.checkpoint import MARKER, POINTER, config_differences
 from grpo_lib.metrics import open_jsonl_at
-from tests.conftest import HF_ENGINE, REPO, accelerate_launch, free_port, read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, REPO, accelerate_launch, free_port, read_metrics, run_script, run_train, tiny_overrides
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -55,6 +55,10 @@ def run_killed(args: list[str], faults: list[str], log: Path, launcher: list[str
     """A run that the test hook SIGKILLs (`faults`: arguments of tests/scripts/train_with_faults.py): output goes to
     files, not pipes (a pipe stays open while any reward worker it leaves behind lives, and run_train would wait for it)."""
     script = [str(REPO / "tests" / "scripts" / "train_with_faults.py"), *faults, "--"]
+    if launcher is None:  # one process, forked (tests/conftest.py's run_script): its output goes to files anyway
+        proc = run_script([*script, *args])
+        log.write_text(proc.stdout + proc.stderr)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), log.read_text())
     with open(log, "w") as fh:
         proc = subprocess.run([*(launcher or [sys.executable]), *script, *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
@@ -424,7 +428,7 @@ def test_two_processes_sigkill_mid_step_then_resume_is_exact(base, three_steps_a
     assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"], killed.stdout[-3000:]
     assert sorted(p.name for p in (out / "global_step_2" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
-    resumed = run_train(args, launcher=accelerate_launch(2))
+    resumed = run_train(args, procs=2)  # the kill on the real launcher; the resume's processes forked
     assert "resumed from" in resumed.stderr, resumed.stderr[-2000:]
     a_rows, b_rows = read_metrics(straight), read_metrics(out)
     assert [r["step"] for r in b_rows] == [1, 2, 3]
@@ -588,7 +592,7 @@ def three_steps_at(base, tmp_path_factory):
         if procs not in runs:
             out = tmp_path_factory.mktemp(f"three_steps_{procs}p")
             run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
-                      launcher=accelerate_launch(procs))
+                      procs=procs)
             runs[procs] = out
         return runs[procs]
     return run
@@ -607,7 +611,7 @@ def test_resume_on_another_process_count_continues_the_run(base, three_steps_at,
     out = tmp_path / "resumed"
     proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true",
                           "trainer.resume_mode=resume_path", f"trainer.resume_from_path={source / 'global_step_2'}"),
-                     launcher=accelerate_launch(resumed))
+                     procs=resumed)
     assert "resumed from" in proc.stderr, proc.stderr[-3000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [3], "the resumed run logs its own step only"
@@ -850,7 +854,7 @@ def test_a_newest_checkpoint_without_its_manifest_falls_back_and_continues_exact
     shutil.copytree(source, out)
     (out / "global_step_3" / MANIFEST).unlink()
     proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
-                     launcher=accelerate_launch(1))
+                     procs=1)
     assert f"the checkpoint {out / 'global_step_3'} is damaged" in proc.stderr and f"{MANIFEST}: missing" in proc.stderr, \
         proc.stderr[-3000:]
     assert f"resumed from {out / 'global_step_2'}" in proc.stderr, proc.stderr[-3000:]
@@ -870,7 +874,7 @@ def test_a_truncated_shard_in_the_newest_checkpoint_falls_back_and_continues_exa
     shard = next((out / "global_step_3" / "dcp").glob("*.distcp"))
     os.truncate(shard, shard.stat().st_size - 1)
     proc = run_train(base(out, "trainer.total_training_steps=3", "trainer.save_freq=2", "actor.use_kl_loss=true"),
-                     launcher=accelerate_launch(1))
+                     procs=1)
     assert f"the checkpoint {out / 'global_step_3'} is damaged" in proc.stderr and shard.name in proc.stderr, proc.stderr[-3000:]
     assert f"resumed from {out / 'global_step_2'}" in proc.stderr, proc.stderr[-3000:]
     assert_same_steps(read_metrics(source), read_metrics(out), [1, 2, 3])

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections import Counter
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch, merge_overrides, read_metrics, tiny_overrides
+from tests.conftest import REPO, launch, merge_overrides, read_metrics, tiny_overrides
 from tests.scripts.fake_llm import install
 
 REWARD = '''
@@ -184,9 +183,7 @@ def launch_fake(tmp_path, tiny_model_dir, arith_data, name: str, tp: int):
         "trainer.total_training_steps=2", "actor.ppo_mini_batch_size=2", f"rollout.tensor_model_parallel_size={tp}",
         "trainer.val_before_train=true", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
         "rollout.val_kwargs.n=1", "reward.num_workers=0", "trainer.logger=[jsonl]", *NO_PROBE)
-    launcher = [*accelerate_launch(2), str(REPO / "tests/scripts/fake_llm.py"), str(out)]
-    proc = subprocess.run(launcher + [str(REPO / "recipes/tiny_cpu.yaml"), *overrides], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    proc = launch([REPO / "tests/scripts/fake_llm.py", out, REPO / "recipes/tiny_cpu.yaml", *overrides], procs=2)
     if proc.returncode != 0:
         pytest.fail(f"fake 2-process run exited {proc.returncode}\n{proc.stderr[-5000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

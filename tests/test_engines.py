@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_lib.engines.vllm import SHM_DIR, SHM_PREFIX, cpu_shm_names_of_this_run, remove_stale_shm
-from tests.conftest import REPO, accelerate_launch
+from tests.conftest import REPO, run_script
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
 
@@ -27,11 +27,8 @@ SCRIPT = str(REPO / "tests" / "scripts" / "engine_generate.py")
 
 def run_engine(name: str, model_dir, out_dir) -> list[dict]:
     """name: vllm, hf, or vllm_tp2 (2 gloo processes, one tensor-parallel vLLM engine over both)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, SCRIPT, name.removesuffix("_tp2"), str(model_dir), str(out_dir)]
-    if name.endswith("_tp2"):
-        cmd = [*accelerate_launch(2), *cmd[1:], "2"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    cmd = [SCRIPT, name.removesuffix("_tp2"), str(model_dir), str(out_dir)]
+    proc = run_script([*cmd, "2"], procs=2, timeout=900) if name.endswith("_tp2") else run_script(cmd, timeout=900)
     if proc.returncode != 0:
         pytest.fail(f"{name} engine script exited {proc.returncode}\n{proc.stderr[-5000:]}")
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]

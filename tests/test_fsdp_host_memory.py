@@ -14,8 +14,6 @@ Run: .venv/bin/python -m pytest tests/test_fsdp_host_memory.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 import torch
 
 from grpo_lib import fsdp, perf
-from tests.conftest import free_port
+from tests.conftest import launch
 from tests.scripts import grad_case as case
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS from /proc/self (Linux)")
@@ -52,12 +50,10 @@ def records(tmp_path_factory) -> tuple[list[dict], int]:
     tiny = case.write_tiny_model(root / "tiny")
     out = root / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "tests" / "scripts" / "host_memory_worker.py"), str(root / "model"), str(tiny), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    cmd = [REPO / "tests" / "scripts" / "host_memory_worker.py", root / "model", tiny, out]
+    proc = launch(cmd, procs=2, accelerate=False)
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")
+        pytest.fail(f"{' '.join(map(str, cmd))} on 2 processes exited {proc.returncode}\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], full_bytes
 
 

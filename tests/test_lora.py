@@ -15,7 +15,7 @@ from grpo_lib import lora
 from grpo_lib.fsdp import LogprobModel
 from grpo_lib.actor import Actor, AdapterDisabledReference, logprobs_over_batch
 from grpo_lib.config import ConfigError
-from tests.conftest import accelerate_launch
+from tests.conftest import launch
 from tests.scripts import grad_case as case
 from tests.tolerances import adamw_flip_bound, assert_close_after_adamw
 
@@ -164,18 +164,13 @@ def merge_delta(adapter_2: dict, adapter_1: dict, weight_name: str) -> torch.Ten
 def test_two_processes_match_one(model_dir, tmp_path):
     """2 gloo processes (FSDP2 when the actor shards), half the groups each: the same metrics (rtol 1e-4), adapters
     and merged weights as 1 process on the whole mini-batch; base weights bit-identical with no gradient."""
-    import os
-    import subprocess
-
     from tests.conftest import REPO
     from tests.scripts import lora_worker
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = case.make_batch(model)
     torch.save(batch, tmp_path / "batch.pt")
-    cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "lora_worker.py"), str(model_dir), str(tmp_path / "batch.pt"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = launch([REPO / "tests" / "scripts" / "lora_worker.py", model_dir, tmp_path / "batch.pt", tmp_path], procs=2)
     assert proc.returncode == 0, f"--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}"
     two = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     one = lora_worker.run(model_dir, batch, world_size=1, rank=0)

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch, read_metrics, run_train, tiny_overrides
+from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
 
 LORA = ["model.lora_rank=8", "model.lora_alpha=16", "actor.lr=2e-2", "actor.use_kl_loss=true", "trainer.check_weight_sync=true"]
 REWARD = '''
@@ -32,7 +32,7 @@ def lora_run(tiny_model_dir, arith_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_e2e")
     reward = out / "reward.py"
     reward.write_text(REWARD)
-    proc = run_train(["recipes/tiny_cpu.yaml", *lora_overrides(tiny_model_dir, arith_data, out, reward)], launcher=accelerate_launch(1))
+    proc = run_train(["recipes/tiny_cpu.yaml", *lora_overrides(tiny_model_dir, arith_data, out, reward)], procs=1)
     return out, proc
 
 
@@ -134,7 +134,7 @@ def test_two_processes_match_one(lora_run, tiny_model_dir, arith_data, tmp_path)
     log the metrics of the module's 1-process run (the same settings)."""
     out, _ = lora_run
     run_train(["recipes/tiny_cpu.yaml", *lora_overrides(tiny_model_dir, arith_data, tmp_path / "p2", out / "reward.py")],
-              launcher=accelerate_launch(2))
+              procs=2)
     runs = {1: read_metrics(out), 2: read_metrics(tmp_path / "p2")}
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3

@@ -11,8 +11,6 @@ Also: `plan_rank_balance` (pure) and `balance_across_ranks` (in the worker). Run
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from hypothesis import strategies as st
 from grpo_lib.actor import load_model
 from grpo_lib.algorithms import LOSS_AGG_MODES
 from grpo_lib.batching import plan_rank_balance
-from tests.conftest import accelerate_launch
+from tests.conftest import launch
 from tests.scripts import grad_case as case
 
 pytestmark = pytest.mark.multiprocess  # tiers: conftest.py
@@ -41,11 +39,10 @@ def launched(tmp_path_factory):
     batch = case.make_batch(model)
     torch.save(batch, root / "batch.pt")
     out = root / "out"
-    cmd = [*accelerate_launch(2), str(REPO / "tests" / "scripts" / "grad_worker.py"), str(model_dir), str(root / "batch.pt"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    cmd = [REPO / "tests" / "scripts" / "grad_worker.py", model_dir, root / "batch.pt", out]
+    proc = launch(cmd, procs=2, timeout=300)
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}")
+        pytest.fail(f"{' '.join(map(str, cmd))} on 2 processes exited {proc.returncode}\n--- stderr ---\n{proc.stderr[-6000:]}\n--- stdout ---\n{proc.stdout[-2000:]}")
     return dict(model_dir=model_dir, model=model, batch=batch, out=out, refs={})
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import HF_ENGINE, accelerate_launch, read_metrics, run_train, tiny_overrides
+from tests.conftest import HF_ENGINE, read_metrics, run_train, tiny_overrides
 from tests.tolerances import adamw_flip_bound, assert_close_after_adamw
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
@@ -49,7 +49,7 @@ def test_two_processes_match_one(tiny_model_dir, arith_data, tmp_path, setting):
             f"reward.custom.path={reward}", "actor.use_kl_loss=true", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
             "trainer.check_weight_sync=true", HF_ENGINE, *SETTINGS[setting],
         )
-        logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs)).stdout
+        logs[procs] = run_train(["recipes/tiny_cpu.yaml", *overrides], procs=procs).stdout
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import accelerate_launch, read_metrics, run_train, tiny_overrides
+from tests.conftest import read_metrics, run_train, tiny_overrides
 from tests.test_multiprocess_train import REWARD
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # tiers: conftest.py
@@ -24,7 +24,7 @@ def test_tp2_two_processes_train_like_one(tiny_model_dir, arith_data, tmp_path):
             f"reward.custom.path={reward}", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=3",
             "trainer.total_training_steps=2", "trainer.check_weight_sync=true", f"rollout.tensor_model_parallel_size={procs}",
         )
-        run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(procs))
+        run_train(["recipes/tiny_cpu.yaml", *overrides], procs=procs)
         runs[procs] = read_metrics(out)
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 2

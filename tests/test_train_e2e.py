@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.conftest import REPO, accelerate_launch, read_metrics, run_train, tiny_overrides
+from tests.conftest import REPO, read_metrics, run_train, tiny_overrides
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
 
@@ -41,7 +41,7 @@ def _run(engine: str, tiny_model_dir, arith_data, tmp_path_factory):
             "trainer.check_weight_sync=true", "trainer.save_freq=2", "actor.use_kl_loss=true", "actor.lr=1e-3",
             "trainer.test_freq=3", f"rollout.name={engine}",
         )
-        _RUNS[engine] = out, run_train(["recipes/tiny_cpu.yaml", *overrides], launcher=accelerate_launch(1), env=env)
+        _RUNS[engine] = out, run_train(["recipes/tiny_cpu.yaml", *overrides], procs=1, env=env)
     return _RUNS[engine]
 
 

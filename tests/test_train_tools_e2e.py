@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import HF_ENGINE, REPO, accelerate_launch, read_metrics, tiny_overrides
+from tests.conftest import HF_ENGINE, REPO, read_metrics, run_script, tiny_overrides
 
 pytestmark = pytest.mark.slow  # tiers: conftest.py
 
@@ -43,22 +40,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900,
-                        launcher: list[str] | None = None, faults: list[str] = (), log=None,
-                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """train_grpo.py under tests/scripts/train_with_tool_calls.py; `faults`: train_with_faults.py's (e.g. a SIGKILL).
-    With `log` (a path) the output goes to that file, not to pipes (a killed run's reward worker would hold a pipe open
-    while it lives, as tests/test_checkpoint.py's run_killed says); stdout and stderr then both hold it. `env`: added
-    to the environment (STALL_GRACE_S: the script's tool-box grace)."""
-    cmd = [*(launcher or [sys.executable]), str(REPO / "tests" / "scripts" / "train_with_tool_calls.py"), tool,
-           json.dumps(arguments), *faults, "--", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if log is None:
-        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, env=env)
-    text = Path(log).read_text()
-    return subprocess.CompletedProcess(cmd, proc.returncode, text, text)
+def run_with_tool_calls(args: list[str], *, tool: str, arguments: dict, timeout: int = 900, procs: int | None = None,
+                        faults: list[str] = (), env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """train_grpo.py under tests/scripts/train_with_tool_calls.py on one process or `procs` (tests/conftest.py's
+    run_script); `faults`: train_with_faults.py's (e.g. a SIGKILL). `env`: added to the environment (STALL_GRACE_S:
+    the script's tool-box grace)."""
+    return run_script([REPO / "tests" / "scripts" / "train_with_tool_calls.py", tool, json.dumps(arguments), *faults, "--", *args],
+                      procs=procs, timeout=timeout, env=env)
 
 
 def multi_turn_overrides(model_dir, data, out, tools_path, *extra: str) -> list[str]:
@@ -124,7 +112,7 @@ def compared_run(model_dir, data, root, name: str, procs: int, extra: list[str])
     """One 3-step run of the 1-vs-2-process comparison; its per-step metrics (the run folder is root / name)."""
     out = root / name
     proc = run_with_tool_calls(compared_args(model_dir, data, root, out, *extra), tool="calculator",
-                               arguments={"expression": "6 * 7"}, launcher=accelerate_launch(procs))
+                               arguments={"expression": "6 * 7"}, procs=procs)
     assert proc.returncode == 0, f"{name}: exited {proc.returncode}\n{proc.stderr[-6000:]}"
     return read_metrics(out)
 
@@ -170,12 +158,12 @@ def test_sigkill_mid_run_with_tools_then_resume_is_exact(one_process_dir, eos_mo
     out = tmp_path / "run"
     args = compared_args(eos_model_dir, arith_data, tmp_path, out, "trainer.save_freq=1")
     killed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, faults=["--signal", "KILL update 3"],
-                                 launcher=accelerate_launch(1), log=tmp_path / "killed.log")  # launched as the compared run
+                                 procs=1)  # launched as the compared run
     assert killed.returncode != 0 and "test hook: SIGKILL at update of step 3" in killed.stderr, \
         f"the test hook did not kill the run: exit {killed.returncode}\n{killed.stderr[-3000:]}"
     assert [r["step"] for r in read_metrics(out)] == [1, 2] and sorted(p.name for p in out.glob("global_step_*")) == \
         ["global_step_1", "global_step_2"]
-    resumed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, launcher=accelerate_launch(1))
+    resumed = run_with_tool_calls(args, tool="calculator", arguments={"expression": "6 * 7"}, procs=1)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
     a_rows, b_rows = read_metrics(one_process_dir), read_metrics(out)
     assert [r["step"] for r in b_rows] == [1, 2, 3] and any(r["tools/calculator/calls"] > 0 for r in b_rows)
