@@ -102,12 +102,12 @@ def test_cpu_bound_calls_that_time_out_leave_no_process_thread_or_cpu_behind():
     try:
         assert box.placements == {"spin": "process", "echo": "process"}
         threads, children, tids = set(threading.enumerate()), set(_children()), _tasks()
-        for i in range(10):
+        for i in range(4):
             [spin] = box.run([("e", ToolCall("spin", {"x": str(i)}))])
             assert (spin.kind, spin.text, spin.abandoned) == ("timeout", "Error: spin did not answer within 0.5 s.", False)
         [echo] = box.run([("e", ToolCall("echo", {"x": "1"}))])  # the box still answers
         assert echo.kind == "ok" and echo.text.startswith("echo 1 from "), echo
-        assert box._pool.killed == 10 and box._pool.started == 11  # one worker killed per timeout, a fresh one after each
+        assert box._pool.killed == 4 and box._pool.started == 5  # one worker killed per timeout, a fresh one after each
         # what is left: the echo worker, idle; no spinning worker and no abandoned thread
         assert len(set(_children()) - children) <= 1, _children()
         assert _settled(lambda: _new_threads(threads), 1) <= 1  # the idle worker's reaper (asyncio's child watcher)
@@ -126,11 +126,11 @@ def test_sleeping_calls_that_time_out_leak_no_thread():
     try:
         assert box.placements == {"nap": "process"}
         threads, children = set(threading.enumerate()), set(_children())
-        for _ in range(10):  # 40 timeouts: in threads, 40 sleepers would still run
+        for _ in range(4):  # 16 timeouts: in threads, 16 sleepers would still run
             outs = box.run([(f"e{j}", ToolCall("nap", {"x": "1"})) for j in range(4)])
             assert [(o.kind, o.abandoned) for o in outs] == [("timeout", False)] * 4
             assert _settled(lambda: _new_threads(threads), 4) <= 4, "a reaper per live worker at most"
-        assert box._pool.killed == 40 and box.abandoned_running == {"nap": 0}
+        assert box._pool.killed == 16 and box.abandoned_running == {"nap": 0}
         assert _settled(lambda: _new_threads(threads), 0) == 0  # every worker killed and reaped: no reaper left
         assert set(_children()) <= children
     finally:
