@@ -21,6 +21,7 @@ GRPO_TEST_FORK=0 runs every trainer run as a plain subprocess instead.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -203,6 +204,13 @@ def _serve(path: str, ready_fd: int) -> None:
             importlib.import_module(name)
     if importlib.util.find_spec("vllm") is not None:
         from vllm import LLM  # noqa: F401 - the ~7 s import of a vLLM run
+    try:  # inductor's probe of this CPU's vector ISA (10 test subprocesses, 1.2 s in every vLLM run; cached per process)
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.valid_vec_isa_list()
+    except Exception:  # noqa: BLE001 - a run that needs it probes for itself
+        pass
+    gc.freeze()  # the imported modules' objects: never scanned by the runs' collections (nor copied by them)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
