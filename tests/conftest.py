@@ -38,12 +38,12 @@ def launch(cmd: list[str], *, procs: int, timeout: float = 600, env: dict[str, s
     """`accelerate launch` (accelerate=False: `torch.distributed.run`) of `procs` processes running cmd = [SCRIPT, *args]
     from the repo root, one thread each, with extra `env`. The processes are forked from the warm server
     (tests/forked_runs.py: the launchers' environment, the first failure stops the others, outputs one after another in
-    rank order, the first failure's exit status); GRPO_TEST_FORK=0, or an `env` of the run's own that needs a fresh
-    interpreter (_sets_python_variable), runs the real launcher. Tests whose subject is the launcher itself (its
+    rank order, the first failure's exit status); GRPO_TEST_FORK=0, or an environment that needs a fresh interpreter
+    (forked_runs.can_fork), runs the real launcher. Tests whose subject is the launcher itself (its
     signals, its exit summary) call accelerate_launch."""
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     run_env.pop("WORLD_SIZE", None)
-    if forked_runs.enabled() and not _sets_python_variable(env):
+    if forked_runs.can_fork(run_env):
         return forked_runs.launch([sys.executable, *map(str, cmd)], procs=procs, cwd=REPO, env=run_env, timeout=timeout,
                                   port=free_port(), accelerate=accelerate)
     launcher = accelerate_launch(procs) if accelerate else \
@@ -156,21 +156,15 @@ def _tiny_base(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[st
 def run_script(cmd: list, *, procs: int | None = None, timeout: float = 600,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """cmd = [SCRIPT, *args] from the repo root with extra `env`, its output captured: one process forked from the
-    warm server (tests/forked_runs.py), or a fresh interpreter when `env` sets a PYTHON* variable of its own
-    (_sets_python_variable) or GRPO_TEST_FORK=0; `procs` processes: `launch`."""
+    warm server (tests/forked_runs.py), or a fresh interpreter when the run's environment changes what acts at
+    interpreter start or import (forked_runs.can_fork) or GRPO_TEST_FORK=0; `procs` processes: `launch`."""
     if procs is not None:
         return launch(cmd, procs=procs, timeout=timeout, env={"PYTHONUNBUFFERED": "1", **(env or {})})
     full = [sys.executable, *map(str, cmd)]
     run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if forked_runs.enabled() and not _sets_python_variable(env):
+    if forked_runs.can_fork(run_env):
         return forked_runs.run_forked(full, cwd=REPO, env=run_env, timeout=timeout)
     return subprocess.run(full, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
-
-
-def _sets_python_variable(env: dict[str, str] | None) -> bool:
-    """Whether a run's own environment sets a PYTHON* variable that acts at interpreter start (PYTHONPATH with a
-    sitecustomize): such a run needs a fresh interpreter, not a fork."""
-    return any(key.startswith("PYTHON") and key != "PYTHONUNBUFFERED" for key in (env or {}))
 
 
 def run_train(args: list[str], *, launcher: list[str] | None = None, procs: int | None = None, timeout: int = 600,

@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,23 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     return os.environ.get("GRPO_TEST_FORK", "1") != "0"
+
+
+# variables read at interpreter start or when the warm modules are imported (PYTHONPATH's sitecustomize, hub and
+# cache paths, tempfile's folder, inductor's settings, the loader's): a run that changes one needs a fresh interpreter
+IMPORT_TIME = ("PYTHON", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "LD_",
+               "MALLOC_", "TMPDIR", "TEMP", "TMP")
+_START_ENV = dict(os.environ)  # the server's environment: the session's, before any test changed os.environ
+
+
+def can_fork(env: dict[str, str]) -> bool:
+    """Whether a run with environment `env` can be forked from the warm server: forking is on (GRPO_TEST_FORK) and
+    env agrees with the server's environment on every IMPORT_TIME variable."""
+    if not enabled():
+        return False
+    start = _START_ENV
+    keys = {k for k in (*env, *start) if k.startswith(IMPORT_TIME) and k != "PYTHONUNBUFFERED"}  # the server's is 1
+    return all(env.get(k) == start.get(k) for k in keys)
 
 
 def run_forked(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -70,12 +88,13 @@ def launch(cmd: list[str], *, procs: int, cwd: Path, env: dict[str, str], timeou
     if accelerate:
         common.update({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_DYNAMO_MODE": "default",
                        "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False"})
-    runs = [_Run(cmd, cwd=cwd, env={**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)})
-            for r in range(procs)]
+    runs: list[_Run] = []
     deadline = time.monotonic() + timeout
     codes: dict[int, int] = {}
     first_failure, stop_at = None, None
     try:
+        for r in range(procs):
+            runs.append(_Run(cmd, cwd=cwd, env={**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}))
         while len(codes) < procs:
             waiting = [r for r in range(procs) if r not in codes]
             limit = min(deadline, stop_at + STOP_GRACE_S if stop_at else deadline) - time.monotonic()
@@ -84,7 +103,11 @@ def launch(cmd: list[str], *, procs: int, cwd: Path, env: dict[str, str], timeou
                     _kill_group(runs[r].pid)
                 limit = deadline - time.monotonic()
             if limit <= 0:
-                raise subprocess.TimeoutExpired(cmd, timeout)
+                for r in waiting:
+                    _kill_group(runs[r].pid)
+                output = [run.result(None) for run in runs]
+                raise subprocess.TimeoutExpired(cmd, timeout, "".join(p.stdout for p in output),
+                                                "".join(p.stderr for p in output))
             ready, _, _ = select.select([runs[r].conn for r in waiting], [], [], limit)
             for r in waiting:
                 if runs[r].conn in ready:
@@ -95,9 +118,9 @@ def launch(cmd: list[str], *, procs: int, cwd: Path, env: dict[str, str], timeou
                             if other not in codes and other != r:
                                 _signal_group(runs[other].pid, signal.SIGTERM)
     finally:
-        for r in range(procs):
+        for r, run in enumerate(runs):
             if r not in codes:
-                _kill_group(runs[r].pid)
+                _kill_group(run.pid)
     results = [run.result(codes[r]) for r, run in enumerate(runs)]
     returncode = 0 if first_failure is None else codes[first_failure]
     return subprocess.CompletedProcess(cmd, returncode, "".join(p.stdout for p in results), "".join(p.stderr for p in results))
@@ -119,7 +142,11 @@ class _Run:
         self.conn.sendall(len(request).to_bytes(8, "big"))
         with open(os.devnull, "rb") as null:
             socket.send_fds(self.conn, [request], [null.fileno(), self.out.fileno(), self.err.fileno()])
-        self.pid = int(self._line())
+        self.conn.settimeout(SERVER_START_S)
+        said = self._line()
+        if not said:
+            raise RuntimeError(f"the warm trainer server did not fork {cmd[1]} (its log: {_server.get('log')})")
+        self.pid = int(said)
 
     def _line(self) -> str:
         """One line from the waiter, read a byte at a time (nothing of the next line is buffered away from select)."""
@@ -138,15 +165,22 @@ class _Run:
             line = self._line()
         except TimeoutError:
             _kill_group(self.pid)
-            raise subprocess.TimeoutExpired(self.cmd, timeout) from None
+            output = self.result(None)
+            raise subprocess.TimeoutExpired(self.cmd, timeout, output.stdout, output.stderr) from None
+        except BaseException:  # an interrupted test (Ctrl-C, a pytest timeout): the run does not outlive it
+            _kill_group(self.pid)
+            raise
         if not line:  # the waiter died: the server went away
             _kill_group(self.pid)
             raise RuntimeError(f"the forked run of {self.cmd[1]} lost its server")
         return int(line)
 
-    def result(self, returncode: int) -> subprocess.CompletedProcess:
+    def result(self, returncode: int | None) -> subprocess.CompletedProcess:
         texts = []
         for f in (self.out, self.err):
+            if f.closed:
+                texts.append("")
+                continue
             f.seek(0)
             texts.append(f.read().decode("utf-8", "replace"))
             f.close()
@@ -161,8 +195,11 @@ def _kill_group(pid: int) -> None:
 def _signal_group(pid: int, signum: int) -> None:
     try:
         os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
+    except (ProcessLookupError, PermissionError):  # gone, or (before its setpgrp) not yet a group of its own
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _server_path() -> str:
@@ -171,34 +208,49 @@ def _server_path() -> str:
         if proc is not None and proc.poll() is None:
             return _server["path"]
         folder = tempfile.mkdtemp(prefix="grpo-fork-")
-        path = os.path.join(folder, "server.sock")
+        path, log = os.path.join(folder, "server.sock"), os.path.join(folder, "server.log")
         ready_r, ready_w = os.pipe()
-        proc = subprocess.Popen([sys.executable, "-u", __file__, path, str(ready_w)], pass_fds=(ready_w,),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen([sys.executable, "-u", __file__, path, str(ready_w)], pass_fds=(ready_w,),
+                                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env={**_START_ENV, "PYTHONUNBUFFERED": "1"})
         os.close(ready_w)
+        atexit.register(_stop, proc, folder)
         with os.fdopen(ready_r) as ready:
-            said = ready.read()
+            readable, _, _ = select.select([ready], [], [], SERVER_START_S)
+            said = ready.read() if readable else ""
         if said != "ready":
             proc.kill()
-            raise RuntimeError(f"the warm trainer server did not start: {said!r}")
-        _server.update(proc=proc, path=path)
-        atexit.register(_stop, proc)
+            raise RuntimeError(f"the warm trainer server did not start in {SERVER_START_S:.0f} s: {said!r}; its "
+                               f"output: {Path(log).read_text(errors='replace')[-4000:]}")
+        _server.update(proc=proc, path=path, log=log)
         return path
 
 
-def _stop(proc: subprocess.Popen) -> None:
+SERVER_START_S = 300.0  # its imports take ~10 s on an idle 2-core machine
+
+
+def _stop(proc: subprocess.Popen, folder: str) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- the server's side ------------------------------------------------------------------------------------------------
 
 def _serve(path: str, ready_fd: int) -> None:
+    import ctypes
     import importlib
     import importlib.util
 
+    parent = os.getppid()
+    try:  # the server dies with its pytest worker, however that ends (PR_SET_PDEATHSIG = 1)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
     for name in WARM_IMPORTS + WARM_VLLM:
         if importlib.util.find_spec(name.split(".")[0]) is not None:
             importlib.import_module(name)
@@ -219,14 +271,27 @@ def _serve(path: str, ready_fd: int) -> None:
     os.close(ready_fd)
     while True:
         conn, _ = listener.accept()
-        size = int.from_bytes(_exactly(conn, 8), "big")
-        request, fds, _, _ = socket.recv_fds(conn, size, 3)
-        while len(request) < size:
-            request += conn.recv(size - len(request))
+        conn.settimeout(10.0)  # one client that stops half-way does not stall the others
+        try:
+            size = int.from_bytes(_exactly(conn, 8), "big")
+            request, fds, _, _ = socket.recv_fds(conn, size, 3)
+            request += _exactly(conn, size - len(request))
+        except (OSError, EOFError):
+            conn.close()
+            continue
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         if os.fork() == 0:  # the waiter: forks the run, reports its pid, then its exit status
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _wait_for_run(conn, json.loads(request), fds)
+            conn.settimeout(None)
+            try:
+                _wait_for_run(conn, json.loads(request), fds)
+            finally:  # never back into the server's loop (a client gone before its pid was sent)
+                os._exit(0)
         conn.close()
         for fd in fds:
             os.close(fd)
@@ -247,7 +312,15 @@ def _wait_for_run(conn: socket.socket, request: dict, fds: list[int]) -> None:
     if pid == 0:
         conn.close()
         _run(request, fds)  # never returns
-    conn.sendall(f"{pid}\n".encode())
+    try:  # the child's own group before its pid is reported (it calls setpgrp too: whichever runs first)
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    try:
+        conn.sendall(f"{pid}\n".encode())
+    except OSError:  # nobody waits for it
+        os.killpg(pid, signal.SIGKILL)
+        raise
     _, status = os.waitpid(pid, 0)
     try:
         conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
@@ -260,7 +333,7 @@ def _run(request: dict, fds: list[int]) -> None:
     import runpy
     import traceback
 
-    code = 1
+    code, signum = 1, 0
     try:
         os.setpgrp()
         for target, fd in enumerate(fds):
@@ -269,6 +342,7 @@ def _run(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # chosen again from this run's TMPDIR
         if "OMP_NUM_THREADS" in os.environ:
             import torch
 
@@ -290,7 +364,7 @@ def _run(request: dict, fds: list[int]) -> None:
                 print(stop.code, file=sys.stderr)
         except KeyboardInterrupt:  # python's exit for it: killed by SIGINT
             traceback.print_exc()
-            code = -signal.SIGINT
+            signum = signal.SIGINT
         except BaseException:  # noqa: BLE001 - what python prints for an uncaught exception, and its exit status
             traceback.print_exc()
             code = 1
@@ -302,10 +376,10 @@ def _run(request: dict, fds: list[int]) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code)
+        if signum:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        os._exit(code & 0xFF)
 
 
 if __name__ == "__main__":  # sys.path[0] is tests/: each run puts its own script's folder there
