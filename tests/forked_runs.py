@@ -58,12 +58,26 @@ _START_ENV = dict(os.environ)  # the server's environment: the session's, before
 
 def can_fork(env: dict[str, str]) -> bool:
     """Whether a run with environment `env` can be forked from the warm server: forking is on (GRPO_TEST_FORK) and
-    env agrees with the server's environment on every IMPORT_TIME variable."""
+    env agrees on every IMPORT_TIME variable with the server's environment, either as the server started (the
+    session's) or as its imports left it: importing vllm sets TORCHINDUCTOR_COMPILE_THREADS, TORCHINDUCTOR_CACHE_DIR
+    and LD_LIBRARY_PATH in os.environ, and a test that imported it in its pytest process passes those on in every
+    environment it copies from os.environ (a fresh interpreter started with them imports the same modules as the
+    server did). The server is started only when env differs from the session's start."""
     if not enabled():
         return False
     start = _START_ENV
     keys = {k for k in (*env, *start) if k.startswith(IMPORT_TIME) and k != "PYTHONUNBUFFERED"}  # the server's is 1
-    return all(env.get(k) == start.get(k) for k in keys)
+    differ = [k for k in keys if env.get(k) != start.get(k)]
+    if not differ:
+        return True
+    imported = server_import_env()
+    return all(k in imported and env.get(k) == imported[k] for k in differ)
+
+
+def server_import_env() -> dict[str, str]:
+    """The variables the server's warm imports set or changed in its os.environ (starting the server if need be)."""
+    _server_path()
+    return dict(_server["imported"])
 
 
 def run_forked(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -219,11 +233,11 @@ def _server_path() -> str:
         with os.fdopen(ready_r) as ready:
             readable, _, _ = select.select([ready], [], [], SERVER_START_S)
             said = ready.read() if readable else ""
-        if said != "ready":
+        if not said.startswith("ready\n"):
             proc.kill()
             raise RuntimeError(f"the warm trainer server did not start in {SERVER_START_S:.0f} s: {said!r}; its "
                                f"output: {Path(log).read_text(errors='replace')[-4000:]}")
-        _server.update(proc=proc, path=path, log=log)
+        _server.update(proc=proc, path=path, log=log, imported=json.loads(said.removeprefix("ready\n")))
         return path
 
 
@@ -251,6 +265,7 @@ def _serve(path: str, ready_fd: int) -> None:
         pass
     if os.getppid() != parent:
         return
+    before = dict(os.environ)
     for name in WARM_IMPORTS + WARM_VLLM:
         if importlib.util.find_spec(name.split(".")[0]) is not None:
             importlib.import_module(name)
@@ -267,7 +282,8 @@ def _serve(path: str, ready_fd: int) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    os.write(ready_fd, b"ready")
+    imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    os.write(ready_fd, b"ready\n" + json.dumps(imported).encode())
     os.close(ready_fd)
     while True:
         conn, _ = listener.accept()

@@ -4,6 +4,7 @@ whose first failure stops the other, and which environments need a fresh interpr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -117,3 +118,14 @@ def test_only_environments_the_server_was_imported_under_are_forked():
     without = {k: v for k, v in env.items() if not k.startswith("HF_")}
     if without != env:
         assert not forked_runs.can_fork(without)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: nothing sets its variables")
+def test_environments_copied_after_importing_vllm_in_the_test_process_are_still_forked():
+    import vllm  # noqa: F401 - as an in-process engine test does: it sets TORCHINDUCTOR_* and LD_LIBRARY_PATH here
+
+    env = dict(os.environ)
+    changed = {k for k in env if k.startswith(forked_runs.IMPORT_TIME) and env[k] != forked_runs._START_ENV.get(k)}
+    assert changed <= set(forked_runs.server_import_env()), "the server's imports set what vllm's import set here"
+    assert forked_runs.can_fork(env)
+    assert not forked_runs.can_fork({**env, "TORCHINDUCTOR_COMPILE_THREADS": "7"})  # neither the start's nor vllm's
