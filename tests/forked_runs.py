@@ -62,7 +62,7 @@ def can_fork(env: dict[str, str]) -> bool:
     session's) or as its imports left it: importing vllm sets TORCHINDUCTOR_COMPILE_THREADS, TORCHINDUCTOR_CACHE_DIR
     and LD_LIBRARY_PATH in os.environ, and a test that imported it in its pytest process passes those on in every
     environment it copies from os.environ (a fresh interpreter started with them imports the same modules as the
-    server did). The server is started only when env differs from the session's start."""
+    server did). The server is asked (and started) only about values this pytest process's os.environ holds now."""
     if not enabled():
         return False
     start = _START_ENV
@@ -70,6 +70,8 @@ def can_fork(env: dict[str, str]) -> bool:
     differ = [k for k in keys if env.get(k) != start.get(k)]
     if not differ:
         return True
+    if any(env.get(k) != os.environ.get(k) for k in differ):  # the run's own setting: no server asked (nor started)
+        return False
     imported = server_import_env()
     return all(k in imported and env.get(k) == imported[k] for k in differ)
 
