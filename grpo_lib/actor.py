@@ -563,20 +563,20 @@ class Actor:
                                       adapters_off=lambda: AdapterDisabledReference(self, self.cfg))
 
 
-class Reference:
-    """Frozen copy of the initial policy, sharded like the actor (no optimizer).
+class FrozenModel:
+    """A model that never trains, sharded like the actor (no optimizer): the KL reference and the distillation teacher.
 
-    Stored in `model.dtype` (auto: float32 on CPU, bfloat16 on GPU: it never trains), computing in the actor's
-    param_dtype. With `ref.fsdp_config.param_offload` its shards live in CPU memory (FSDP2 CPUOffloadPolicy:
-    each unit is copied to the device only for its own forward). Built only with a KL term.
-    """
+    Read by process 0 (the others build it on the meta device) in `model.dtype` (auto: float32 on CPU, bfloat16 on
+    GPU), computing in the actor's param_dtype on the attention implementation the actor's settings choose. With
+    `ref.fsdp_config.param_offload` its shards live in CPU memory (FSDP2 CPUOffloadPolicy: each unit is copied to the
+    device only for its own forward)."""
 
-    def __init__(self, cfg, *, device: torch.device):
+    def __init__(self, cfg, path: str, *, name: str, device: torch.device):
         self.cfg, self.device = cfg, device
         fc = cfg.actor.fsdp_config
         param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
         offload = cfg.ref.fsdp_config.param_offload
-        self.model = load_model(cfg.model.path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
+        self.model = load_model(path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
                                 trust_remote_code=cfg.model.trust_remote_code,
                                 attn_implementation=attention.select_attn_implementation(
                                     device, param_dtype, remove_padding=cfg.model.use_remove_padding),
@@ -584,10 +584,17 @@ class Reference:
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
                                  cpu_offload=offload)
-        print(fsdp.describe(self.model, name="reference", param_dtype=param_dtype, trainable=False)
+        print(fsdp.describe(self.model, name=name, param_dtype=param_dtype, trainable=False)
               + (", shards in CPU memory between uses" if offload else ""), flush=True)
         master = next(self.model.parameters()).dtype
         self.autocast = lambda: perf.compute_autocast(device, dtypes.torch_dtype(fc.param_dtype, device, cpu_auto=master), master)
+
+
+class Reference(FrozenModel):
+    """Frozen copy of the initial policy (model.path), a `FrozenModel`. Built only with a KL term."""
+
+    def __init__(self, cfg, *, device: torch.device):
+        super().__init__(cfg, cfg.model.path, name="reference", device=device)
 
     @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The distillation teacher: a frozen model that scores the student's rollouts token by token (distillation.enabled).
 
-It lives where the KL reference lives (grpo_lib/actor.py `Reference`): read by process 0 and sharded with FSDP2 over
+It is built as the KL reference is (grpo_lib/actor.py `FrozenModel`): read by process 0 and sharded with FSDP2 over
 every process (the others build it on the meta device), stored in model.dtype, computing in the actor's param_dtype,
 its shards in CPU memory between uses with ref.fsdp_config.param_offload (each unit copied to the device only for its
-forward), micro-batched by the reference pass's keys (ref.log_prob_*). It is scored by the one logprob function
+forward); micro-batched by the reference pass's keys (ref.log_prob_*). It is scored by the one logprob function
 (`grpo_lib.logprobs.token_scores`) at temperature 1 (verl's teacher logprobs are its inference engine's raw ones), on
 the loss tokens only: their logprobs and, for forward_kl_topk, the teacher's k most likely ids and their
 log-probabilities, from the same head call.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lib import attention, distillation, dtypes, fsdp, perf
-from grpo_lib.actor import HEAD_CHECKPOINT_MIN_BYTES, dummy_micro_batch, load_model, micro_batches, response_scores
+from grpo_lib import attention, distillation, perf
+from grpo_lib.actor import HEAD_CHECKPOINT_MIN_BYTES, FrozenModel, dummy_micro_batch, micro_batches, response_scores
 from grpo_lib.batching import restore_order
 from grpo_lib.logprobs import choose_layout, layout_kwargs
 from grpo_lib.types import RolloutBatch
@@ -53,26 +53,11 @@ def tokenizer_problem(cfg, student_tokenizer) -> str | None:
     return None
 
 
-class Teacher:
-    """The frozen teacher, sharded like the reference (no optimizer). `score(batch)` fills the batch's teacher_* fields."""
+class Teacher(FrozenModel):
+    """The frozen teacher, a `FrozenModel` like the reference. `score(batch)` fills the batch's teacher_* fields."""
 
     def __init__(self, cfg, *, device: torch.device):
-        self.cfg, self.device = cfg, device
-        fc = cfg.actor.fsdp_config
-        param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
-        offload = cfg.ref.fsdp_config.param_offload
-        path = cfg.distillation.teacher_models.teacher_model.model_path
-        self.model = load_model(path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code,
-                                attn_implementation=attention.select_attn_implementation(device, param_dtype),
-                                empty=not fsdp.reads_weights())  # as the actor and the reference
-        self.model.eval().requires_grad_(False)
-        self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype,
-                                 reduce_dtype=getattr(torch, fc.reduce_dtype), cpu_offload=offload)
-        print(fsdp.describe(self.model, name="teacher", param_dtype=param_dtype, trainable=False)
-              + (", shards in CPU memory between uses" if offload else ""), flush=True)
-        master = next(self.model.parameters()).dtype
-        self.autocast = lambda: perf.compute_autocast(device, dtypes.torch_dtype(fc.param_dtype, device, cpu_auto=master), master)
+        super().__init__(cfg, cfg.distillation.teacher_models.teacher_model.model_path, name="teacher", device=device)
         dl = cfg.distillation.distillation_loss
         self.topk = dl.topk if distillation.uses_topk(dl.loss_mode) else 0
 
