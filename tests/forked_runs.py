@@ -9,10 +9,15 @@ stdio, and runs the script as `__main__` (runpy), exactly as `python SCRIPT ARGS
 (a signal's too: -9 for SIGKILL) comes back as the CompletedProcess's returncode. Nothing of grpo_lib is imported
 before the fork: the code under test, and whatever it reads from the environment at import, is fresh in every run.
 
+A run never outlives the test that asked for it: the server dies with its pytest process (PR_SET_PDEATHSIG), and
+each run's waiter kills the run's process group when its client's socket closes before the run ends (the pytest
+process killed, however); a test that stops waiting (its timeout, an interrupt) kills the run itself.
+
 What differs from a fresh interpreter: third-party modules were imported under the server's environment (the test
 session's, which the suite keeps to OMP_NUM_THREADS, no GPU, no hub access), and the child is in a process group of
 its own. The CLI itself (`python train_grpo.py`: imports, argv, exit codes) stays proven by the tests that run it as
-a plain subprocess (tests/test_fail_early.py, tests/test_config.py, every multi-process launch) and by `make demo`.
+a plain subprocess (tests/test_fail_early.py, tests/test_config.py, tests/test_checkpoint.py's runs under a real
+`accelerate launch`: its signals, SIGKILL of a launched run, its exit summary) and by `make demo`.
 GRPO_TEST_FORK=0 runs every trainer run as a plain subprocess instead.
 
     proc = run_forked([sys.executable, "train_grpo.py", "recipes/tiny_cpu.yaml", ...], cwd=REPO, env=env, timeout=600)
@@ -339,11 +344,35 @@ def _wait_for_run(conn: socket.socket, request: dict, fds: list[int]) -> None:
     except OSError:  # nobody waits for it
         os.killpg(pid, signal.SIGKILL)
         raise
-    _, status = os.waitpid(pid, 0)
+    _, status = _wait_or_client_gone(pid, conn)
     try:
         conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
     finally:
         os._exit(0)
+
+
+def _wait_or_client_gone(pid: int, conn: socket.socket) -> tuple[int, int]:
+    """os.waitpid(pid, 0), but a client that goes away first (its socket closed: the pytest process killed, however)
+    has the run's group killed: a run never outlives the test that asked for it."""
+    try:
+        exited = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): the run is not watched
+        return os.waitpid(pid, 0)
+    try:
+        while True:
+            ready, _, _ = select.select([exited, conn], [], [])
+            if exited in ready:
+                return os.waitpid(pid, 0)
+            try:
+                gone = conn.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                gone = True
+            if gone:
+                _kill_group(pid)
+                return os.waitpid(pid, 0)
+            time.sleep(0.05)  # a client never sends more; should it, it is not read, and not spun on
+    finally:
+        os.close(exited)
 
 
 def _run(request: dict, fds: list[int]) -> None:

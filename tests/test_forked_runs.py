@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +130,45 @@ def test_environments_copied_after_importing_vllm_in_the_test_process_are_still_
     assert changed <= set(forked_runs.server_import_env()), "the server's imports set what vllm's import set here"
     assert forked_runs.can_fork(env)
     assert not forked_runs.can_fork({**env, "TORCHINDUCTOR_COMPILE_THREADS": "7"})  # neither the start's nor vllm's
+
+
+def test_a_run_whose_test_process_is_killed_does_not_outlive_it(tmp_path):
+    """SIGKILL of the process that asked for a run (a pytest worker killed, or Ctrl-C twice): its server dies with it
+    (PR_SET_PDEATHSIG) and the run's waiter, seeing its client's socket close, kills the run."""
+    pid_file = tmp_path / "run.pid"
+    script = _script(tmp_path, f"""
+        import os, time
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(120)
+    """)
+    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(forked_runs.__file__).parent)!r})
+        import forked_runs
+        forked_runs.run_forked([sys.executable, {str(script)!r}], cwd={str(tmp_path)!r}, env=dict(os.environ), timeout=300)
+    """)], env={**os.environ, "GRPO_TEST_FORK": "1"})
+    try:
+        deadline = time.monotonic() + 240  # the client's own server imports torch, transformers, vLLM first
+        while not pid_file.exists() or not pid_file.read_text():
+            assert client.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        run_pid = int(pid_file.read_text())
+        os.kill(run_pid, 0)  # running
+        client.kill()
+        client.wait()
+        gone_by = time.monotonic() + 30
+        while _alive(run_pid):
+            assert time.monotonic() < gone_by, f"the run {run_pid} outlived its killed client by 30 s"
+            time.sleep(0.1)
+    finally:
+        client.kill()
+        if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), 9)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
