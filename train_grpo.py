@@ -44,13 +44,14 @@ if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, v
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from grpo_lib.actor import Actor, AdapterDisabledReference, Reference
+    from grpo_lib.actor import Actor
     from grpo_lib.checkpoint import ResumePlan
     from grpo_lib.config import Config
     from grpo_lib.data import PromptDataset, PromptSampler
     from grpo_lib.engines.base import RolloutEngine
     from grpo_lib.episodes import EpisodeRunner
     from grpo_lib.metrics import MetricLogger
+    from grpo_lib.reference import AdapterDisabledReference, Reference
     from grpo_lib.rewards.scorer import RewardScorer
     from grpo_lib.teacher import Teacher
     from grpo_lib.weight_sync import WeightSync
@@ -113,6 +114,7 @@ class GRPOTrainer:
         from grpo_lib.metrics import MetricLogger
         from grpo_lib.perf import freeze_static_heap
         from grpo_lib.plan_memory import auto_budget_notes
+        from grpo_lib.reference import make_reference
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
         from grpo_lib.weight_probe import WeightProbe
@@ -175,7 +177,7 @@ class GRPOTrainer:
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-            reference = actor.make_reference() if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
+            reference = make_reference(actor) if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
             teacher = None
             if cfg.distillation.enabled:  # sharded and offloaded like the reference (grpo_lib/teacher.py)
                 from grpo_lib.teacher import Teacher

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import warnings
 from collections import defaultdict
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lib import algorithms, attention, distillation, dtypes, fsdp, lora, perf
+from grpo_lib import algorithms, attention, distillation, dtypes, fsdp, perf
 from grpo_lib.batching import (
     StepPlan,
     agree_num_micro_batches,
@@ -555,77 +554,3 @@ class Actor:
         With LoRA: path/adapter (peft format) and, with trainer.save_merged, path/merged (`lora.save_lora_checkpoint`)."""
         self.load_params()
         self.weights.save_hf(self.model, path, tokenizer, export_dtype=self.export_dtype, write=_rank() == 0)
-
-    def make_reference(self) -> Reference | AdapterDisabledReference:
-        """The KL reference, the initial policy (build it only with a KL term). `weights` picks: a frozen copy of
-        model.path (`Reference`) or, with LoRA, this actor with its adapters off (`AdapterDisabledReference`)."""
-        return self.weights.reference(frozen_copy=lambda: Reference(self.cfg, device=self.device),
-                                      adapters_off=lambda: AdapterDisabledReference(self, self.cfg))
-
-
-class FrozenModel:
-    """A model that never trains, sharded like the actor (no optimizer): the KL reference and the distillation teacher.
-
-    Read by process 0 (the others build it on the meta device) in `model.dtype` (auto: float32 on CPU, bfloat16 on
-    GPU), computing in the actor's param_dtype on the attention implementation the actor's settings choose. With
-    `ref.fsdp_config.param_offload` its shards live in CPU memory (FSDP2 CPUOffloadPolicy: each unit is copied to the
-    device only for its own forward)."""
-
-    def __init__(self, cfg, path: str, *, name: str, device: torch.device):
-        self.cfg, self.device = cfg, device
-        fc = cfg.actor.fsdp_config
-        param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
-        offload = cfg.ref.fsdp_config.param_offload
-        self.model = load_model(path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code,
-                                attn_implementation=attention.select_attn_implementation(
-                                    device, param_dtype, remove_padding=cfg.model.use_remove_padding),
-                                empty=not fsdp.reads_weights())  # as the actor
-        self.model.eval().requires_grad_(False)
-        self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
-                                 cpu_offload=offload)
-        print(fsdp.describe(self.model, name=name, param_dtype=param_dtype, trainable=False)
-              + (", shards in CPU memory between uses" if offload else ""), flush=True)
-        master = next(self.model.parameters()).dtype
-        self.autocast = lambda: perf.compute_autocast(device, dtypes.torch_dtype(fc.param_dtype, device, cpu_auto=master), master)
-
-
-class Reference(FrozenModel):
-    """Frozen copy of the initial policy (model.path), a `FrozenModel`. Built only with a KL term."""
-
-    def __init__(self, cfg, *, device: torch.device):
-        super().__init__(cfg, cfg.model.path, name="reference", device=device)
-
-    @perf.with_trainer_threads
-    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        r = self.cfg.ref  # knobs resolved in config validation
-        return logprobs_over_batch(
-            self.policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-            max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)
-
-
-class AdapterDisabledReference:
-    """The KL reference with LoRA on: the actor's own model with its adapters switched off (the initial policy), run
-    through the reference pass's knobs like `Reference`; no second model. Says once (process 0) what ref.* keys do."""
-
-    def __init__(self, actor: Actor, cfg):
-        self.actor, self.cfg = actor, cfg
-        if _rank() == 0:
-            print(lora.reference_note(cfg), file=sys.stderr)
-
-    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        r = self.cfg.ref  # knobs resolved in config validation, as for the separate Reference
-        self.actor.load_params()
-        policy = self.actor.policy  # the FSDP2 root around the PeftModel: the same forward path as the actor's
-        was_training = policy.training
-        policy.eval()
-        try:
-            with lora.adapters_disabled(self.actor.model):
-                return logprobs_over_batch(
-                    policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                    max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device,
-                    autocast=self.actor.autocast)  # [B, T]
-        finally:
-            policy.train(was_training)

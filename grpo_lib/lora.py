@@ -6,7 +6,7 @@ the base model). Only A and B are trainable: they alone reach the optimizer (so 
 gradients and are averaged over processes. What follows from that:
 
 - Reference for free: the KL reference is the initial policy, which is the same model with the adapters switched
-  off (`adapters_disabled`), so no second model is loaded (`grpo_lib.actor.AdapterDisabledReference`).
+  off (`adapters_disabled`), so no second model is loaded (`grpo_lib.reference.AdapterDisabledReference`).
 - Push: the engine serves plain Hugging Face weights. `merged_named_weights` yields, per parameter, W + scale * B A
   computed into a new tensor (the actor's W is never modified in place) under the base model's HF names, streamed
   like the full push. Pushing the base (`merge=False`) restores the base model in the engine.

@@ -1,6 +1,6 @@
 """The distillation teacher: a frozen model that scores the student's rollouts token by token (distillation.enabled).
 
-It is built as the KL reference is (grpo_lib/actor.py `FrozenModel`): read by process 0 and sharded with FSDP2 over
+It is built as the KL reference is (grpo_lib/reference.py `FrozenModel`): read by process 0 and sharded with FSDP2 over
 every process (the others build it on the meta device), stored in model.dtype, computing in the actor's param_dtype,
 its shards in CPU memory between uses with ref.fsdp_config.param_offload (each unit copied to the device only for its
 forward); micro-batched by the reference pass's keys (ref.log_prob_*). It is scored by the one logprob function
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from grpo_lib import attention, distillation, perf
-from grpo_lib.actor import HEAD_CHECKPOINT_MIN_BYTES, FrozenModel, dummy_micro_batch, micro_batches, response_scores
+from grpo_lib.actor import HEAD_CHECKPOINT_MIN_BYTES, dummy_micro_batch, micro_batches, response_scores
 from grpo_lib.batching import restore_order
 from grpo_lib.logprobs import choose_layout, layout_kwargs
+from grpo_lib.reference import FrozenModel
 from grpo_lib.types import RolloutBatch
 
 TEACHER_TEMPERATURE = 1.0  # verl's teacher logprobs: its engine's prompt logprobs, of the raw logits

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpo_lib import fsdp
-from grpo_lib.actor import Actor, Reference
+from grpo_lib.actor import Actor
+from grpo_lib.reference import Reference
 from grpo_lib.engines.base import Lifecycle
 from grpo_lib.engines.vllm import VLLMEngine
 from tests.test_ratio import fake_batch, make_cfg
@@ -91,7 +92,7 @@ def test_lora_with_bf16_compute_trains_after_a_reference_pass_came_first(tiny_mo
     inside peft's disable_adapter(), which turns requires_grad off on the adapters. FSDP2 fixes each unit's reduce dtype
     at its first forward from the parameters requiring grad, so it once kept none: the update's bf16 gradients then
     failed to land on the fp32 adapter shards ("assign a gradient with dtype BFloat16 ... grad_dtype Float")."""
-    from grpo_lib.actor import AdapterDisabledReference
+    from grpo_lib.reference import AdapterDisabledReference
 
     cfg = make_cfg(tiny_model_dir, "actor.fsdp_config.param_dtype=bfloat16", "model.lora_rank=4", "model.lora_alpha=8",
                    "actor.use_kl_loss=true")

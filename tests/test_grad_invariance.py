@@ -253,7 +253,7 @@ def test_empty_micro_batches_run_a_zero_dummy(setup, monkeypatch, remove_padding
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
 def test_logprob_passes_return_original_order(setup, remove_padding):
     """Old-logprob and reference passes: balanced micro-batches under their own budgets, rows back in order."""
-    from grpo_lib.actor import Reference
+    from grpo_lib.reference import Reference
 
     actor, batch = setup["actor"], setup["batch"]
     with torch.no_grad():

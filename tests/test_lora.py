@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lib import lora
 from grpo_lib.fsdp import LogprobModel
-from grpo_lib.actor import Actor, AdapterDisabledReference, logprobs_over_batch
+from grpo_lib.actor import Actor, logprobs_over_batch
+from grpo_lib.reference import AdapterDisabledReference
 from grpo_lib.config import ConfigError
 from tests.conftest import launch
 from tests.scripts import grad_case as case
@@ -92,7 +93,7 @@ def test_only_adapters_train_and_base_stays_bit_identical(trained):
 def test_reference_is_the_base_model_exactly(trained, model_dir):
     """Adapters disabled on the trained actor == the separate base-model reference of full fine-tuning, bit for bit
     (same micro-batches and packing: the reference pass's own settings)."""
-    from grpo_lib.actor import Reference
+    from grpo_lib.reference import Reference
 
     cfg, actor, batch = trained["cfg"], trained["actor"], trained["batch"]
     ref = AdapterDisabledReference(actor, cfg).compute_logprobs(batch)  # [B, T]

@@ -25,7 +25,8 @@ from safetensors import safe_open  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from grpo_lib import fsdp  # noqa: E402
-from grpo_lib.actor import Actor, Reference  # noqa: E402
+from grpo_lib.actor import Actor  # noqa: E402
+from grpo_lib.reference import Reference  # noqa: E402
 from grpo_lib.distributed import init_distributed  # noqa: E402
 from grpo_lib.perf import tune_allocator  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402

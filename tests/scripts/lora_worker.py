@@ -19,7 +19,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from grpo_lib import lora  # noqa: E402
-from grpo_lib.actor import Actor, AdapterDisabledReference  # noqa: E402
+from grpo_lib.actor import Actor  # noqa: E402
+from grpo_lib.reference import AdapterDisabledReference  # noqa: E402
 from grpo_lib.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
