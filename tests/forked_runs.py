@@ -77,7 +77,7 @@ def can_fork(env: dict[str, str]) -> bool:
         return True
     if any(env.get(k) != os.environ.get(k) for k in differ):  # the run's own setting: no server asked (nor started)
         return False
-    imported = server_import_env()
+    imported = server_import_env()  # LD_LIBRARY_PATH too: a user's run never starts with what an import added to it
     return all(k in imported and env.get(k) == imported[k] for k in differ)
 
 
@@ -265,6 +265,7 @@ def _serve(path: str, ready_fd: int) -> None:
     import importlib
     import importlib.util
 
+    os.set_inheritable(ready_fd, False)  # no subprocess of the warm imports holds the pipe open
     parent = os.getppid()
     try:  # the server dies with its pytest worker, however that ends (PR_SET_PDEATHSIG = 1)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
@@ -356,13 +357,18 @@ def _wait_or_client_gone(pid: int, conn: socket.socket) -> tuple[int, int]:
     has the run's group killed: a run never outlives the test that asked for it."""
     try:
         exited = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): the run is not watched
-        return os.waitpid(pid, 0)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3, a sandbox's seccomp): polled every 0.2 s instead
+        exited = None
     try:
         while True:
-            ready, _, _ = select.select([exited, conn], [], [])
-            if exited in ready:
+            ready, _, _ = select.select([conn] if exited is None else [exited, conn], [], [], None if exited is not None else 0.2)
+            done = os.waitpid(pid, os.WNOHANG) if exited is None else None
+            if done is not None and done[0] == pid:
+                return done
+            if exited is not None and exited in ready:
                 return os.waitpid(pid, 0)
+            if conn not in ready:
+                continue
             try:
                 gone = conn.recv(1, socket.MSG_PEEK) == b""
             except OSError:
@@ -372,7 +378,8 @@ def _wait_or_client_gone(pid: int, conn: socket.socket) -> tuple[int, int]:
                 return os.waitpid(pid, 0)
             time.sleep(0.05)  # a client never sends more; should it, it is not read, and not spun on
     finally:
-        os.close(exited)
+        if exited is not None:
+            os.close(exited)
 
 
 def _run(request: dict, fds: list[int]) -> None:

@@ -146,7 +146,7 @@ def test_a_run_whose_test_process_is_killed_does_not_outlive_it(tmp_path):
         sys.path.insert(0, {str(Path(forked_runs.__file__).parent)!r})
         import forked_runs
         forked_runs.run_forked([sys.executable, {str(script)!r}], cwd={str(tmp_path)!r}, env=dict(os.environ), timeout=300)
-    """)], env={**os.environ, "GRPO_TEST_FORK": "1"})
+    """)], env={**os.environ, "GRPO_TEST_FORK": "1", "TMPDIR": str(tmp_path)})  # its server's folder: never removed
     try:
         deadline = time.monotonic() + 240  # the client's own server imports torch, transformers, vLLM first
         while not pid_file.exists() or not pid_file.read_text():
@@ -172,3 +172,44 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[-1][0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polled"])
+def test_the_waiter_reports_an_exit_and_kills_a_run_whose_client_left(monkeypatch, pidfd):
+    """forked_runs._wait_or_client_gone, with a pidfd and without (os.pidfd_open refused, as under some sandboxes):
+    a run that exits is reported with its status; a run whose client's socket closes is killed, its group with it."""
+    import socket
+
+    if not pidfd:
+        monkeypatch.setattr(os, "pidfd_open", lambda pid: (_ for _ in ()).throw(OSError("refused")))
+
+    ours, theirs = socket.socketpair()
+
+    def start(seconds: float, code: int) -> int:  # a run as the waiter forks it: in its own group, no client socket
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            theirs.close()
+            os.setpgrp()
+            time.sleep(seconds)
+            os._exit(code)
+        try:
+            os.setpgid(pid, pid)
+        except OSError:  # it did so first
+            pass
+        return pid
+
+    try:
+        pid = start(0.3, 5)
+        started = time.monotonic()
+        got_pid, status = forked_runs._wait_or_client_gone(pid, ours)
+        assert got_pid == pid and os.waitstatus_to_exitcode(status) == 5
+        assert time.monotonic() - started < 5
+        pid = start(120, 0)
+        theirs.close()  # the client went away
+        started = time.monotonic()
+        _, status = forked_runs._wait_or_client_gone(pid, ours)
+        assert os.waitstatus_to_exitcode(status) == -9 and time.monotonic() - started < 5
+    finally:
+        ours.close()
+

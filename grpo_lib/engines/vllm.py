@@ -440,6 +440,9 @@ class _Session:
 
     def step(self) -> list[tuple[object, Generation]]:
         """One engine step; the (key, Generation) of the sample requests that finished in it."""
+        if (self.keys or self.score_ids) and not self.engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM's engine holds none of the {len(self.keys) + len(self.score_ids)} requests this "
+                               "session has not seen finish (one left the engine without a final output)")
         finished = []
         for out in self.engine.step():
             if out.finished and out.request_id in self.keys:
