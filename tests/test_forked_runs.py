@@ -123,9 +123,12 @@ def test_only_environments_the_server_was_imported_under_are_forked():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: nothing sets its variables")
 def test_environments_copied_after_importing_vllm_in_the_test_process_are_still_forked():
+    saved = dict(os.environ)
     import vllm  # noqa: F401 - as an in-process engine test does: it sets TORCHINDUCTOR_* and LD_LIBRARY_PATH here
 
     env = dict(os.environ)
+    os.environ.clear()  # this worker's later tests see the environment they would have without this one
+    os.environ.update(saved)
     changed = {k for k in env if k.startswith(forked_runs.IMPORT_TIME) and env[k] != forked_runs._START_ENV.get(k)}
     assert changed <= set(forked_runs.server_import_env()), "the server's imports set what vllm's import set here"
     assert forked_runs.can_fork(env)
