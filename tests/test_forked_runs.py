@@ -127,12 +127,14 @@ def test_environments_copied_after_importing_vllm_in_the_test_process_are_still_
     import vllm  # noqa: F401 - as an in-process engine test does: it sets TORCHINDUCTOR_* and LD_LIBRARY_PATH here
 
     env = dict(os.environ)
-    os.environ.clear()  # this worker's later tests see the environment they would have without this one
-    os.environ.update(saved)
-    changed = {k for k in env if k.startswith(forked_runs.IMPORT_TIME) and env[k] != forked_runs._START_ENV.get(k)}
-    assert changed <= set(forked_runs.server_import_env()), "the server's imports set what vllm's import set here"
-    assert forked_runs.can_fork(env)
-    assert not forked_runs.can_fork({**env, "TORCHINDUCTOR_COMPILE_THREADS": "7"})  # neither the start's nor vllm's
+    try:
+        changed = {k for k in env if k.startswith(forked_runs.IMPORT_TIME) and env[k] != forked_runs._START_ENV.get(k)}
+        assert changed <= set(forked_runs.server_import_env()), "the server's imports set what vllm's import set here"
+        assert forked_runs.can_fork(env)
+        assert not forked_runs.can_fork({**env, "TORCHINDUCTOR_COMPILE_THREADS": "7"})  # neither the start's nor vllm's
+    finally:  # this worker's later tests see the environment they would have without this one
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_a_run_whose_test_process_is_killed_does_not_outlive_it(tmp_path):
