@@ -145,9 +145,7 @@ class GRPOTrainer:
             val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, tools=tools) if cfg.data.val_files else None
             sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
             try:
-                scorer = RewardScorer(functions=cfg.reward.functions, custom_path=cfg.reward.custom.path, custom_name=cfg.reward.custom.name,
-                                      gsm8k_mode=cfg.reward.gsm8k.mode, timeout_s=cfg.reward.timeout_s,
-                                      num_workers=cfg.reward.num_workers, import_timeout_s=cfg.reward.import_timeout_s)
+                scorer = RewardScorer.from_config(cfg)
             except (ValueError, OSError, ImportError, AttributeError) as exc:
                 raise SetupError(f"reward setup: {exc}") from exc
             undo.callback(scorer.close)
@@ -165,13 +163,10 @@ class GRPOTrainer:
             for note in auto_budget_notes(cfg, world_size=self.world_size, gpu_bytes=gpu_bytes):  # `auto`: the largest that fit
                 if rank == 0:
                     print(note, file=sys.stderr)
-            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load (after `auto` budgets resolve)
-                from grpo_lib.plan_memory import teacher_fit_problem
-                from grpo_lib.teacher import tokenizer_problem
+            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load
+                from grpo_lib.teacher import setup_problem
 
-                problem = tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(
-                    cfg, world_size=self.world_size, gpu_bytes=gpu_bytes)
-                if problem:
+                if problem := setup_problem(cfg, tokenizer, world_size=self.world_size, gpu_bytes=gpu_bytes):
                     raise SetupError(problem)
             # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)

@@ -18,6 +18,15 @@ from grpo_lib.distributed import rank as _rank
 from grpo_lib.types import RolloutBatch
 
 
+def ref_pass_budget(cfg) -> dict:
+    """The reference pass's micro-batch bound (ref.log_prob_*, resolved in config validation) as
+    `logprobs_over_batch` / `actor.micro_batches` take it: max_tokens (None without dynamic batch sizes) and
+    micro_batch_size. The KL reference and the distillation teacher both run on it."""
+    r = cfg.ref
+    return dict(max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                micro_batch_size=r.log_prob_micro_batch_size_per_gpu)
+
+
 def make_reference(actor: Actor) -> Reference | AdapterDisabledReference:
     """The KL reference, the initial policy (build it only with a KL term). `actor.weights` picks: a frozen copy of
     model.path (`Reference`) or, with LoRA, this actor with its adapters off (`AdapterDisabledReference`)."""
@@ -60,11 +69,9 @@ class Reference(FrozenModel):
 
     @perf.with_trainer_threads
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        r = self.cfg.ref  # knobs resolved in config validation
         return logprobs_over_batch(
             self.policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-            max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.device, autocast=self.autocast)
+            **ref_pass_budget(self.cfg), device=self.device, autocast=self.autocast)
 
 
 class AdapterDisabledReference:
@@ -77,7 +84,6 @@ class AdapterDisabledReference:
             print(lora.reference_note(cfg), file=sys.stderr)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        r = self.cfg.ref  # knobs resolved in config validation, as for the separate Reference
         self.actor.load_params()
         policy = self.actor.policy  # the FSDP2 root around the PeftModel: the same forward path as the actor's
         was_training = policy.training
@@ -86,8 +92,6 @@ class AdapterDisabledReference:
             with lora.adapters_disabled(self.actor.model):
                 return logprobs_over_batch(
                     policy, batch, temperature=self.cfg.rollout.temperature, remove_padding=self.cfg.model.use_remove_padding,
-                    max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu, device=self.actor.device,
-                    autocast=self.actor.autocast)  # [B, T]
+                    **ref_pass_budget(self.cfg), device=self.actor.device, autocast=self.actor.autocast)  # [B, T]
         finally:
             policy.train(was_training)

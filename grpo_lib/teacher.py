@@ -21,7 +21,7 @@ from grpo_lib import attention, distillation, perf
 from grpo_lib.actor import HEAD_CHECKPOINT_MIN_BYTES, dummy_micro_batch, micro_batches, response_scores
 from grpo_lib.batching import restore_order
 from grpo_lib.logprobs import choose_layout, layout_kwargs
-from grpo_lib.reference import FrozenModel
+from grpo_lib.reference import FrozenModel, ref_pass_budget
 from grpo_lib.types import RolloutBatch
 
 TEACHER_TEMPERATURE = 1.0  # verl's teacher logprobs: its engine's prompt logprobs, of the raw logits
@@ -54,6 +54,14 @@ def tokenizer_problem(cfg, student_tokenizer) -> str | None:
     return None
 
 
+def setup_problem(cfg, student_tokenizer, *, world_size: int, gpu_bytes: float | None) -> str | None:
+    """Why the run's teacher cannot be used, checked before any weight loads (after `auto` budgets resolve): its
+    tokenizer (`tokenizer_problem`) or its fit on this GPU (`grpo_lib.plan_memory.teacher_fit_problem`); None: it can."""
+    from grpo_lib.plan_memory import teacher_fit_problem
+
+    return tokenizer_problem(cfg, student_tokenizer) or teacher_fit_problem(cfg, world_size=world_size, gpu_bytes=gpu_bytes)
+
+
 class Teacher(FrozenModel):
     """The frozen teacher, a `FrozenModel` like the reference. `score(batch)` fills the batch's teacher_* fields."""
 
@@ -68,11 +76,10 @@ class Teacher(FrozenModel):
         """The teacher's logprobs of `batch`'s loss tokens ([B, T], 0 elsewhere), and with forward_kl_topk its top-k ids
         and log-probabilities there ([B, T, k]), set on the batch; token-budgeted micro-batches (ref.log_prob_*), the
         results in the batch's row order. An empty micro-batch (fewer rows here than the agreed count) runs a dummy."""
-        r, width = self.cfg.ref, batch.input_ids.shape[1]
+        width = batch.input_ids.shape[1]
         share = attention.shares_prefixes(self.model)
         remove_padding = self.cfg.model.use_remove_padding
-        index_lists = micro_batches(batch.seq_lens, max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                                    micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
+        index_lists = micro_batches(batch.seq_lens, **ref_pass_budget(self.cfg),
                                     groups=batch.group_ids if remove_padding and share else None)
         logprobs, topk_logprobs, topk_ids = [], [], []
         for idx in index_lists:

@@ -354,29 +354,28 @@ def _wait_for_run(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
 def _wait_or_client_gone(pid: int, conn: socket.socket) -> tuple[int, int]:
     """os.waitpid(pid, 0), but a client that goes away first (its socket closed: the pytest process killed, however)
-    has the run's group killed: a run never outlives the test that asked for it."""
+    has the run's group killed: a run never outlives the test that asked for it. The run's exit wakes the wait through
+    a pidfd; where os.pidfd_open is refused (Linux < 5.3, a sandbox's seccomp) it is polled every 0.2 s."""
     try:
         exited = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd (Linux < 5.3, a sandbox's seccomp): polled every 0.2 s instead
+    except (AttributeError, OSError):
         exited = None
     try:
         while True:
-            ready, _, _ = select.select([conn] if exited is None else [exited, conn], [], [], None if exited is not None else 0.2)
-            done = os.waitpid(pid, os.WNOHANG) if exited is None else None
-            if done is not None and done[0] == pid:
+            ready, _, _ = select.select([conn] + ([exited] if exited is not None else []), [], [],
+                                        None if exited is not None else 0.2)
+            done = os.waitpid(pid, os.WNOHANG)
+            if done[0] == pid:
                 return done
-            if exited is not None and exited in ready:
-                return os.waitpid(pid, 0)
-            if conn not in ready:
-                continue
-            try:
-                gone = conn.recv(1, socket.MSG_PEEK) == b""
-            except OSError:
-                gone = True
-            if gone:
-                _kill_group(pid)
-                return os.waitpid(pid, 0)
-            time.sleep(0.05)  # a client never sends more; should it, it is not read, and not spun on
+            if conn in ready:
+                try:
+                    gone = conn.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    _kill_group(pid)
+                    return os.waitpid(pid, 0)
+                time.sleep(0.05)  # a client never sends more; should it, it is not read, and not spun on
     finally:
         if exited is not None:
             os.close(exited)

@@ -47,7 +47,7 @@ def test_rows_drive_the_code_tool_of_the_tool_config(tmp_path):
     from grpo_lib.tools.hermes import ToolCall
 
     if {"landlock", "seccomp", "sandbox"} & set(sandbox.isolation_layers()["missing"]):
-        pytest.skip("the sandbox's layers are missing here (tests/test_tools_python.py tests the refusal)")
+        pytest.skip(reason="the sandbox's layers are missing here (tests/test_tools_python.py tests the refusal)")
     [row] = python_tool.make_rows(GSM8K_TRAIN[:1], "train", dataset="gsm8k")
     box = ToolBox(load_tools(str(TOOL_CONFIG)), timeout_s=30, max_response_chars=512, truncate_side="middle")
     try:

@@ -89,7 +89,7 @@ def test_the_per_episode_loop_on_the_running_engine_gives_the_turn_loops_episode
     hundred additions per logit -> well under 1e-4)."""
     name, out = run
     if name != "vllm":
-        pytest.skip("the hf engine has no GenerationSession: its episodes run turn by turn")
+        pytest.skip(reason="the hf engine has no GenerationSession: its episodes run turn by turn")
     for turn_group, episode_group in zip(out["episodes"], out["per_episode"]):
         for a, b in zip(turn_group, episode_group):
             assert (a["token_ids"], a["loss_mask"], a["stop"], a["turns"]) == (b["token_ids"], b["loss_mask"], b["stop"], b["turns"])

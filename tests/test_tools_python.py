@@ -207,7 +207,7 @@ def test_bad_config_is_refused():
 @isolated
 def test_many_files_cannot_fill_the_disk():
     if "tmpfs" in LAYERS["missing"]:
-        pytest.skip(f"no mount namespace here ({LAYERS['missing']['tmpfs']}): only file_mb bounds each file")
+        pytest.skip(reason=f"no mount namespace here ({LAYERS['missing']['tmpfs']}): only file_mb bounds each file")
     tool = PythonTool({"file_mb": 4, "dir_mb": 8, "wall_time_s": 20}, SCHEMA)
     # 100 files of 3 MiB (each under file_mb): the 8 MiB tmpfs of its directory is full at the third
     text = run(tool, "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (3 << 20))")

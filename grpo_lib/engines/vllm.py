@@ -291,7 +291,7 @@ class VLLMEngine(EngineGlue):
             for i, ids in enumerate(prompt_ids):
                 requests.append({"prompt_token_ids": list(ids)})
                 params.append(SamplingParams(
-                    **{**sampling, "n": n}, max_tokens=max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
+                    **sampling, n=n, max_tokens=max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
                     seed=None if seeds is None else seeds[i]))
             preemptions_before = self.preemptions_total()
             score_requests = [{"prompt_token_ids": list(s)} for s in scored]
@@ -300,27 +300,27 @@ class VLLMEngine(EngineGlue):
                 outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
-                result, score_outputs = self._generate_stepwise(requests, params, on_finished, score_requests, sampling)
+                result, score_outputs = self._generate_stepwise(prompt_ids, params, on_finished, scored, sampling)
             if score is not None:
                 score.fill([_prompt_logprobs(out, seq) for out, seq in zip(score_outputs, scored)],
                            weight_version=self.weight_version)
             self.lifecycle.add("rollout/preemptions", self.preemptions_total() - preemptions_before)  # pop_metrics
         return result
 
-    def _generate_stepwise(self, requests: list[dict], params: list, on_finished: OnFinished,
-                           score_requests: list[dict], sampling: dict) -> tuple[list[list[Generation]], list]:
-        """One request per sample through a `_Session` (the score requests added first, then each prompt's samples in
-        order), the engine stepped here, `on_finished` after every step; `score_requests` (generate's `score`) ride
-        along: their outputs come back second, in order, and never reach on_finished."""
+    def _generate_stepwise(self, prompt_ids: list[list[int]], params: list, on_finished: OnFinished,
+                           scored: list[list[int]], sampling: dict) -> tuple[list[list[Generation]], list]:
+        """One request per sample through a `_Session` (the `scored` sequences added first, then each prompt's samples
+        in order, each with its prompt's max_tokens and seed + k), the engine stepped here, `on_finished` after every
+        step; the scored sequences (generate's `score`) ride along: their outputs come back second, in order, and never
+        reach on_finished."""
         session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling)
         result: list[list[Generation | None]] = [[None] * p.n for p in params]
         try:
-            for request in score_requests:
-                session.add_score(request["prompt_token_ids"])
-            for i, (request, p) in enumerate(zip(requests, params)):
+            for sequence in scored:
+                session.add_score(sequence)
+            for i, (ids, p) in enumerate(zip(prompt_ids, params)):
                 for k in range(p.n):  # vLLM's rule for child k of an n-request: seed + k
-                    session.add((i, k), request["prompt_token_ids"], max_tokens=p.max_tokens,
-                                seed=None if p.seed is None else p.seed + k)
+                    session.add((i, k), ids, max_tokens=p.max_tokens, seed=None if p.seed is None else p.seed + k)
             while session.unfinished or session.scores_unfinished:
                 finished = session.step()
                 for (i, k), generation in finished:
@@ -367,10 +367,10 @@ class VLLMEngine(EngineGlue):
 
 
 def sampling_kwargs(*, temperature: float, top_p: float, top_k: int, logprobs: bool) -> dict:
-    """SamplingParams' keyword arguments of a one-sample generation request but max_tokens and seed: one place, so a
-    request of `generate`, of its stepwise path and of a session samples alike (top_k <= 0: no limit; the sampled
-    tokens' logprobs only where asked for and sampling; `generate` replaces n)."""
-    return dict(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+    """SamplingParams' keyword arguments of a generation request but n (1 unless given), max_tokens and seed: one
+    place, so a request of `generate`, of its stepwise path and of a session samples alike (top_k <= 0: no limit; the
+    sampled tokens' logprobs only where asked for and sampling)."""
+    return dict(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
                 logprobs=0 if logprobs and temperature > 0 else None)
 
 
@@ -405,7 +405,7 @@ class _Session:
 
     def __init__(self, engine, counter, *, sampling: dict):
         self.engine, self.counter = engine, counter
-        self.sampling = sampling  # SamplingParams' keyword arguments but max_tokens and seed (`sampling_kwargs`)
+        self.sampling = sampling  # SamplingParams' keyword arguments but n, max_tokens and seed (`sampling_kwargs`)
         self.keys: dict[str, object] = {}  # request id -> the caller's key; unfinished sample requests
         self.score_ids: dict[str, int] = {}  # request id -> index in score_outputs; unfinished score requests
         self.score_outputs: list = []
@@ -422,7 +422,7 @@ class _Session:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(**self.sampling, max_tokens=max_tokens, seed=seed)  # as generate's, for n=1
+        params = SamplingParams(**self.sampling, n=1, max_tokens=max_tokens, seed=seed)  # as generate's, for n=1
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when it finishes
         request_id = f"grpo-{next(self.counter)}"
         self.keys[request_id] = key

@@ -95,6 +95,13 @@ def build_functions(custom_path: str | None, custom_name: str, gsm8k_mode: str, 
 class RewardScorer:
     """Owns the worker pool; `score` once per step, `close` at the end (or use as a context manager)."""
 
+    @classmethod
+    def from_config(cls, cfg) -> RewardScorer:
+        """The run's scorer, from the `reward:` section (raises as the constructor does)."""
+        r = cfg.reward
+        return cls(functions=r.functions, custom_path=r.custom.path, custom_name=r.custom.name, gsm8k_mode=r.gsm8k.mode,
+                   timeout_s=r.timeout_s, num_workers=r.num_workers, import_timeout_s=r.import_timeout_s)
+
     def __init__(self, *, functions: list[dict], custom_path: str | None = None, custom_name: str = "compute_score",
                  gsm8k_mode: str = "strict", timeout_s: float = 10.0, num_workers: int = 2, import_timeout_s: float = 120.0):
         problems = []
