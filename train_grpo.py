@@ -138,6 +138,8 @@ class GRPOTrainer:
         except (ToolConfigError, TemplateError) as exc:
             raise SetupError(f"rollout.multi_turn.enable: {exc}" if isinstance(exc, TemplateError) else str(exc)) from exc
         tools = episodes.toolbox.schemas if episodes is not None else None  # the prompts list them (verl's dataset does)
+        if episodes is not None and rank == 0:  # what contains the model's code (the Python tool's sandbox layers)
+            episodes.toolbox.record_isolation(cfg.trainer.default_local_dir)
         with ExitStack() as undo:  # a failed setup stops what it started (tool threads, reward workers)
             if episodes is not None:
                 undo.callback(episodes.toolbox.close)

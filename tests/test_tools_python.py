@@ -1,8 +1,10 @@
 """The Python code tool (grpo_lib.tools.builtin.PythonTool) tried as a hostile model would: each escape fails with an
 observation the model reads, and the trainer (this test process) and its files are untouched.
 
-The sandbox needs Landlock and the x86_64 seccomp filter (grpo_lib/tools/sandbox_child.py); on a machine without them
-the escape tests skip (saying which layer is missing) and the strict tool's refusal to load is tested instead.
+The sandbox needs bubblewrap's namespaces, Landlock and the x86_64 seccomp filter (grpo_lib/tools/sandbox.py); on a
+machine without them the escape tests skip (saying which layer is missing) and the strict tool's refusal to load is
+tested instead. The second round's escapes (other processes, IPC, file metadata, tasks, forged outcomes, host facts)
+are tests/test_tools_python_escapes.py.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ SCHEMA = ToolSchema({"type": "function", "function": {"name": "python", "descrip
                                                        "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
                                                                       "required": ["code"]}}})
 LAYERS = sandbox.isolation_layers()
-isolated = pytest.mark.skipif(bool({"landlock", "seccomp", "sandbox"} & set(LAYERS["missing"])),
+isolated = pytest.mark.skipif(bool(set(sandbox.REQUIRED) & set(LAYERS["missing"])),
                               reason=f"the sandbox's layers are missing here: {LAYERS['missing']}")
 
 
@@ -103,18 +105,22 @@ def test_the_run_folder_and_home_are_unreadable(tool, tmp_path):
     secret = tmp_path / "run" / "metrics.jsonl"  # stands for the run folder, checkpoints, other temp files
     secret.parent.mkdir()
     secret.write_text("secret-step-1")
-    for path in (secret, os.path.expanduser("~/.bashrc"), "/etc/passwd", __file__):
+    for path in (secret, os.path.expanduser("~/.bashrc"), "/etc/passwd", __file__):  # not in its mount namespace
         text = run(tool, f"print(open({str(path)!r}).read())")
-        assert "PermissionError: [Errno 13] Permission denied" in text and "secret-step" not in text, (path, text)
-    assert "PermissionError" in run(tool, f"import os\nprint(os.listdir({str(tmp_path)!r}))")  # Landlock: no READ_DIR
+        assert "FileNotFoundError: [Errno 2] No such file" in text and "secret-step" not in text, (path, text)
+    assert "FileNotFoundError" in run(tool, f"import os\nprint(os.listdir({str(tmp_path)!r}))")
+    assert "PermissionError" in run(tool, "import os\nprint(os.listdir('/'))")  # Landlock: no READ_DIR of its root
 
 
 @isolated
 def test_writing_outside_its_directory_is_refused(tool, tmp_path):
     target = tmp_path / "planted.txt"
     text = run(tool, f"open({str(target)!r}, 'w').write('x')")
-    assert "PermissionError: [Errno 13] Permission denied" in text and not target.exists()  # Landlock
-    assert "PermissionError" in run(tool, f"import os\nos.remove({__file__!r})") and os.path.exists(__file__)
+    assert "FileNotFoundError" in text and not target.exists()  # no such folder in its mount namespace
+    assert "FileNotFoundError" in run(tool, f"import os\nos.remove({__file__!r})") and os.path.exists(__file__)
+    for path in ("/planted", "/opt/planted", "/usr/planted"):  # its root and the binds: read-only; Landlock
+        text = run(tool, f"open({path!r}, 'w').write('x')")
+        assert "PermissionError" in text or "OSError: [Errno 30] Read-only file system" in text, (path, text)
     # a file within its directory stops at file_mb (RLIMIT_FSIZE): 1 MiB here
     text = run(tool, "f = open('big', 'wb')\nf.write(b'x' * (2 << 20))\nf.flush()")
     assert "OSError: [Errno 27] File too large" in text, text  # Python ignores SIGXFSZ: the write fails
@@ -191,8 +197,10 @@ def test_through_the_toolbox_the_observation_is_truncated():
 
 
 def test_strict_refuses_to_load_without_the_layers(monkeypatch):
-    monkeypatch.setattr(sandbox, "isolation_layers", lambda: {"landlock_abi": 0, "missing": {"landlock": "not available"}})
-    with pytest.raises(ValueError, match="cannot isolate code on this machine: landlock: not available.*best_effort"):
+    monkeypatch.setattr(sandbox, "isolation_layers", lambda limits: {"landlock_abi": 0, "container": "bubblewrap",
+                                                                      "missing": {"landlock": "not available"}})
+    with pytest.raises(ValueError, match=r"cannot isolate code on this machine \(isolation: strict\): landlock: not "
+                                         r"available \(to enable: Linux >= 5.13.*lsm=.*best_effort"):
         PythonTool({}, SCHEMA)
     PythonTool({"isolation": "best_effort"}, SCHEMA)  # asked for: runs with what there is
 
@@ -202,6 +210,8 @@ def test_bad_config_is_refused():
         PythonTool({"cpu_seconds": 3}, SCHEMA)
     with pytest.raises(ValueError, match="memory_mb=0: must be > 0"):
         PythonTool({"memory_mb": 0}, SCHEMA)
+    with pytest.raises(ValueError, match="dir_files='many': must be a number"):
+        PythonTool({"dir_files": "many"}, SCHEMA)
 
 
 @isolated

@@ -15,9 +15,11 @@ evaluate ("2 +", "1 / 0", "x") is answered with "error: ..." (an answer, not a f
 from __future__ import annotations
 
 import ast
+import dataclasses
 import operator
 import os
 import signal
+import sys
 import threading
 from fractions import Fraction
 
@@ -162,49 +164,65 @@ class Gsm8kTool(BaseTool):
 
 class PythonTool(BaseTool):
     """`{"code": "..."}` -> what the code printed (stdout + stderr; a last bare expression's value too, as a REPL
-    shows it), step reward 0. Each call is a fresh interpreter in a fresh directory under the limits of the tool
-    config's `config:` (grpo_lib/tools/sandbox.py says which kernel layer stops which escape):
+    shows it), step reward 0. Each call is a fresh interpreter in a fresh bubblewrap container under the limits of the
+    tool config's `config:` (grpo_lib/tools/sandbox.py says which layer stops which escape):
 
         cpu_time_s: 10        CPU seconds              wall_time_s: 20    wall-clock seconds (keep < tool_timeout_s)
         memory_mb: 1024       address space, MiB       file_mb: 16        largest file written, MiB
-        dir_mb: 64            all it writes, MiB (its directory is a tmpfs of that size)
-        max_output_bytes: 65536  output read back (the model then sees max_tool_response_length characters of it)
+        dir_mb: 64            all it writes, MiB       dir_files: 1024    files + folders it may create
+        max_threads: 32       threads of the code      max_output_bytes: 65536  output read back (the model then sees
+                                                                          max_tool_response_length characters of it)
         max_concurrent: 8     runs at once (each may take memory_mb); a call waits for a slot within wall_time_s
-        isolation: strict     refuse to build (exit 2 at load) where Landlock or seccomp is missing; best_effort
-                              runs with what there is (an audit hook stands in for Landlock: NOT a boundary)
+        isolation: strict     refuse to build (exit 2 at load) unless every layer is up here (bubblewrap's namespaces,
+                              uid 65534 without capabilities, the bounded tmpfs, rlimits, Landlock, seccomp);
+                              best_effort runs with what there is and logs what it lacks (NOT safe for untrusted code)
 
-    Example: execute(id, {"code": "x = 6 * 7\nprint(x)"}) -> ("42\n", 0.0, {}); {"code": "while True: pass"} ->
-    ("Error: the code used its 10 s of CPU time and was stopped.", 0.0, {}).
+    The layers in force are printed once at load and kept in `layers` (train_grpo.py writes them to the run folder's
+    tool_sandbox.json). Example: execute(id, {"code": "x = 6 * 7\nprint(x)"}) -> ("42\n", 0.0, {});
+    {"code": "while True: pass"} -> ("Error: the code used its 10 s of CPU time and was stopped.", 0.0, {}).
     """
 
-    execute_in = "thread"  # the code already runs in a sandbox child killed at wall_time_s; its slots are process-wide
+    execute_in = "thread"  # the code already runs in a sandbox killed at wall_time_s; its slots are process-wide
+    KEYS = {"cpu_time_s": "cpu_s", "wall_time_s": "wall_s", "memory_mb": "memory_mb", "file_mb": "file_mb",
+            "dir_mb": "dir_mb", "dir_files": "dir_inodes", "max_threads": "max_tasks", "max_output_bytes": "output_bytes"}
 
     def __init__(self, config, tool_schema):
         super().__init__(config, tool_schema)
-        known = {"cpu_time_s", "wall_time_s", "memory_mb", "file_mb", "dir_mb", "max_output_bytes", "max_concurrent",
-                 "isolation"}
+        known = {*self.KEYS, "max_concurrent", "isolation"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown PythonTool config key(s) {unknown}; it takes {sorted(known)}")
         isolation = config.get("isolation", "strict")
         if isolation not in ("strict", "best_effort"):
             raise ValueError(f"PythonTool config isolation={isolation!r}: strict or best_effort")
-        self.limits = sandbox.Limits(cpu_s=int(config.get("cpu_time_s", 10)), wall_s=float(config.get("wall_time_s", 20)),
-                                     memory_mb=int(config.get("memory_mb", 1024)), file_mb=int(config.get("file_mb", 16)),
-                                     dir_mb=int(config.get("dir_mb", 64)),
-                                     output_bytes=int(config.get("max_output_bytes", 65536)), strict=isolation == "strict")
-        for key, value in (("cpu_time_s", self.limits.cpu_s), ("wall_time_s", self.limits.wall_s),
-                           ("memory_mb", self.limits.memory_mb), ("max_output_bytes", self.limits.output_bytes)):
-            if value <= 0:
-                raise ValueError(f"PythonTool config {key}={value}: must be > 0")
+        defaults = sandbox.Limits()
+        values = {}
+        for key, name in self.KEYS.items():
+            kind = type(getattr(defaults, name))
+            try:
+                values[name] = kind(config.get(key, getattr(defaults, name)))
+            except (TypeError, ValueError):
+                raise ValueError(f"PythonTool config {key}={config[key]!r}: must be a number") from None
+            if values[name] <= 0:
+                raise ValueError(f"PythonTool config {key}={values[name]}: must be > 0")
+        self.limits = sandbox.Limits(**values, strict=isolation == "strict")
         self.slots = threading.BoundedSemaphore(int(config.get("max_concurrent", min(8, os.cpu_count() or 1))))
-        self.layers = sandbox.isolation_layers()  # checked once here, so a machine without them fails at load
-        missing = self.layers["missing"]
-        if self.limits.strict and ("landlock" in missing or "seccomp" in missing or "sandbox" in missing):
-            raise ValueError("the Python sandbox cannot isolate code on this machine: " +
-                             "; ".join(f"{k}: {v}" for k, v in missing.items()) +
-                             " (Landlock needs Linux >= 5.13, TCP rules 6.7, signal scoping 6.12; seccomp needs x86_64). "
-                             "Set config.isolation: best_effort to run with the layers there are (NOT safe for untrusted code)")
+        self.layers = sandbox.isolation_layers(self.limits)  # checked once here, so a machine without them fails at load
+        missing = {k: v for k, v in self.layers["missing"].items() if k in sandbox.REQUIRED}
+        if missing and self.limits.strict:
+            raise ValueError("the Python sandbox cannot isolate code on this machine (isolation: strict): " +
+                             "; ".join(f"{k}: {v} (to enable: {sandbox.HOW_TO_ENABLE.get(k, 'see docs/TOOLS.md')})"
+                                       for k, v in missing.items()) +
+                             ". Set config.isolation: best_effort to run with the layers there are (NOT safe for untrusted code)")
+        if "bubblewrap" in missing:  # best_effort: the stage on the host, with the layers it can set there
+            self.limits = dataclasses.replace(self.limits, container=False)
+            self.layers = sandbox.isolation_layers(self.limits)
+        if os.environ.get("RANK", "0") == "0":
+            lacking = self.layers["missing"]
+            print(f"python tool: isolation {isolation}, {self.layers['container']} container, Landlock ABI "
+                  f"{self.layers['landlock_abi']}; layers in force: "
+                  f"{', '.join(k for k in sandbox.REQUIRED + ('landlock_net', 'landlock_scope') if k not in lacking)}"
+                  + (f"; missing: {lacking}" if lacking else ""), file=sys.stderr)
 
     def execute(self, instance_id, parameters, **kwargs):
         code = parameters.get("code", "")
@@ -219,20 +237,32 @@ class PythonTool(BaseTool):
         return self.observation(result), 0.0, {}
 
     def observation(self, result: sandbox.RunResult) -> str:
-        """What the model reads of one run: its output, then why it stopped if it did not end on its own."""
+        """What the model reads of one run: its output, then why it stopped if it did not end on its own. Nothing of
+        the host: a sandbox failure's detail (paths, uids) goes to the trainer's log only."""
         out, lim = result.output, self.limits
         if result.status == "ok":
             return out if out else "(no output)"
         if result.status == "sandbox_error":
-            return f"Error: the Python sandbox could not start: {out.strip()}"
+            print(f"python tool: the sandbox did not run a call: {result.detail}", file=sys.stderr)
+            return "Error: the Python sandbox could not run this call (the trainer's log says why); no code ran."
         if result.status == "output_limit":
             return out + f"\n...(output cut at {lim.output_bytes} bytes; the code was stopped)"
         why = {"cpu_limit": f"Error: the code used its {lim.cpu_s} s of CPU time and was stopped.",
                "timeout": f"Error: the code ran past its {lim.wall_s:g} s time limit and was stopped."}.get(result.status)
         if why is None and result.status == "killed":
-            why = f"Error: the code was killed by signal {signal.Signals(-result.returncode).name}."
+            why = f"Error: the code was killed by signal {signal_name(result.signal)}."
         if why is None:  # error: an exit status other than 0
             why = f"(exit status {result.returncode})" if result.returncode != 1 or not out else ""
             if "MemoryError" in out:
                 why += f" (the memory limit is {lim.memory_mb} MiB)"
         return (out + ("\n" if out and not out.endswith("\n") else "") + why.strip()).strip("\n") or "(no output)"
+
+
+def signal_name(number: int | None) -> str:
+    """9 -> "SIGKILL"; 40 (a real-time signal, no name in Python) -> "40"; None -> "unknown"."""
+    if number is None:
+        return "unknown"
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)

@@ -59,6 +59,7 @@ import math
 import pickle
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from grpo_lib.tools.base import BaseTool
 from grpo_lib.tools.config import ToolConfigError
@@ -270,6 +271,17 @@ class ToolBox:
                 self._instances.pop((e, name), None)
             self.created.pop(e, None)
         return [out[e] for e in episodes]
+
+    def record_isolation(self, run_dir) -> Path | None:
+        """Write the sandbox layers of the tools that have them (PythonTool.layers) to run_dir/tool_sandbox.json, the
+        record of what contained the model's code in this run; None when no tool has a sandbox."""
+        layers = {name: tool.layers for name, tool in self.tools.items() if isinstance(getattr(tool, "layers", None), dict)}
+        if not layers:
+            return None
+        path = Path(run_dir) / "tool_sandbox.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(layers, indent=1, sort_keys=True) + "\n")
+        return path
 
     def close(self) -> None:
         """Kill the worker processes and stop the event loop (abandoned calls' threads are daemons: they never hold
