@@ -174,7 +174,8 @@ def _bwrap_command(bwrap: str, spec: dict, *, as_root: bool, block_fd: int | Non
     if as_root:  # the trainer writes the id maps (uid 0 -> root for the set-up, 65534 -> nobody for the code)
         cmd += ["--userns-block-fd", str(block_fd), "--info-fd", str(info_fd)]
     else:  # bubblewrap maps its uid 65534 to ours; the stage keeps CAP_SYS_ADMIN (of that namespace) for /work's tmpfs
-        cmd += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--disable-userns", "--cap-add", "CAP_SYS_ADMIN"]
+        # (no --disable-userns: its nested namespace would not own the mount namespace; seccomp refuses unshare / clone)
+        cmd += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--cap-add", "CAP_SYS_ADMIN"]
     for name, value in (*clean_env(WORKDIR).items(), *lay.env):
         cmd += ["--setenv", name, value]
     for folder in ("/opt", "/opt/sandbox", "/opt/site-packages"):  # bubblewrap would make a bind's parents 0700
@@ -288,7 +289,7 @@ def run_python(code: str, *, limits: Limits, report_layers: bool = False) -> Run
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     result = _result(records, output.decode("utf-8", "replace"), cut=cut, late=late, limits=limits,
-                     bwrap_errors=(problem or errors.decode("utf-8", "replace")).strip())
+                     bwrap_errors=errors.decode("utf-8", "replace").strip() or problem or "")
     result.wall_s = time.monotonic() - started
     return result
 
@@ -396,7 +397,8 @@ def _result(records: list[dict], output: str, *, cut: bool, late: bool, limits: 
         return RunResult(output, "ok" if code == 0 else "error", code, 0.0)
     if "signal" in merged:
         number = merged["signal"]
-        # SIGKILL we did not send is the CPU hard limit (soft limit + 1 s) when the CPU time says so
-        over = number == signal.SIGXCPU or (number == signal.SIGKILL and merged.get("cpu_s", 0.0) >= limits.cpu_s)
+        # the kernel sends SIGXCPU at the soft limit and SIGKILL at the hard one (+1 s): the CPU limit only when the CPU
+        # time (wait4's, the same clock the limit reads, in microseconds) says so; a signal the code sent itself is its own
+        over = number in (signal.SIGXCPU, signal.SIGKILL) and merged.get("cpu_s", 0.0) >= limits.cpu_s - 0.01
         return RunResult(output, "cpu_limit" if over else "killed", None, 0.0, signal=number)
     return RunResult(output, "timeout" if late else "killed", None, 0.0)  # started, no end: we killed it

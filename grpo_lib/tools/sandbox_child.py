@@ -254,6 +254,8 @@ def run_code(code: str) -> int:
 def code_child(spec: dict, report_fd: int, code: str, layers: dict) -> None:
     """Lock in, report the layers to the stage, close the report pipe, run the code; never returns."""
     os.dup2(1, 2)  # the code's stderr is its stdout: the one pipe the parent reads
+    os.closerange(3, report_fd)  # whatever bubblewrap or the stage left open (its block pipe, the status pipe)
+    os.closerange(report_fd + 1, 1 << 16)
     layers["identity"] = drop_identity(spec["uid"], spec["gid"], switch=spec["mode"] == "bwrap") or \
         (f"runs as the trainer's uid {spec['host_uid']} (no bubblewrap)" if spec["mode"] != "bwrap" else None)
     if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: no setuid binary regains what is taken
