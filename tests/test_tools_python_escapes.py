@@ -149,7 +149,7 @@ out = []
 for p in {sorted(inside)!r}:
     for name, call in (("chmod", lambda: os.chmod(p, 0o4777)), ("chown", lambda: os.chown(p, 65534, 65534)),
                        ("utime", lambda: os.utime(p, (0, 0))), ("rename", lambda: os.rename(p, p + ".x")),
-                       ("link", lambda: os.link(p, "/work/hard")), ("unlink", lambda: os.unlink(p)),
+                       ("link", lambda: os.link(p, "hard")), ("unlink", lambda: os.unlink(p)),
                        ("xattr", lambda: os.setxattr(p, "security.capability", b"\\x01" * 20)),
                        ("truncate", lambda: os.truncate(p, 0))):
         try:

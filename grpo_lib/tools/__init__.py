@@ -4,7 +4,7 @@
     config.py   loading verl's tool-config YAML into tool objects (ToolConfigError names the file and the entry)
     functions.py  verl's function tools (rollout.multi_turn.function_tool_path): @function_tool functions as tools
     builtin.py  the built-in tools: a calculator, verl's gsm8k answer check, the sandboxed Python code tool
-    sandbox.py  running untrusted Python in a locked-in child (its child side: sandbox_child.py)
+    sandbox.py  running untrusted Python in a bubblewrap container per call (inside it: sandbox_child.py)
     hermes.py   reading `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` out of an assistant turn
     calls.py    running the calls of a turn: per-call timeouts, argument checks, truncation, the text the model sees;
                 what a tool raises, blocks on or leaves running, bounded
