@@ -17,11 +17,16 @@ Every process runs the same number of forward (and backward) passes: the micro-b
 across processes (`batching.agree_num_micro_batches`), and a process with fewer rows than micro-batches
 runs a dummy two-token row whose loss is multiplied by 0 for each empty one, so the per-unit collectives
 (FSDP all-gathers / reduce-scatters) always pair up.
+No micro-batch loop reads a value back from the device, so the host queues micro-batch i + 1 while the device runs
+micro-batch i: each micro-batch's layout and indices are planned on the host from row facts read once per batch
+(`grpo_lib.score_plan`), host tensors reach the device without a wait (`devices.to_device`), and the metrics are
+summed on the device and read in one copy per mini-batch, with the gradient norm (`grpo_lib.update_metrics`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections import defaultdict
@@ -40,10 +45,13 @@ from grpo_lib.batching import (
     split_mini_batches,
 )
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
+from grpo_lib.devices import to_device
 from grpo_lib.distributed import Reduction, all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
-from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, choose_layout, layout_kwargs
+from grpo_lib.logprobs import PACK_BELOW_REAL_FRACTION, layout_kwargs
 from grpo_lib.packing import check_packing_isolated
+from grpo_lib.score_plan import RowFacts, batch_facts, micro_batch_rows, plan_forward
 from grpo_lib.types import RolloutBatch
+from grpo_lib.update_metrics import SUMMED_LOSSES, MicroBatchSums
 from grpo_lib.weights import weights_for
 
 
@@ -85,11 +93,6 @@ def micro_batches(seq_lens: list[int], *, max_tokens: int | None, micro_batch_si
     return local if agreed == len(local) else micro_batch_indices(seq_lens, **budget, min_num_micro_batches=agreed)
 
 
-# Losses already normalised by the mini-batch's global counts: their micro-batch values add up (the other metrics are
-# token-weighted means, perf/ counts, or the ranges of distillation.EXTREMA).
-SUMMED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "distillation/loss")
-
-
 # Recompute the output head in the backward only when a micro-batch's float32 logits exceed this: below it the
 # recompute costs time and saves little memory (bench/results_cpu.md); under it the head also runs as one chunk. A 152k
 # vocabulary is above it from ~220 loss tokens per micro-batch on.
@@ -120,25 +123,28 @@ def logprobs_over_batch(policy, batch: RolloutBatch, *, temperature: float, remo
 
     `planned`: the micro-batches already cut (the old-logprob pass's, from the step's `StepPlan`); else cut here under
     `max_tokens` / `micro_batch_size`. An empty micro-batch (this process has fewer rows than the agreed count) runs a
-    dummy forward, discarded.
+    dummy forward, discarded. Nothing is read back from the device until the last micro-batch: the rows then come to
+    the host in one copy.
     """
     width = batch.input_ids.shape[1]
     share = attention.shares_prefixes(policy.model)
+    facts = batch_facts(batch, share_prefixes=remove_padding and share)  # read once; no micro-batch reads a tensor
     index_lists = planned if planned is not None else micro_batches(
-        batch.seq_lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+        facts.lens, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
         groups=batch.group_ids if remove_padding and share else None)
-    chunks = []
+    chunks, dummy = [], []
     for idx in index_lists:
-        mb = batch.select(idx) if idx else dummy_micro_batch(batch)
-        score_mask = response_scores(mb)
-        layout, _ = choose_layout(mb.input_ids, mb.attention_mask, score_mask, remove_padding=remove_padding,
-                                  share_prefixes=share)
+        mb, mb_facts = micro_batch_rows(batch, facts, idx, dummy)
+        score_mask, layout, _, plan = plan_forward(mb, mb_facts, remove_padding=remove_padding, share_prefixes=share,
+                                                   varlen=attention.is_varlen(policy.model), score_unmasked=True)
         with autocast() if autocast is not None else contextlib.nullcontext():
-            lp, _ = policy(mb.input_ids.to(device), mb.attention_mask.to(device), temperature=temperature,
-                           **layout_kwargs(layout), score_mask=None if score_mask is None else score_mask.to(device), score_unmasked=True,
-                           checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES)  # [b, t]: the update's chunks
-        chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T]
-    return restore_order(chunks, index_lists)  # [B, T]
+            lp, _ = policy(to_device(mb.input_ids, device), to_device(mb.attention_mask, device), temperature=temperature,
+                           **layout_kwargs(layout), score_mask=None if score_mask is None else to_device(score_mask, device),
+                           score_unmasked=True, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES,
+                           plan=plan.to(device))  # [b, t]: the update's chunks
+        chunks.append(torch.nn.functional.pad(lp.float(), (0, width - lp.shape[1]))[:len(idx)])  # [b, T], on the device
+    rows = torch.cat(chunks).cpu()  # [B, T] in micro-batch order: one device-to-host copy for the whole pass
+    return restore_order(list(rows.split([len(idx) for idx in index_lists])), index_lists)  # [B, T]
 
 
 def make_optimizer(params: list[torch.nn.Parameter], actor_cfg, *, device_type: str) -> torch.optim.AdamW:
@@ -252,16 +258,19 @@ class Actor:
         self.collective_bytes = fsdp.count_collectives(self.policy)  # FSDP2 all-gather / reduce-scatter bytes (None: no group)
 
     def check_packing(self) -> None:
-        """The start-up packing isolation check where the run runs: on the sharded policy (its root's parameters
-        gathered, every process at once), on the device, in the compute dtype, with the dtype's tolerance; so the
-        kernels checked are the run's (on CUDA torch's varlen_attn and the shared-prompt call, flash-attn's). Every
-        process stops when one finds a leak."""
-        problem = None
-        try:
-            with fsdp.root_unsharded(self.policy), self.autocast():
-                check_packing_isolated(self.model, dtype=self.compute_dtype)
-        except RuntimeError as exc:
-            problem = exc
+        """The start-up packing isolation check where the run runs: on the sharded policy, inside one forward of its
+        FSDP2 root as a scored pass (`fsdp.in_root_forward`, every process at once), on the device, in the compute dtype,
+        with the dtype's tolerance; so the kernels checked are the run's (on CUDA torch's varlen_attn and the
+        shared-prompt call, flash-attn's). Every process stops when one finds a leak."""
+        def check(model):  # inside the root's forward: returns the problem (raising would skip FSDP2's post-forward)
+            try:
+                check_packing_isolated(model, dtype=self.compute_dtype)
+            except RuntimeError as exc:
+                return exc
+            return None
+
+        with self.autocast():
+            problem = fsdp.in_root_forward(self.policy, check)
         if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that found it
             raise problem or RuntimeError("the packed-sequence isolation check failed on another process (its error says why)")
 
@@ -324,55 +333,65 @@ class Actor:
 
     # -- update ----------------------------------------------------------------------------------------
 
-    def micro_batch_loss(self, mb: RolloutBatch, *, num_tokens: float, num_seqs: float, compute_entropy: bool):
-        """Loss of one micro-batch normalised by the mini-batch's global counts, and its metrics."""
+    def micro_batch_loss(self, mb: RolloutBatch, *, num_tokens: float, num_seqs: float, compute_entropy: bool,
+                         facts: RowFacts | None = None):
+        """Loss of one micro-batch normalised by the mini-batch's global counts, its metrics and its loss tokens.
+
+        Nothing here reads a device value: the layout and the forward's indices are decided on the host from `facts`
+        (its rows' `RowFacts`; read from `mb` when not given), the host tensors go to the device without waiting
+        (`devices.to_device`), and the metrics stay device scalars (the `perf/` counts host floats) that
+        `update_metrics.MicroBatchSums` adds up and reads once per mini-batch."""
         a, alg = self.cfg.actor, self.cfg.algorithm
-        mask = mb.loss_mask.to(self.device)  # [b, T] every term, count and metric below reads the loss mask
-        score_mask = response_scores(mb)
+        remove_padding = self.cfg.model.use_remove_padding
+        facts = facts or batch_facts(mb, share_prefixes=remove_padding and self.share_prefixes)
         # Packed only where it pays (the old-logprob pass decides alike on the same micro-batch); the prompt and the
         # response's holes are not scored at all here (score_unmasked=False): the loss reads the loss tokens only, and
         # those are scored in the same chunks as in the old-logprob pass, so the first ratio stays bitwise 1.
-        layout, computed = choose_layout(mb.input_ids, mb.attention_mask, score_mask,
-                                         remove_padding=self.cfg.model.use_remove_padding, share_prefixes=self.share_prefixes)
+        score_mask, layout, computed, plan = plan_forward(mb, facts, remove_padding=remove_padding,
+                                                          share_prefixes=self.share_prefixes,
+                                                          varlen=attention.is_varlen(self.model), score_unmasked=False)
+        dev = functools.partial(to_device, device=self.device)
+        mask = dev(mb.loss_mask)  # [b, T] every term, count and metric below reads the loss mask
         teacher_ids = distillation.student_topk_ids(self.cfg.distillation, mb)  # [b, T, k]: forward_kl_topk's ids
         with self.autocast():
-            lp, entropy, *topk = self.policy(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+            lp, entropy, *topk = self.policy(dev(mb.input_ids), dev(mb.attention_mask),
                                              temperature=self.cfg.rollout.temperature, **layout_kwargs(layout),
                                              compute_entropy=compute_entropy, entropy_grad=a.entropy_coeff != 0,
-                                             score_mask=None if score_mask is None else score_mask.to(self.device),
-                                             score_unmasked=False, checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES,
-                                             **({} if teacher_ids is None else {"extra_ids": teacher_ids.to(self.device)}))
+                                             score_mask=None if score_mask is None else mask, score_unmasked=False,
+                                             checkpoint_min_bytes=HEAD_CHECKPOINT_MIN_BYTES, plan=plan.to(self.device),
+                                             **({} if teacher_ids is None else {"extra_ids": dev(teacher_ids)}))
         lp = lp.float()  # [b, T]
-        old = mb.old_logprobs.to(self.device) if mb.old_logprobs is not None else lp.detach()  # [b, T]
-        is_weights = algorithms.rollout_is_weights(old, mb.rollout_logprobs.to(self.device), mask,  # ones for mode "none"
+        old = dev(mb.old_logprobs) if mb.old_logprobs is not None else lp.detach()  # [b, T]
+        rollout = dev(mb.rollout_logprobs)  # [b, T]
+        is_weights = algorithms.rollout_is_weights(old, rollout, mask,  # ones for mode "none"
                                                    mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)  # [b, T]
         counts = dict(num_tokens=num_tokens, num_seqs=num_seqs,
                       loss_scale_factor=a.loss_scale_factor)
-        pg_loss, metrics = algorithms.policy_loss(lp, old, mb.advantages.to(self.device), mask, is_weights=is_weights,
+        pg_loss, metrics = algorithms.policy_loss(lp, old, dev(mb.advantages), mask, is_weights=is_weights,
                                                   **policy_loss_kwargs(a), **counts)
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = pg_loss.item()
+        metrics["actor/pg_loss"] = pg_loss.detach()
         metrics.update({"perf/packed": float(layout != "padded"), "perf/shared_prefix": float(layout == "shared_prefix"),
-                        "perf/real_tokens": float(mb.attention_mask.sum()), "perf/computed_tokens": float(computed)})
+                        "perf/real_tokens": float(sum(facts.lens)), "perf/computed_tokens": float(computed)})
         if engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
-            gap = ((old - mb.rollout_logprobs.to(self.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
-            metrics["rollout/logprob_abs_diff_mean"] = gap.item()
+            gap = ((old - rollout).abs() * mask).sum() / mask.sum().clamp(min=1)
+            metrics["rollout/logprob_abs_diff_mean"] = gap.detach()
         if a.use_kl_loss:
-            kl = algorithms.kl_penalty(lp, mb.ref_logprobs.to(self.device), a.kl_loss_type)  # [b, T]
+            kl = algorithms.kl_penalty(lp, dev(mb.ref_logprobs), a.kl_loss_type)  # [b, T]
             kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_agg_mode, **counts)
             loss = loss + a.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = kl_loss.item()
+            metrics["actor/kl_loss"] = kl_loss.detach()
         if entropy is not None:
             ent = algorithms.aggregate_loss(entropy.float(), mask, a.loss_agg_mode, **counts)
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * ent
-            metrics["actor/entropy"] = ent.item()
+            metrics["actor/entropy"] = ent.detach()
         if self.cfg.distillation.enabled:  # the teacher's term beside (use_task_rewards) or instead of the GRPO loss
             loss = distillation.micro_batch_loss(self.cfg.distillation.distillation_loss, mb, loss, lp, topk[0] if topk else None,
                                                  old, mask, is_weights, counts, metrics, loss_agg_mode=a.loss_agg_mode,
                                                  device=self.device)
-        return loss, metrics, int(mask.sum().item())
+        return loss, metrics, sum(facts.score_tokens)
 
     def mini_batch_rows(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> list[list[int]]:
         """Row indices of each mini-batch of one epoch (`batching.split_mini_batches`): whole groups, actor.ppo_mini_batch_size
@@ -450,15 +469,16 @@ class Actor:
     def _optimizer_step(self, mini: RolloutBatch, micro: list[list[int]] | None = None) -> dict[str, float]:
         """Backward over the micro-batches of one mini-batch (`micro`: the plan's, else cut here), then one optimizer step."""
         a = self.cfg.actor
-        metrics = self.accumulate_gradients(mini, micro)
+        sums, facts = self._backward_micro_batches(mini, micro)
         params = [p for p in self.model.parameters() if p.grad is not None]
         # Norm of the sharded gradients: each DTensor norm is a partial result; full_tensor() reduces it over processes.
         grad_norm = fsdp.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
         if a.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, a.grad_clip, grad_norm)
-        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics, (norm,) = self._mini_batch_metrics(sums, facts, grad_norm)  # the mini-batch's one read, the norm with it
+        metrics["actor/grad_norm"] = norm
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        finite = math.isfinite(float(grad_norm)) and all(math.isfinite(v) for v in metrics.values())
+        finite = math.isfinite(norm) and all(math.isfinite(v) for v in metrics.values())
         skip = all_reduce_sum(0.0 if finite else 1.0) > 0  # every process skips the same updates
         metrics["actor/skipped_nonfinite_steps"] = float(skip)
         if not skip:
@@ -476,38 +496,48 @@ class Actor:
         (undone by the average), so `.grad` is the gradient of the whole mini-batch's loss on every process, for
         any micro-batching, packing and process count (DESIGN invariant 1). Losses in the metrics are global.
         """
+        return self._mini_batch_metrics(*self._backward_micro_batches(mini, micro))[0]
+
+    def _backward_micro_batches(self, mini: RolloutBatch, micro: list[list[int]] | None) -> tuple[MicroBatchSums, RowFacts]:
+        """`accumulate_gradients`' forward and backward passes: the host reads `mini`'s row facts once, then queues
+        every micro-batch without reading anything back from the device (its metrics stay device sums, returned
+        unread with the facts)."""
         a = self.cfg.actor
+        share = self.cfg.model.use_remove_padding and self.share_prefixes
+        facts = batch_facts(mini, share_prefixes=share)
         # Loss tokens, and rows with at least one (a row whose loss mask is all 0, e.g. a masked truncation, is no
         # sequence of the loss: aggregate_loss's own default count, so the gradient equals the plain batch loss's).
         counts = Reduction()  # both in one all-reduce
-        counts.sum("tokens", mini.loss_mask.sum().item())
-        counts.sum("seqs", int((mini.loss_mask.sum(-1) > 0).sum().item()))
+        counts.sum("tokens", sum(facts.score_tokens))
+        counts.sum("seqs", sum(1 for n in facts.score_tokens if n > 0))
         num_tokens, num_seqs = counts.reduce().values()
         compute_entropy = True  # logged from the same forward; the bonus applies only when entropy_coeff != 0
-        metrics: dict[str, float] = defaultdict(float)
-        weighted: dict[str, float] = defaultdict(float)
-        perf_counts: dict[str, float] = defaultdict(float)
         idx_lists = micro if micro is not None else micro_batches(
-            mini.seq_lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-            micro_batch_size=a.ppo_micro_batch_size_per_gpu,
-            groups=mini.group_ids if self.cfg.model.use_remove_padding and self.share_prefixes else None)
+            facts.lens, max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+            micro_batch_size=a.ppo_micro_batch_size_per_gpu, groups=mini.group_ids if share else None)
+        sums, dummy = MicroBatchSums(), []
         fc = a.fsdp_config  # which all-gathers / reduce-scatters the micro-batches share (fsdp.mini_batch_collectives)
         with fsdp.mini_batch_collectives(self.policy, keep_root_gathered=fc.keep_root_gathered,
                                          reshard_after_forward=fc.reshard_after_forward,
                                          defer_grad_reduce=fc.defer_grad_reduce) as before_micro_batch:
             for i, idx in enumerate(idx_lists):
                 before_micro_batch(i, len(idx_lists))
-                mb = mini.select(idx) if idx else dummy_micro_batch(mini)
+                mb, mb_facts = micro_batch_rows(mini, facts, idx, dummy)
                 weight = 1.0 if idx else 0.0  # an empty micro-batch still runs forward + backward, contributing exactly 0
                 loss, mb_metrics, mb_tokens = self.micro_batch_loss(mb, num_tokens=num_tokens, num_seqs=num_seqs,
-                                                                    compute_entropy=compute_entropy)
+                                                                    compute_entropy=compute_entropy, facts=mb_facts)
                 (loss * (weight * self.world_size)).backward()
-                perf_counts["micro_batches"] += weight
-                self._add_micro_batch_metrics(metrics, weighted, perf_counts, mb_metrics, weight=weight,
-                                              mb_tokens=mb_tokens)
+                sums.add(mb_metrics, weight=weight, loss_tokens=mb_tokens)
+        return sums, facts  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
+
+    @staticmethod
+    def _mini_batch_metrics(sums: MicroBatchSums, facts: RowFacts, *extra: torch.Tensor) -> tuple[dict[str, float], list[float]]:
+        """The mini-batch's metrics, reduced over processes, from its device sums read in one copy (with the `extra`
+        device scalars, returned as floats)."""
+        metrics, weighted, extra_values = sums.read(*extra)
         # The same keys on every process (the dummy reports them too), in sorted order: one all-reduce per kind.
         reduction = Reduction()
-        reduction.count("loss_tokens", mini.loss_mask.sum().item())  # this process's share of num_tokens
+        reduction.count("loss_tokens", sum(facts.score_tokens))  # this process's share of num_tokens
         for k in sorted(weighted):  # per-micro-batch fractions: token-weighted means
             reduction.mean(k, weighted[k], over="loss_tokens")
         for k in SUMMED_LOSSES:
@@ -517,6 +547,7 @@ class Actor:
         for k in extrema:  # the range over every process's loss tokens
             (reduction.min if distillation.EXTREMA[k] == "min" else reduction.max)(k, metrics[k])
         # Share of the (non-dummy) micro-batches that were packed, and real / computed tokens of their forwards.
+        perf_counts = sums.perf
         reduction.count("micro_batches", perf_counts["micro_batches"])
         reduction.count("computed_tokens", perf_counts["perf/computed_tokens"])
         reduction.mean("perf/packed", perf_counts["perf/packed"], over="micro_batches")
@@ -525,25 +556,7 @@ class Actor:
         metrics.update(reduction.reduce())
         for k in extrema:
             metrics[k] = metrics[k] if math.isfinite(metrics[k]) else 0.0  # no loss token on any process
-        return dict(metrics)  # gradients were averaged by FSDP2's reduce-scatter (after each micro-batch, or the last)
-
-    @staticmethod
-    def _add_micro_batch_metrics(metrics: dict, weighted: dict, perf_counts: dict, mb_metrics: dict, *, weight: float,
-                                 mb_tokens: int) -> None:
-        """Add one micro-batch's metrics: the perf/ counts summed (fractions after the loop), the losses (already
-        normalised by global counts) summed, the others token-weighted (divided by the mini-batch's token count after
-        the loop)."""
-        for k, v in mb_metrics.items():
-            if k.startswith("perf/"):
-                perf_counts[k] += weight * v
-            elif k in distillation.EXTREMA:  # a range: the dummy (weight 0) adds nothing
-                pick = min if distillation.EXTREMA[k] == "min" else max
-                neutral = math.inf if distillation.EXTREMA[k] == "min" else -math.inf
-                metrics[k] = pick(metrics.get(k, neutral), v if weight else neutral)
-            elif k in SUMMED_LOSSES:
-                metrics[k] += weight * v  # already normalised by global counts: the sum is this process's share
-            else:
-                weighted[k] += weight * v * mb_tokens  # per-micro-batch fractions: token-weighted mean
+        return metrics, extra_values
 
     # -- save ------------------------------------------------------------------------------------------
 

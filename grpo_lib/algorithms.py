@@ -19,7 +19,8 @@ Departures from the papers / verl, on purpose:
 * ``num_seqs`` defaults to the number of rows with at least one valid token (all-padding rows, e.g.
   dummy rows used to even out data-parallel shards, do not count).
 * Rollout IS weights hold 1.0 (the neutral multiplier) at masked positions, like ``mode="none"``.
-* ``policy_loss`` metrics are local to the tensors passed in (one micro-batch), not global.
+* ``policy_loss`` metrics are local to the tensors passed in (one micro-batch), not global, and stay 0-dim tensors on
+  their device (nothing here reads a value back: the trainer adds them up on the device, ``grpo_lib/update_metrics.py``).
 
 Run the tests with ``.venv/bin/python -m pytest tests/test_algorithms.py``.
 """
@@ -160,7 +161,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                 clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
                 num_tokens: Tensor | float | None = None, num_seqs: Tensor | float | None = None,
                 loss_scale_factor: float | None = None, is_weights: Tensor | None = None,
-                **params) -> tuple[Tensor, dict[str, float]]:
+                **params) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy loss ``loss_mode`` (grpo_lib/policy_losses.py, docs/ALGORITHMS.md), aggregated, and its metrics.
 
     All tensors are [batch, seq_len]; ``advantages`` is already broadcast per token. ``params`` are the other
@@ -169,8 +170,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ``policy_losses.PolicyLossParams``). ``vanilla`` per token: L = max(-A*r, -A*clip(r, 1-low, 1+high)); where A < 0,
     L = min(L, -A*clip_ratio_c). ``is_weights`` (detached) multiply L before ``aggregate_loss``, which uses
     ``loss_agg_mode`` except for the losses of ``names.FORCED_AGG`` (gspo, sapo, geo_mean: seq-mean-token-mean, as
-    verl). Metrics (python floats, masked means over this call's valid tokens): ``pg_clipfrac`` (the loss's clip
-    binding), ``pg_clipfrac_lower`` (dual clip / the lower side binding), ``ppo_kl`` (mean of old - lp).
+    verl). Metrics (0-dim tensors without grad on the inputs' device, never read here: masked means over this call's
+    valid tokens): ``pg_clipfrac`` (the loss's clip binding), ``pg_clipfrac_lower`` (dual clip / the lower side
+    binding), ``ppo_kl`` (mean of old - lp).
     Example: lp == old, vanilla, token-mean -> r = 1 everywhere and loss = -mean(A over valid tokens).
     """
     _check_name("loss_mode", loss_mode, tuple(POLICY_LOSSES))
@@ -194,8 +196,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         valid = mask.to(logprobs.dtype)  # [batch, seq_len]
         denom = valid.sum().clamp(min=1)
 
-        def masked_mean(x: Tensor) -> float:
-            return ((x.to(valid.dtype) * valid).sum() / denom).item()
+        def masked_mean(x: Tensor) -> Tensor:
+            return (x.to(valid.dtype) * valid).sum() / denom  # [] on the device: no read back
 
         metrics = {name: masked_mean(flag) for name, flag in flags.items()}
         metrics["ppo_kl"] = masked_mean(old_logprobs - logprobs)

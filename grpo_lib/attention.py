@@ -28,7 +28,8 @@ with `model.use_remove_padding` grpo_varlen (it shares a prompt's forward among 
 integration cannot, and on CUDA in half precision it runs torch's own flash kernel), without it flash_attention_2
 where transformers can run it, else grpo_varlen. `available_implementations(device)` says for each whether it runs
 here and why not, flash-attn detected as transformers detects it (`is_flash_attn_2_available`: the distribution, its
-version, a CUDA torch; a bare `find_spec` also found CPU-only builds and namesakes). `is_varlen(model)` tells
+version, a CUDA torch; a bare `find_spec` also found CPU-only builds and namesakes) and then by loading its compiled
+extension (a wheel built for another torch ABI passes the metadata check and fails at model load). `is_varlen(model)` tells
 `logprobs.token_logprobs` to pack into one row with the varlen kwargs instead of several rows for a dense mask.
 
 No host reads per layer: a row is packed exactly when the caller passes `cu_seq_lens_q` (decided once per
@@ -43,6 +44,7 @@ Run: `python -m pytest tests/test_attention.py`.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 
@@ -273,16 +275,26 @@ def register() -> None:
     AttentionMaskInterface.register(VARLEN_NAME, _varlen_mask)
 
 
+FLASH_ATTN_EXTENSION = "flash_attn_2_cuda"  # flash-attn 2's compiled kernels (flash_attn_interface imports it)
+
+
 def flash_attention_2_reason(device: torch.device) -> str | None:
     """None when transformers can run flash_attention_2 for a model on `device`, else why not. Detected as transformers
     detects it (`is_flash_attn_2_available`: the flash-attn distribution, version >= 2.3.3, a CUDA torch), not by
-    `find_spec` alone, which also finds a build for another CUDA or a namesake module."""
+    `find_spec` alone, which also finds a build for another CUDA or a namesake module; then its compiled extension
+    (`FLASH_ATTN_EXTENSION`) is loaded: the metadata also passes a wheel built for another torch ABI or CUDA, whose
+    binary fails to load (an undefined symbol, a missing libcudart) only when the model first runs attention."""
     if device.type != "cuda":
         return "flash-attn runs on CUDA only"
     from transformers.utils import is_flash_attn_2_available
 
     if not is_flash_attn_2_available():
         return "transformers finds no usable flash-attn (the flash-attn distribution >= 2.3.3 and a CUDA torch)"
+    try:
+        importlib.import_module(FLASH_ATTN_EXTENSION)
+    except (ImportError, OSError) as exc:
+        return (f"flash-attn is installed but its CUDA extension {FLASH_ATTN_EXTENSION} does not load ({exc}): a wheel "
+                f"built for another torch / CUDA than torch {torch.__version__}")
     return None
 
 

@@ -22,12 +22,14 @@ Run the tests with `.venv/bin/python -m pytest tests/test_distillation.py`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from grpo_lib import algorithms, names
+from grpo_lib.devices import to_device
 from grpo_lib.types import RolloutBatch
 
 
@@ -82,25 +84,29 @@ def distillation_term(divergence: Tensor, logprobs: Tensor, old_logprobs: Tensor
                       clip_ratio_high: float = 0.2, loss_agg_mode: str = "token-mean",
                       num_tokens: Tensor | float | None = None, num_seqs: Tensor | float | None = None,
                       loss_scale_factor: float | None = None,
-                      is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                      is_weights: Tensor | None = None,
+                      loss_positions: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The distillation loss of one micro-batch (a scalar with the mini-batch's global counts) and its metrics.
 
     `divergence` [b, T]: `token_divergence` of the current student (with grad); clamped to [-loss_max_clamp,
     loss_max_clamp] when given. use_policy_gradient: `algorithms.policy_loss` (vanilla, dual clip 3 as verl's default)
     with advantages -divergence.detach(), old_logprobs as its ratio's denominator and `is_weights`; else
-    `algorithms.aggregate_loss(divergence)`. Metrics, local to this call (python floats; the actor weights them by loss
-    tokens): `distillation/kl_mean` and `distillation/abs_loss` (mean of the divergence / its absolute value over the
-    loss tokens, before the clamp), `distillation/loss_min` / `loss_max` (+inf / -inf without a loss token).
+    `algorithms.aggregate_loss(divergence)`. Metrics, local to this call (0-dim tensors on the device; the actor weights
+    them by loss tokens): `distillation/kl_mean` and `distillation/abs_loss` (mean of the divergence / its absolute value
+    over the loss tokens, before the clamp), `distillation/loss_min` / `loss_max` (+inf / -inf without a loss token).
+    `loss_positions` [n] long: the loss tokens' indices in the flattened [b * T] (`loss_positions` of the host's mask):
+    the values are picked by index, so nothing is read back from the device; without it the mask picks them,
+    which reads their count. Either way the same values in the same order: the same means, bit for bit.
     Example: divergence [[0.5, 1.5]], mask [[1, 1]], token-mean, direct -> loss 1.0, kl_mean 1.0, range [0.5, 1.5].
     """
     with torch.no_grad():
-        valid = mask.bool()  # [b, T]
-        picked = divergence.detach()[valid]  # [n]
+        picked = _pick(divergence.detach(), mask, loss_positions)  # [n]
+        empty = picked.numel() == 0  # a shape: known without reading the device
         metrics = {
-            "distillation/kl_mean": float(picked.mean()) if picked.numel() else 0.0,
-            "distillation/abs_loss": float(picked.abs().mean()) if picked.numel() else 0.0,
-            "distillation/loss_min": float(picked.min()) if picked.numel() else float("inf"),
-            "distillation/loss_max": float(picked.max()) if picked.numel() else float("-inf"),
+            "distillation/kl_mean": picked.new_zeros(()) if empty else picked.mean(),
+            "distillation/abs_loss": picked.new_zeros(()) if empty else picked.abs().mean(),
+            "distillation/loss_min": picked.new_full((), math.inf) if empty else picked.min(),
+            "distillation/loss_max": picked.new_full((), -math.inf) if empty else picked.max(),
         }
     if loss_max_clamp is not None:
         divergence = divergence.clamp(-loss_max_clamp, loss_max_clamp)  # [b, T]
@@ -128,17 +134,33 @@ def total_loss(task_loss: Tensor, distill_loss: Tensor, *, use_task_rewards: boo
 EXTREMA: dict[str, str] = {"distillation/loss_min": "min", "distillation/loss_max": "max"}
 
 
-def topk_mass_metrics(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+def loss_positions(mask: Tensor) -> Tensor:
+    """Indices [n] of the loss tokens (nonzero `mask` entries) in the flattened [b * T], row-major: the order a boolean
+    mask selects in. Called on the HOST mask, then sent to the device: picking by them reads nothing back there.
+    Example: [[0, 1], [1, 1]] -> [1, 2, 3]."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def _pick(values: Tensor, mask: Tensor, positions: Tensor | None) -> Tensor:
+    """values[mask.bool()] ([b, T, ...] -> [n, ...]): by `positions` when given (an index gather), else by the mask."""
+    if positions is None:
+        return values[mask.bool()]
+    return values.reshape(-1, *values.shape[2:]).index_select(0, positions)
+
+
+def topk_mass_metrics(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor, mask: Tensor,
+                      positions: Tensor | None = None) -> dict[str, Tensor]:
     """forward_kl_topk: mean over loss tokens of the probability mass the student / the teacher puts on the teacher's
-    top-k ids (verl's distillation/student_mass, teacher_mass). A teacher mass far below 1 says k is too small.
+    top-k ids (verl's distillation/student_mass, teacher_mass), 0-dim tensors (0 without a loss token); `positions`:
+    `loss_positions` of the mask (picked by index: nothing read back), as in `distillation_term`. A teacher mass far
+    below 1 says k is too small.
     Example: teacher top-2 probabilities [.5, .25], student [.25, .25] -> teacher_mass .75, student_mass .5."""
     with torch.no_grad():
-        valid = mask.bool()  # [b, T]
-        student = student_topk_logprobs.detach().float().exp().sum(-1)[valid]  # [n]
-        teacher = teacher_topk_logprobs.detach().float().exp().sum(-1)[valid]  # [n]
+        student = _pick(student_topk_logprobs.detach().float().exp().sum(-1), mask, positions)  # [n]
+        teacher = _pick(teacher_topk_logprobs.detach().float().exp().sum(-1), mask, positions)  # [n]
         if not student.numel():
-            return {"distillation/student_mass": 0.0, "distillation/teacher_mass": 0.0}
-        return {"distillation/student_mass": float(student.mean()), "distillation/teacher_mass": float(teacher.mean())}
+            return {"distillation/student_mass": student.new_zeros(()), "distillation/teacher_mass": teacher.new_zeros(())}
+        return {"distillation/student_mass": student.mean(), "distillation/teacher_mass": teacher.mean()}
 
 
 # ------------------------------------------------------------------ the actor's one call (grpo_lib/actor.py)
@@ -157,18 +179,20 @@ def micro_batch_loss(dl, mb: RolloutBatch, task_loss: Tensor, lp: Tensor, studen
 
     `dl`: the config's distillation_loss section; lp [b, T]: the student's logprobs (with grad); student_topk [b, T, k]:
     its log-probabilities at the teacher's top-k ids (forward_kl_topk), from the same forward; `mb` holds the teacher's
-    scores; counts: the mini-batch's global ones (micro-batching never changes the gradient)."""
+    scores (host tensors; `mask` is its loss mask on the device); counts: the mini-batch's global ones (micro-batching never
+    changes the gradient). Reads nothing back from the device: the metrics stay device scalars."""
     topk = uses_topk(dl.loss_mode)
-    teacher_topk = mb.teacher_topk_logprobs.to(device) if topk else None  # [b, T, k]
-    divergence = token_divergence(dl.loss_mode, logprobs=lp, teacher_logprobs=None if topk else mb.teacher_logprobs.to(device),
+    teacher_topk = to_device(mb.teacher_topk_logprobs, device) if topk else None  # [b, T, k]
+    divergence = token_divergence(dl.loss_mode, logprobs=lp, teacher_logprobs=None if topk else to_device(mb.teacher_logprobs, device),
                                   student_topk_logprobs=student_topk, teacher_topk_logprobs=teacher_topk,
                                   log_prob_min_clamp=dl.log_prob_min_clamp)  # [b, T]
+    positions = to_device(loss_positions(mb.loss_mask), device)  # [n] from the host's mask: no read on the device
     term, term_metrics = distillation_term(
         divergence, lp, old, mask, use_policy_gradient=dl.use_policy_gradient, loss_max_clamp=dl.loss_max_clamp,
         clip_ratio_low=dl.clip_ratio_low, clip_ratio_high=dl.clip_ratio_high, loss_agg_mode=loss_agg_mode,
-        is_weights=is_weights, **counts)
+        is_weights=is_weights, loss_positions=positions, **counts)
     metrics.update(term_metrics)
     if topk:
-        metrics.update(topk_mass_metrics(student_topk, teacher_topk, mask))
-    metrics["distillation/loss"] = term.item()
+        metrics.update(topk_mass_metrics(student_topk, teacher_topk, mask, positions))
+    metrics["distillation/loss"] = term.detach()  # a device scalar: read once per mini-batch (grpo_lib/update_metrics.py)
     return total_loss(task_loss, term, use_task_rewards=dl.use_task_rewards, distillation_loss_coef=dl.distillation_loss_coef)

@@ -5,7 +5,9 @@ One rule for collectives: the group is created with one backend per device type,
 GPU machine and "cpu:gloo" on CPU. A collective on a CPU tensor then runs over gloo and one on a CUDA tensor
 over NCCL, so every helper here reduces plain CPU tensors on either machine (an NCCL-only group rejects CPU
 tensors: `all_reduce_sum` would die at step 1 on GPU). The FSDP2 all-gathers / reduce-scatters move CUDA
-tensors over NCCL. `tests/test_distributed.py` runs every helper on 2 processes with `backend_string(False)`.
+tensors over NCCL. Hence every process must pass the same device type to a collective (a CUDA tensor here and a CPU
+one there hang: docs/DESIGN.md, invariant 10). `tests/test_distributed.py` runs every helper on 2 processes with
+`backend_string(False)`.
 
 Which runs get a group: a launcher run (WORLD_SIZE set, even to 1), and a single-GPU `python train_grpo.py`
 (a 1-process group so the actor takes the same FSDP2 mixed-precision path as on 4 GPUs). A plain

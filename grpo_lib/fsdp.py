@@ -35,7 +35,7 @@ Offload (verl's `param_offload` / `optimizer_offload` for the actor): `offload_p
 CPU while vLLM generates and `load_params` brings them back for the logprob pass, the update and the push;
 the optimizer state moves the same way around the optimizer step. The reference uses FSDP2's
 `CPUOffloadPolicy` instead: its shards live in CPU memory always and each unit is copied to the device only
-for its own forward. On a CPU machine both are no-ops (the device is the CPU).
+for its own forward (its buffers, the rotary tables, stay on the device). On a CPU machine both are no-ops (the device is the CPU).
 """
 
 from __future__ import annotations
@@ -59,13 +59,17 @@ class LogprobModel(nn.Module):
 
     Example: `policy(ids, mask, temperature=1.0)` -> (logprobs [b, T], entropy or None), as `token_logprobs`; with
     `extra_ids` or `topk` (on-policy distillation's top-k) the whole `TokenScores` of `token_scores`.
+    `in_root_forward(policy, fn)` runs any other use of the model (the start-up packing check) as one root forward.
     """
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                run_inside=None, **kwargs):
+        if run_inside is not None:  # in_root_forward
+            return run_inside(self.model)
         if kwargs.get("extra_ids") is not None or kwargs.get("topk", 0) > 0:
             scores = token_scores(self.model, input_ids, attention_mask, **kwargs)
             return TokenScores(*(t.clone() if t is not None else None for t in scores))  # not views (below)
@@ -74,21 +78,15 @@ class LogprobModel(nn.Module):
         return logprobs.clone(), (entropy.clone() if entropy is not None else None)
 
 
-@contextlib.contextmanager
-def root_unsharded(policy: nn.Module):
-    """The FSDP2 root's own parameters (embeddings, final norm, head) gathered while the body calls the model around
-    the root's forward (the start-up packing check calls the Hugging Face model itself); the decoder layers gather
-    themselves as usual. Without FSDP2 (one CPU process) nothing to do."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(policy, FSDPModule):
-        yield
-        return
-    policy.unshard()
-    try:
-        yield
-    finally:
-        policy.reshard()
+@torch.no_grad()
+def in_root_forward(policy: LogprobModel, fn):
+    """`fn(policy.model)` (the Hugging Face model) inside ONE no-grad forward of the root `policy`, through its
+    `__call__`, so FSDP2 runs it as it runs a scored pass: the root's pre-forward (the all-gather streams wait for the
+    current stream, the inputs move to the device), the root's parameters (embeddings, final norm, head) gathered for
+    all of `fn`, each decoder layer gathered for its own forward, everything resharded after. `fn` should return
+    rather than raise (an exception skips FSDP2's post-forward). Every process calls it (it all-gathers). Without a
+    process group it is `fn(policy.model)`. Example: `in_root_forward(policy, check_packing_isolated)` -> None."""
+    return policy(run_inside=fn)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -134,11 +132,17 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(policy, **kwargs)
+    shard_device = torch.device("cpu") if cpu_offload else device  # where this process's shards live
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model.to_empty(device=torch.device("cpu") if cpu_offload else device)  # this process's shards, not filled yet
+        model.to_empty(device=shard_device)  # this process's shards, not filled yet
+    # One device type per collective on every process (docs/DESIGN.md, invariant 10): fully_shard moved process 0's
+    # buffers to `device`, the meta build put the others' beside their shards, so all of them go to the shards'
+    # device for the broadcasts, then to `device` for the forward.
+    move_buffers(model, shard_device)
     if fill:
         fill_from_rank0(model, full_state)
     del full_state
+    move_buffers(model, device)
     # FSDP2 fixes each unit's mixed-precision dtypes (the reduce dtype among them) at its first forward, from the
     # parameters that require grad AT THAT MOMENT. With LoRA the first forward would be the reference pass inside
     # peft's disable_adapter(), which turns requires_grad off on the adapters: every unit would then keep no reduce
@@ -169,6 +173,11 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> No
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    # Every broadcast below runs on the shards' device type, the same on every process (one offload policy for all):
+    # a tensor on another one would pick another backend of the group here than on the others (a hang).
+    local = {(t.to_local() if isinstance(t, DTensor) else t).device.type for t in (*model.parameters(), *model.buffers())}
+    assert len(local) == 1, (f"process {dist.get_rank()}: shards and buffers on {sorted(local)}; the broadcasts need "
+                             "one device type (fsdp.shard moves the buffers beside the shards)")
     chunks, size = [[]], 0  # each entry: the names of one tensor (first one broadcast, the others tied to it)
     for names in names_by_tensor(model, full_state).values() if full_state else []:
         if size >= FILL_CHUNK_BYTES:
@@ -187,6 +196,14 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> No
     assert not missing, f"process 0's state dict lacks {missing[:5]} ({len(missing)} entries): those shards would stay unfilled"
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of `model` (whole on every process: FSDP2 shards parameters only) onto `device`."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def release_freed_host_memory() -> bool:

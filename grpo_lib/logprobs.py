@@ -19,6 +19,11 @@ How it works:
 3. The log-probabilities go through one autograd function (`_TargetLogprobs`: fused forward, closed-form backward
    from the softmax it keeps). Entropy is only logged unless it carries a coefficient: `entropy_grad=False` computes
    it inside the same function from that softmax, without a graph.
+4. Which rows run how (padded, packed, prompts shared) and every index the forward gathers and scatters by (the
+   packed tokens, each scored token and its predicting position) come from a host-side plan
+   (`grpo_lib.score_plan`: built from host tensors and moved to the device without waiting), so the forward reads
+   nothing back from the device: no boolean-mask index, no `.tolist()`, no `.item()` (the layout rules,
+   `choose_layout` and friends, live there too and are re-exported here).
 
 Alignment (verl's `logprobs_from_logits` shifted to token positions):
     logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]
@@ -29,18 +34,14 @@ Run: `python -m pytest tests/test_logprobs.py`.
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from grpo_lib.attention import is_varlen, shares_prefixes
-from grpo_lib.packing import (pack_sequences, pack_shared_prefixes, packed_forward_kwargs, shared_prefix_forward_kwargs,
-                              shared_prefix_tokens)
-
-
-def _flat_positions(shape: tuple[int, int], device: torch.device | None = None) -> Tensor:
-    """[rows, width] indices of each position in the flattened rows. Example: (2, 2) -> [[0, 1], [2, 3]]."""
-    return torch.arange(shape[0] * shape[1], device=device).view(shape)  # [rows, width]
+from grpo_lib.packing import packed_forward_kwargs, shared_prefix_forward_kwargs
+from grpo_lib.score_plan import (PACK_BELOW_REAL_FRACTION, PACKED_ROW_TOKENS, RowFacts, ScorePlan,  # noqa: F401 (re-exported)
+                                 choose_layout, layout_kwargs, num_packed_rows, packing_pays, plan_scores, prefix_lengths,
+                                 real_token_fraction)
 
 
 def _decoder_hidden_states(model: torch.nn.Module, **forward_kwargs) -> Tensor:
@@ -172,83 +173,6 @@ def _chunked_head(
             torch.cat(extra) if extra[0] is not None else None, torch.cat(top) if top[0] is not None else None)  # [N, k] x 2
 
 
-def num_packed_rows(mask: Tensor, packed_row_tokens: int | None) -> int:
-    """Rows for packing a [b, T] right-padded micro-batch: ceil(tokens / max(packed_row_tokens, longest)), >= 1.
-
-    Example: lengths [500, 300, 100, 400], packed_row_tokens 512 -> ceil(1300 / 512) = 3 rows.
-    """
-    if packed_row_tokens is None or mask.shape[0] == 0:
-        return 1
-    lens = mask.sum(dim=1)  # [b]
-    row_tokens = max(packed_row_tokens, int(lens.max()))
-    return max(1, -(-int(lens.sum()) // row_tokens))
-
-
-# Pack a micro-batch only when its real tokens are under this fraction of its padded [b, longest] block: above it the
-# padding saved is smaller than what packing costs (the per-sequence attention calls, or a dense [row, row] mask).
-PACK_BELOW_REAL_FRACTION = 0.9
-
-
-def real_token_fraction(attention_mask: Tensor) -> float:
-    """Real tokens / (rows x longest row) of a right-padded [b, T] micro-batch: 1.0 without length spread.
-
-    Example: lengths [4, 2] -> 6 / (2 x 4) = 0.75."""
-    lens = attention_mask.sum(dim=1)  # [b]
-    return float(lens.sum()) / max(1, int(lens.max()) * lens.shape[0]) if lens.numel() else 1.0
-
-
-def packing_pays(attention_mask: Tensor) -> bool:
-    """Whether `model.use_remove_padding` packs this micro-batch: real_token_fraction < PACK_BELOW_REAL_FRACTION.
-
-    A function of the micro-batch alone, so the old-logprob pass and the update decide alike on the same micro-batch
-    (first update's ratio bitwise 1). Example: lengths [128, 128, 127] -> no; [480, 40, 60] -> yes."""
-    return real_token_fraction(attention_mask) < PACK_BELOW_REAL_FRACTION
-
-
-def prefix_lengths(score_mask: Tensor) -> list[int]:
-    """Per row, the tokens before its first scored token (its prompt), 0 for a row that scores nothing.
-    Example: [[0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0]] -> [2, 1, 0]."""
-    scored = score_mask.bool()  # [b, T]
-    first = scored.to(torch.uint8).argmax(dim=1)  # [b], 0 where nothing is scored
-    return torch.where(scored.any(dim=1), first, torch.zeros_like(first)).tolist()
-
-
-def choose_layout(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None, *, remove_padding: bool,
-                  share_prefixes: bool) -> tuple[str, int]:
-    """How `token_logprobs` runs a right-padded micro-batch, and the tokens its decoder then computes.
-
-    - "shared_prefix" (`remove_padding` and `share_prefixes`, i.e. grpo_varlen): rows that begin with the same prompt
-      share one copy of it (`packing.pack_shared_prefixes`) when that computes under PACK_BELOW_REAL_FRACTION of
-      what the next choice would (the real tokens where packing pays, else the padded block): GRPO's n responses per
-      prompt then pay for the prompt once.
-    - "packed" (`remove_padding`): `packing_pays`, the real tokens alone.
-    - "padded": rows x longest row.
-    A function of the micro-batch alone: the old-logprob pass and the update decide alike (first ratio bitwise 1).
-    Example: 8 rows of a 30-token prompt + 128 response tokens: padded 1264, shared 30 + 8 * 128 = 1054 -> shared.
-    """
-    lens = attention_mask.sum(dim=1)  # [b]
-    padded = int(lens.max()) * lens.shape[0] if lens.numel() else 0
-    if not remove_padding:
-        return "padded", padded
-    real = int(lens.sum())
-    packs = packing_pays(attention_mask)
-    if share_prefixes and score_mask is not None:
-        shared = shared_prefix_tokens(input_ids, attention_mask, prefix_lengths(score_mask))
-        # Against packing, sharing must save a tenth of the tokens too: its rows run one attention call per prompt
-        # group member, where plain packing may have one varlen kernel call (CUDA).
-        if shared < PACK_BELOW_REAL_FRACTION * (real if packs else padded):
-            return "shared_prefix", shared
-    if packs:
-        return "packed", real
-    return "padded", padded
-
-
-def layout_kwargs(layout: str) -> dict:
-    """`token_logprobs` keywords of a `choose_layout` layout. Example: "shared_prefix" -> remove_padding and
-    share_prefixes True."""
-    return dict(remove_padding=layout != "padded", share_prefixes=layout == "shared_prefix")
-
-
 class TokenScores(NamedTuple):
     """What `token_scores` returns (a NamedTuple, so FSDP2 finds its tensors for its backward hooks). Entry t of each
     tensor is about token t, from the distribution that predicted it (position 0 and unscored positions are 0)."""
@@ -275,7 +199,7 @@ def token_scores(
     remove_padding: bool = False,
     compute_entropy: bool = False,
     chunk_size: int = 1024,
-    packed_row_tokens: int | None = 512,
+    packed_row_tokens: int | None = PACKED_ROW_TOKENS,
     score_mask: Tensor | None = None,
     score_unmasked: bool = False,
     entropy_grad: bool = True,
@@ -283,6 +207,7 @@ def token_scores(
     share_prefixes: bool = False,
     extra_ids: Tensor | None = None,
     topk: int = 0,
+    plan: ScorePlan | None = None,
 ) -> TokenScores:
     """Per-token log-probabilities (and optionally entropies) of `input_ids` under `model`, float32 [b, T].
 
@@ -319,6 +244,9 @@ def token_scores(
     without grad) and their log-probabilities (`extra_logprobs`): the teacher's pass; extra_ids [b, T, k] gives the
     log-probabilities at those ids, with grad (`extra_logprobs`): the student's update at the teacher's top-k. Either
     way `logprobs` holds the same values as without them.
+    plan: the micro-batch's `score_plan.ScorePlan` for these arguments, built on the host from host tensors and moved
+    to the device (`ScorePlan.to`): the call then reads nothing back from the device, so the host can queue the next
+    micro-batch meanwhile. Without it one is built here from host copies of the masks (one device-to-host copy).
     Example: ids [[5, 6, 7]], mask [[1, 1, 1]] -> logprobs [[0, log p(6 | 5), log p(7 | 5 6)]].
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
@@ -329,99 +257,70 @@ def token_scores(
     assert packed_row_tokens is None or packed_row_tokens >= 1, (
         f"packed_row_tokens must be >= 1 or None, got {packed_row_tokens}"
     )
+    assert score_mask is None or score_mask.shape == input_ids.shape, (
+        f"score_mask {tuple(score_mask.shape)} must be [b, T] like input_ids")
     batch_size, seq_len = input_ids.shape
-    mask = attention_mask.to(torch.long)  # [b, T]
     varlen = is_varlen(model)
-    # Token t is scored iff it and its predecessor are real tokens: [b, T - 1] for targets 1..T-1.
-    scored = (mask[:, 1:] * mask[:, :-1]).bool()  # [b, T - 1]
-
-    if remove_padding and share_prefixes and score_mask is not None:
-        assert shares_prefixes(model), (
-            f"share_prefixes needs grpo_varlen attention, the model has {getattr(model.config, '_attn_implementation', None)!r}")
-        shared = pack_shared_prefixes(input_ids, mask, prefix_lengths(score_mask))
-        hidden = _decoder_hidden_states(model, **shared_prefix_forward_kwargs(shared))  # [1, N, hidden]
-        source = shared.padded_to_packed[:, :-1][scored]  # [N_scored]: a prompt's last token repeats per row
-        targets = input_ids[:, 1:][scored]  # [N_scored]
-    elif remove_padding:
-        packed = pack_sequences(input_ids, mask, num_rows=1 if varlen else num_packed_rows(mask, packed_row_tokens))
-        hidden = _decoder_hidden_states(model, **packed_forward_kwargs(packed, varlen=varlen))  # [k, width, hidden]
-        # Packed token j is scored iff it is real and does not start a sequence (its predecessor is then the
-        # previous token of its sequence). Reordered by the token's index in the padded [b, T] layout, the scored
-        # tokens appear in the order in which `scored` is True, as in the padded path.
-        packed_scored = packed.real[:, 1:] & (packed.position_ids[:, 1:] > 0)  # [k, width - 1]
-        padded_index = torch.full_like(packed.position_ids, -1)  # [k, width]
-        padded_index[packed.real] = packed.flat_index
-        order = padded_index[:, 1:][packed_scored].argsort()  # [N]
-        positions = _flat_positions(tuple(packed.input_ids.shape), device=input_ids.device)  # [k, width]
-        source = positions[:, :-1][packed_scored][order]  # [N]
-        targets = packed.input_ids[:, 1:][packed_scored][order]  # [N]
-    elif bool((mask[:, 1:] <= mask[:, :-1]).all()):
+    shared = remove_padding and share_prefixes and score_mask is not None
+    layout = "shared_prefix" if shared else "packed" if remove_padding else "padded"
+    assert not shared or shares_prefixes(model), (
+        f"share_prefixes needs grpo_varlen attention, the model has {getattr(model.config, '_attn_implementation', None)!r}")
+    if plan is None:  # built here: the masks copied to the host once (a device sync where they are on a device)
+        host_mask, host_scores = attention_mask.cpu(), None if score_mask is None else score_mask.cpu()
+        facts = RowFacts.of(host_mask, host_scores, input_ids=input_ids.cpu() if shared else None)
+        plan = plan_scores(host_mask, host_scores, facts=facts, layout=layout, varlen=varlen, score_unmasked=score_unmasked,
+                           packed_row_tokens=packed_row_tokens).to(input_ids.device)
+    assert (plan.layout, plan.shape, plan.varlen) == (layout, (batch_size, seq_len), varlen), (
+        f"plan {plan.layout} {plan.shape} varlen={plan.varlen} for a {layout} call on {tuple(input_ids.shape)}, varlen={varlen}")
+    assert len(plan.targets) == (2 if score_mask is not None and score_unmasked else 1), "plan and score_unmasked disagree"
+    if plan.layout == "shared_prefix":
+        hidden = _decoder_hidden_states(model, **shared_prefix_forward_kwargs(plan.pack.with_tokens(input_ids)))  # [1, N, hidden]
+    elif plan.layout == "packed":
+        hidden = _decoder_hidden_states(model, **packed_forward_kwargs(plan.pack.with_tokens(input_ids), varlen=varlen))  # [k, width, hidden]
+    elif plan.right_padded:
         # Right padding: a real token's causal past holds only real tokens, so plain causal attention (no mask, no
         # [b, T, T] mask built) gives its exact values; the pads' outputs are never read.
         position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)  # [b, T]
         hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                         use_cache=False)  # [b, T, hidden]
     else:
-        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, T], left padding too
-        hidden = _decoder_hidden_states(
-            model,
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-        )  # [b, T, hidden]
-    if not remove_padding:
-        source = _flat_positions((batch_size, seq_len), device=input_ids.device)[:, :-1][scored]  # [N]
-        targets = input_ids[:, 1:][scored]  # [N]
-    # Each scored token's predicting hidden state by its index in the flattened rows: index_select's backward is an
-    # index_add, several times faster on CPU than the index_put of a mask or gather index's backward. (On CUDA that
-    # index_add adds a shared prompt's repeated last state with atomics: its gradient is reproducible to rounding, as
-    # flash attention's backward is, not bitwise.)
+        position_ids = (attention_mask.to(torch.long).cumsum(dim=1) - 1).clamp(min=0)  # [b, T], left padding too
+        hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids,
+                                        attention_mask=attention_mask, use_cache=False)  # [b, T, hidden]
+    # Each scored token's predicting hidden state by its index in the flattened rows (`plan.sources`): index_select's
+    # backward is an index_add, several times faster on CPU than the index_put of a mask or gather index's backward.
+    # (On CUDA that index_add adds a shared prompt's repeated last state with atomics: its gradient is reproducible to
+    # rounding, as flash attention's backward is, not bitwise.)
     predicting = hidden.reshape(-1, hidden.shape[-1])  # [rows * width, hidden]
-    assert targets.shape[0] == int(scored.sum()), "packed and padded layouts disagree on the scored token count"
+    flat_ids = input_ids.reshape(-1)  # [b * T]
     assert extra_ids is None or (extra_ids.shape[:2] == input_ids.shape and extra_ids.dim() == 3), (
         f"extra_ids {tuple(extra_ids.shape)} must be [b, T, k] like input_ids {tuple(input_ids.shape)}")
     assert extra_ids is None or topk == 0, "extra_ids (ids to score) and topk (ids to find) exclude each other"
     head = model.get_output_embeddings()
     head_kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_size=chunk_size,
                        entropy_grad=entropy_grad, checkpoint_min_bytes=checkpoint_min_bytes, topk=topk)
-    groups = [scored]  # [b, T - 1] masks of the positions scored together, each in its own chunks
-    if score_mask is not None:
-        assert score_mask.shape == input_ids.shape, f"score_mask {tuple(score_mask.shape)} must be [b, T] like input_ids"
-        wanted = score_mask[:, 1:].to(device=scored.device).bool()  # [b, T - 1]
-        keep = wanted[scored]  # [N]: scored tokens the caller wants
-        groups = [scored & wanted] + ([scored & ~wanted] if score_unmasked else [])
-        selections = [keep] + ([~keep] if score_unmasked else [])
-    else:
-        selections = [None]
 
-    def to_padded(values: Tensor, where: Tensor) -> Tensor:
-        shifted = torch.zeros(batch_size, max(seq_len - 1, 0), dtype=values.dtype, device=values.device)
-        shifted = shifted.masked_scatter(where, values)  # [b, T - 1]
-        return F.pad(shifted, (1, 0))[:, :seq_len]  # [b, T], position 0 is 0
-
-    def to_padded_k(values: Tensor, where: Tensor) -> Tensor:  # [n, k] -> [b, T, k], unscored rows 0
-        shifted = values.new_zeros(batch_size, max(seq_len - 1, 0), values.shape[-1])  # [b, T - 1, k]
-        shifted = shifted.index_put((where,), values)  # [b, T - 1, k]
-        return F.pad(shifted, (0, 0, 1, 0))[:, :seq_len]  # [b, T, k], position 0 is 0
+    def to_padded(values: Tensor, target: Tensor) -> Tensor:  # [n, ...] -> [b, T, ...], unscored positions 0
+        padded = values.new_zeros(batch_size * seq_len, *values.shape[1:])  # [b * T, ...]
+        return padded.index_copy(0, target, values).view(batch_size, seq_len, *values.shape[1:])  # position 0 stays 0
 
     logprobs, entropy, extra, top = None, None, None, None
-    for i, (where, sel) in enumerate(zip(groups, selections)):
-        group_hidden = predicting.index_select(0, source if sel is None else source[sel])  # [n, hidden]
-        group_targets = targets if sel is None else targets[sel]  # [n]
-        group_extra = None if extra_ids is None else extra_ids[:, 1:].to(device=where.device)[where]  # [n, k]
+    for i, (target, source) in enumerate(zip(plan.targets, plan.sources)):  # the score mask's tokens, then the others
+        group_hidden = predicting.index_select(0, source)  # [n, hidden]
+        group_targets = flat_ids.index_select(0, target)  # [n]
+        group_extra = None if extra_ids is None else extra_ids.reshape(batch_size * seq_len, -1).index_select(0, target)  # [n, k]
         with torch.set_grad_enabled(torch.is_grad_enabled() and i == 0):  # unmasked tokens: values only, no graph
             lp, ent, ex, tk = _chunked_head(head, group_hidden, group_targets, extra_ids=group_extra,
                                             **head_kwargs)  # [n], [n] or None, [n, k] or None, [n, k] or None
-        lp = to_padded(lp, where)  # [b, T]
+        lp = to_padded(lp, target)  # [b, T]
         logprobs = lp if logprobs is None else logprobs + lp  # groups are disjoint
         if ent is not None:
-            ent = to_padded(ent, where)  # [b, T]
+            ent = to_padded(ent, target)  # [b, T]
             entropy = ent if entropy is None else entropy + ent
         if ex is not None:
-            ex = to_padded_k(ex, where)  # [b, T, k]
+            ex = to_padded(ex, target)  # [b, T, k]
             extra = ex if extra is None else extra + ex
         if tk is not None:
-            tk = to_padded_k(tk, where)  # [b, T, k]
+            tk = to_padded(tk, target)  # [b, T, k]
             top = tk if top is None else top + tk
     return TokenScores(logprobs, entropy, extra, top)

@@ -16,6 +16,9 @@ values are the padded path's up to float rounding.
   continuation 2 | ...], each continuation attending to its prompt (grpo_varlen's `attention.CONTINUES_KWARG`), so
   GRPO's n responses run their prompt through the decoder once; `shared_prefix_rows` / `shared_prefix_tokens` say
   which rows share and what the row costs.
+- Both layouts are first built on the host from python ints (`pack_rows`, `shared_prefix_layout`: the row lengths,
+  the groups), then moved to the device without waiting (`.to`) and their tokens gathered there by index
+  (`with_tokens`): the update's forward reads nothing back from the device (`grpo_lib.score_plan`).
 
 Example: pack_sequences(ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]]) -> one row [[5, 6, 7]], position_ids
 [[0, 1, 0]].
@@ -23,7 +26,8 @@ Example: pack_sequences(ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]])
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -31,6 +35,7 @@ from torch import Tensor
 from grpo_lib.attention import (CONTINUES_KWARG, HOST_CU_KWARG, SHARED_CU_K_KWARG, SHARED_CU_Q_KWARG, SHARED_KV_INDEX_KWARG,
                                 SHARED_MAX_K_KWARG, is_varlen, shared_prefix_kv_plan, shares_prefixes, torch_varlen_attn)
 from grpo_lib.batching import partition_balanced
+from grpo_lib.devices import to_device
 
 
 @dataclass
@@ -41,7 +46,7 @@ class PackedBatch:
     attends only to itself, and its outputs are ignored (`real` is False there).
     """
 
-    input_ids: Tensor  # [k, width], pad segments hold token 0
+    input_ids: Tensor | None  # [k, width], pad segments hold token 0 (None: not gathered yet, `pack_rows`)
     position_ids: Tensor  # [k, width], restarts at 0 for every sequence and every pad segment
     real: Tensor  # [k, width] bool, True on the tokens of the b sequences
     cu_seqlens: Tensor  # [segments + 1] int32, segment (pad segments too) boundaries in the flattened [k * width] rows
@@ -50,6 +55,18 @@ class PackedBatch:
     batch_size: int  # b
     seq_len: int  # T, padded length
     cu_seqlens_host: Tensor | None = None  # cu_seqlens on the host (grpo_varlen's per-sequence loop reads it)
+    token_index: Tensor | None = None  # [k, width] long, flat index in the padded [b * T] of each token (0 on pads)
+
+    def to(self, device: torch.device) -> PackedBatch:
+        """Its tensors on `device` (`devices.to_device`: no wait for the device), cu_seqlens_host left on the host."""
+        fields = ("input_ids", "position_ids", "real", "cu_seqlens", "flat_index", "token_index")
+        return replace(self, **{f: to_device(getattr(self, f), device) for f in fields if getattr(self, f) is not None})
+
+    def with_tokens(self, input_ids: Tensor) -> PackedBatch:
+        """Its input_ids gathered from the padded [b, T] `input_ids` by `token_index` (token 0 on pad segments): an
+        index gather, no boolean mask, so nothing on the device is read back."""
+        tokens = input_ids.reshape(-1).index_select(0, self.token_index.reshape(-1)).view(self.token_index.shape)
+        return replace(self, input_ids=tokens.masked_fill(~self.real, 0))  # [k, width]
 
     def unpack(self, values: Tensor) -> Tensor:
         """[k, width, ...] or [total, ...] per-token values -> [b, T, ...] with zeros at pads (differentiable).
@@ -71,7 +88,7 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int =
     Sequences go to rows by `partition_balanced` of their lengths (each row's sequences in ascending index order);
     rows are right-padded to the longest with a pad segment (token 0, position_ids 0, 1, ...). num_rows is capped at
     the number of sequences (at least 1). Call the model with attention_mask=None, position_ids=packed.position_ids,
-    use_cache=False.
+    use_cache=False. The layout is `pack_rows` of the row lengths (on the host), the tokens gathered on the device.
     Example: ids [[5, 6, 0], [7, 0, 0]], mask [[1, 1, 0], [1, 0, 0]] -> input_ids [[5, 6, 7]],
     position_ids [[0, 1, 0]], cu_seqlens [0, 2, 3], max_seqlen 2; with num_rows=2 -> input_ids [[5, 6], [7, 0]],
     position_ids [[0, 1], [0, 0]], real [[1, 1], [1, 0]], cu_seqlens [0, 2, 3, 4].
@@ -79,14 +96,21 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int =
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, (
         f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]"
     )
-    assert num_rows >= 1, f"num_rows must be >= 1, got {num_rows}"
     mask = attention_mask.to(torch.long)  # [b, T]
     assert bool(((mask == 0) | (mask == 1)).all()), "attention_mask must hold only 0 and 1"
     assert bool((mask[:, 1:] <= mask[:, :-1]).all()), (
         "pack_sequences assumes right padding (each mask row is 1s then 0s); left-padded rows must be shifted first"
     )
-    batch_size, seq_len = mask.shape
-    lens = mask.sum(dim=1).tolist()  # [b] python ints
+    packed = pack_rows(mask.sum(dim=1).tolist(), mask.shape[1], num_rows=num_rows).to(input_ids.device)
+    return packed.with_tokens(input_ids)
+
+
+def pack_rows(lens: list[int], seq_len: int, *, num_rows: int = 1) -> PackedBatch:
+    """`pack_sequences`' layout from the row lengths alone (right-padded rows of `seq_len` columns), host tensors, its
+    input_ids not gathered yet (`PackedBatch.with_tokens`): built from python ints, it reads no tensor.
+    Example: lens [2, 1], seq_len 3 -> token_index [[0, 1, 3]], position_ids [[0, 1, 0]], cu_seqlens [0, 2, 3]."""
+    assert num_rows >= 1, f"num_rows must be >= 1, got {num_rows}"
+    batch_size = len(lens)
     rows = [row for row in partition_balanced(lens, min(num_rows, max(batch_size, 1))) if row] or [[]]
     width = max(sum(lens[i] for i in row) for row in rows)
     # Per packed row, the segments as (source row or -1 for the pad segment, length).
@@ -95,26 +119,24 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, *, num_rows: int =
         used = sum(n for _, n in row)
         if used < width:
             row.append((-1, width - used))
-    device = input_ids.device
     seg_lens = torch.tensor([n for row in segments for _, n in row], dtype=torch.long)  # [segments]
     cu_seqlens = torch.nn.functional.pad(seg_lens.cumsum(dim=0), (1, 0))  # [segments + 1]
     seg_source = torch.tensor([i for row in segments for i, _ in row], dtype=torch.long)  # [segments], -1: pad segment
     source_row = seg_source.repeat_interleave(seg_lens)  # [k * width]
     position_ids = torch.arange(len(rows) * width) - cu_seqlens[:-1].repeat_interleave(seg_lens)  # [k * width]
     real = source_row >= 0  # [k * width]
-    flat_index = (source_row * seq_len + position_ids)[real].to(device)  # [total]
-    packed_ids = torch.zeros(len(rows) * width, dtype=input_ids.dtype, device=device)  # [k * width]
-    packed_ids[real.to(device)] = input_ids.flatten()[flat_index]
+    token_index = torch.where(real, source_row * seq_len + position_ids, 0)  # [k * width], 0 on pad segments
     return PackedBatch(
-        input_ids=packed_ids.view(len(rows), width),  # [k, width]
-        position_ids=position_ids.to(device).view(len(rows), width),  # [k, width]
-        real=real.to(device).view(len(rows), width),  # [k, width]
-        cu_seqlens=cu_seqlens.to(device=device, dtype=torch.int32),
-        max_seqlen=int(seg_lens.max()) if seg_lens.numel() else 0,
-        flat_index=flat_index,
+        input_ids=None,
+        position_ids=position_ids.view(len(rows), width),  # [k, width]
+        real=real.view(len(rows), width),  # [k, width]
+        cu_seqlens=cu_seqlens.to(dtype=torch.int32),
+        max_seqlen=max((n for row in segments for _, n in row), default=0),
+        flat_index=token_index[real],  # [total]
         batch_size=batch_size,
         seq_len=seq_len,
         cu_seqlens_host=cu_seqlens.to(dtype=torch.int32),
+        token_index=token_index.view(len(rows), width),  # [k, width]
     )
 
 
@@ -142,12 +164,32 @@ class SharedPrefixPack:
     serve all those rows. Position ids run on from the prefix (the continuation of a p-token prefix starts at p).
     """
 
-    input_ids: Tensor  # [1, N]
+    input_ids: Tensor | None  # [1, N] (None: not gathered yet, `shared_prefix_layout`)
     position_ids: Tensor  # [1, N]
     cu_seqlens: Tensor  # [segments + 1] int32 on the HOST (read by grpo_varlen's loop: no device sync per layer)
     continues: tuple[int, ...]  # per segment, the index of the prefix segment it continues, -1 for a prefix / whole row
     max_seqlen: int  # longest segment, tokens
     padded_to_packed: Tensor  # [b, T] long, packed index of each real padded position, -1 at pads
+    flat_index: Tensor | None = None  # [1, N] long, index in the padded [b * T] of each packed token
+
+    def to(self, device: torch.device) -> SharedPrefixPack:
+        """Its tensors on `device` (`devices.to_device`: no wait for the device), cu_seqlens left on the host."""
+        fields = ("input_ids", "position_ids", "padded_to_packed", "flat_index")
+        return replace(self, **{f: to_device(getattr(self, f), device) for f in fields if getattr(self, f) is not None})
+
+    def with_tokens(self, input_ids: Tensor) -> SharedPrefixPack:
+        """Its input_ids gathered from the padded [b, T] `input_ids` by `flat_index` (an index gather: nothing read back)."""
+        return replace(self, input_ids=input_ids.reshape(-1).index_select(0, self.flat_index.reshape(-1)).view(1, -1))
+
+
+def group_shared_prefixes(lens: list[int], prefix_lens: list[int], prefix_keys: list) -> list[tuple[int, list[int]]]:
+    """`shared_prefix_rows` from python values: per row its real tokens, its prefix length and a key equal for two rows
+    exactly when their first min(prefix length, real tokens) tokens are (for rows of the same prefix length)."""
+    keys: dict[tuple, list[int]] = {}
+    for r, (p, n, k) in enumerate(zip(prefix_lens, lens, prefix_keys)):
+        p = min(int(p), n)
+        keys.setdefault((p, k) if p > 0 else ("alone", r), []).append(r)
+    return [(key[0], rows) if len(rows) > 1 else (0, rows) for key, rows in keys.items()]
 
 
 def shared_prefix_rows(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> list[tuple[int, list[int]]]:
@@ -157,12 +199,8 @@ def shared_prefix_rows(input_ids: Tensor, attention_mask: Tensor, prefix_lens: l
     Example: prompts [5, 6], [5, 6], [7] (prefix lengths 2, 2, 1) -> [(2, [0, 1]), (0, [2])]."""
     lens = attention_mask.sum(dim=1).tolist()  # [b]
     ids = input_ids.cpu()  # one device-to-host copy, not one per row
-    keys: dict[tuple, list[int]] = {}
-    for r, (p, n) in enumerate(zip(prefix_lens, lens)):
-        p = min(int(p), n)
-        key = (p, *ids[r, :p].tolist()) if p > 0 else ("alone", r)
-        keys.setdefault(key, []).append(r)
-    return [(key[0], rows) if len(rows) > 1 else (0, rows) for key, rows in keys.items()]
+    keys = [tuple(ids[r, :min(int(p), n)].tolist()) if p > 0 else None for r, (p, n) in enumerate(zip(prefix_lens, lens))]
+    return group_shared_prefixes(lens, prefix_lens, keys)
 
 
 def shared_prefix_tokens(input_ids: Tensor, attention_mask: Tensor, prefix_lens: list[int]) -> int:
@@ -182,13 +220,20 @@ def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens:
         f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [b, T]")
     mask = attention_mask.to(torch.long)  # [b, T]
     assert bool((mask[:, 1:] <= mask[:, :-1]).all()), "pack_shared_prefixes assumes right padding (1s then 0s per row)"
-    batch_size, seq_len = mask.shape
-    lens = mask.sum(dim=1).tolist()  # [b]
+    groups = shared_prefix_rows(input_ids, attention_mask, prefix_lens)
+    packed = shared_prefix_layout(mask.sum(dim=1).tolist(), mask.shape[1], groups).to(input_ids.device)
+    return packed.with_tokens(input_ids)
+
+
+def shared_prefix_layout(lens: list[int], seq_len: int, groups: list[tuple[int, list[int]]]) -> SharedPrefixPack:
+    """`pack_shared_prefixes`' row from python values alone (the rows' real tokens, `seq_len` padded columns, the groups
+    of `shared_prefix_rows`), host tensors, its input_ids not gathered yet (`SharedPrefixPack.with_tokens`)."""
+    batch_size = len(lens)
     sources: list[tuple[int, int, int]] = []  # per segment: (row, start, end) of the padded tokens it holds
     continues: list[int] = []
     to_packed = torch.full((batch_size, seq_len), -1, dtype=torch.long)  # [b, T]
     offset = 0
-    for p, rows in shared_prefix_rows(input_ids, attention_mask, prefix_lens):
+    for p, rows in groups:
         prefix_segment = -1
         if p > 0:
             prefix_segment = len(sources)
@@ -202,20 +247,19 @@ def pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, prefix_lens:
                 continues.append(prefix_segment)
                 to_packed[r, p : lens[r]] = torch.arange(offset, offset + lens[r] - p)
                 offset += lens[r] - p
-    device = input_ids.device
     seg_lens = [end - start for _, start, end in sources]
     flat = torch.cat([torch.arange(r * seq_len + start, r * seq_len + end) for r, start, end in sources]) if sources \
         else torch.zeros(0, dtype=torch.long)  # [N] index into the flattened padded layout
     positions = torch.cat([torch.arange(start, end) for _, start, end in sources]) if sources \
         else torch.zeros(0, dtype=torch.long)  # [N]
     return SharedPrefixPack(
-        input_ids=input_ids.flatten()[flat.to(device)].view(1, -1),  # [1, N]
-        position_ids=positions.to(device).view(1, -1),  # [1, N]
-        cu_seqlens=torch.tensor([0, *torch.tensor(seg_lens, dtype=torch.long).cumsum(0).tolist()] if seg_lens else [0],
-                                dtype=torch.int32),
+        input_ids=None,
+        position_ids=positions.view(1, -1),  # [1, N]
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(seg_lens)], dtype=torch.int32),
         continues=tuple(continues),
         max_seqlen=max(seg_lens, default=0),
-        padded_to_packed=to_packed.to(device),
+        padded_to_packed=to_packed,
+        flat_index=flat.view(1, -1),  # [1, N]
     )
 
 
@@ -232,9 +276,9 @@ def shared_prefix_forward_kwargs(packed: SharedPrefixPack, *, one_call: bool | N
                   **{CONTINUES_KWARG: torch.tensor(packed.continues, dtype=torch.int32)})
     if one_call if one_call is not None else packed.input_ids.is_cuda and torch_varlen_attn()[0] is not None:
         device = packed.input_ids.device
-        kv_index, cu_k, max_k = shared_prefix_kv_plan(packed.cu_seqlens.diff().tolist(), list(packed.continues))
-        kwargs.update({SHARED_KV_INDEX_KWARG: kv_index.to(device), SHARED_CU_K_KWARG: cu_k.to(device),
-                       SHARED_CU_Q_KWARG: packed.cu_seqlens.to(device), SHARED_MAX_K_KWARG: max_k})
+        kv_index, cu_k, max_k = shared_prefix_kv_plan(packed.cu_seqlens.diff().tolist(), list(packed.continues))  # host
+        kwargs.update({SHARED_KV_INDEX_KWARG: to_device(kv_index, device), SHARED_CU_K_KWARG: to_device(cu_k, device),
+                       SHARED_CU_Q_KWARG: to_device(packed.cu_seqlens, device), SHARED_MAX_K_KWARG: max_k})
     return kwargs
 
 

@@ -34,9 +34,9 @@ from grpo_lib.config.checks import environment_problems, greedy_baseline_needed,
 from grpo_lib.dtypes import DTYPE_BYTES
 from grpo_lib.engines.settings import library_problems as engine_library_problems
 from grpo_lib.plan_memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
-                                  all_gathers_per_mini_batch, find_model_config, fitting_budget, fitting_logprob_budget,
-                                  gpu_dtype_bytes, host_memory, lora_params, memory_plan, model_sizes,
-                                  resolve_auto_budgets, teacher_sizes)
+                                  all_gathers_per_mini_batch, context_terms, find_model_config, fitting_budget,
+                                  fitting_logprob_budget, gpu_dtype_bytes, host_memory, lora_params, memory_plan,
+                                  model_sizes, resolve_auto_budgets, teacher_sizes)
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
@@ -216,10 +216,14 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
                         else "resident on the GPU") if teacher is not None else
                      f"teacher: not planned ({teacher_where}); its memory is missing from the plan below")
     lines += [f"  {name:<26} {value / GIB:7.2f} GiB" for name, value in parts.items() if name not in PHASES]
+    if parts["CUDA context + NCCL"]:  # its parts, each an estimate (grpo_lib/plan_memory.py says from what)
+        context = context_terms(cfg, world_size=world_size)
+        lines += [f"    {name:<24} {value / GIB:7.2f} GiB" for name, value in context.items()]
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
     offloaded = [name for name, on in (("actor weights", cfg.actor.fsdp_config.param_offload),
                                        ("AdamW", cfg.actor.fsdp_config.optimizer_offload)) if on]
-    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share", "CUDA context"])
+    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share",
+                                                                                      "CUDA context + NCCL"])
     lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
     if "teacher pass" in parts:
@@ -230,11 +234,16 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     lines.append(f"  resume phase               {parts['resume phase'] / GIB:7.2f} GiB (checkpoint.load creates AdamW's "
                  f"state; {'the engine released' if cfg.rollout.free_cache_engine else 'the engine stays resident'})")
     fits = parts["peak"] <= gpu_gb * GIB
-    lines.append(f"  peak per GPU               {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
+    margin = parts["margin"]
+    lines.append(f"  peak per GPU               {parts['peak'] / GIB:7.2f} GiB of {gpu_gb:g} GiB: "
+                 + (f"fits; margin {margin / GIB:.2f} GiB ({margin / (gpu_gb * GIB):.1%} of the GPU) for what no term "
+                    "counts (allocator fragmentation, FSDP2's prefetch, the estimates' errors)" if fits else
+                    f"DOES NOT FIT, short by {-margin / GIB:.2f} GiB"))
     host = host_memory(cfg, sizes, world_size=world_size, teacher=teacher)
     lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start (process 0 reads the model in "
                  f"float32 once and broadcasts it into the shards), {host['resident'] / GIB:.2f} GiB resident after "
-                 "(reference shards, vLLM's sleep backup, offloaded state)")
+                 f"(reference shards, vLLM's pinned sleep backup: weights {host['engine weights backup'] / GIB:.2f} + "
+                 f"CUDA-graph pools {host['engine graph pool backup'] / GIB:.2f} GiB, offloaded state)")
     return lines, fits
 
 

@@ -10,8 +10,9 @@ one with the rest), in the steady state: AdamW's moments exist and the earlier m
 on fake tensors, so nothing is downloaded or allocated. torch's `FSDPMemTracker` counts every live tensor by kind
 (sharded parameters, gradients, optimizer state, unsharded parameters, activations, temporaries) and keeps the peak.
 
-How (the facts each piece rests on, all torch 2.13 internals, so `check_torch` refuses another version rather than
-print wrong numbers):
+How (the facts each piece rests on, all torch internals, read in torch 2.13's source: `check_torch` refuses a torch
+that lacks one of these names, and on a torch other than 2.13 (the lent GPU image has 2.11) prints the numbers under an
+"unverified torch version" warning with a self-check of the fake-mode helpers on that torch beside them, never silently):
 - Process group: backend "fake" (`torch.testing._internal.distributed.fake_pg`, registered on import) with a
   `FakeStore`; the collectives allocate their outputs and move no data. The device mesh is built outside fake mode.
 - Device: the CPU. FSDP2 on a faked "cuda" device fails on a CPU-only torch (`_get_device_from_mesh` asserts), so the
@@ -39,22 +40,80 @@ from dataclasses import dataclass
 
 import torch
 
-TORCH_VERSION = "2.13"  # the version whose private APIs (fake_pg, FSDPMemTracker, DTensor propagation) this was written for
+VERIFIED_TORCH = ("2.13",)  # the versions whose private APIs (fake_pg, FSDPMemTracker, DTensor propagation) were read
+# The private names this module uses: (module, attribute path); a torch without one is refused with its name.
+PRIVATE_API = (("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+               ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
+               ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
+               ("torch.distributed._tools.mem_tracker", "MemTracker.get_tracker_snapshot"),
+               ("torch.distributed._tools.mod_tracker", "ModTracker._fw_pre_hook"),
+               ("torch.distributed._tools.mod_tracker", "ModTracker._fw_post_hook"),
+               ("torch.distributed.tensor._sharding_prop", "detect_fake_mode"),
+               ("torch.distributed.device_mesh", "init_device_mesh"),
+               ("torch._subclasses.fake_tensor", "FakeTensor"),
+               ("torch._subclasses.fake_tensor", "unset_fake_temporarily"))
+# Fields of MemTracker the backward / optimizer-step split resets (`measure_update`): instance attributes.
+TRACKER_FIELDS = ("_peak_mem", "_peak_mem_snap")
 
 
 class MeasureError(RuntimeError):
-    """The measurement cannot run here (another torch version, no transformers model class, ...)."""
+    """The measurement cannot run here (a torch without the private APIs it uses, no transformers model class, ...)."""
 
 
-def check_torch(version: str | None = None) -> None:
-    """Refuse to measure on a torch other than 2.13: the private APIs used here change between versions, and a silently
-    wrong number is worse than none."""
+def missing_private_api() -> list[str]:
+    """The private names of PRIVATE_API / TRACKER_FIELDS this torch lacks (empty: every one is there)."""
+    import importlib
+
+    missing = []
+    for module_name, path in PRIVATE_API:
+        try:
+            obj = importlib.import_module(module_name)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            missing.append(f"{module_name}.{path}")
+    if not missing:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        missing += [f"MemTracker().{field}" for field in TRACKER_FIELDS if not hasattr(tracker, field)]
+    return missing
+
+
+def check_torch(version: str | None = None) -> str | None:
+    """None on a torch whose private APIs this module was checked against (VERIFIED_TORCH); on another, the warning to
+    print beside the numbers (they are measured all the same). Raises MeasureError when this torch lacks one of the
+    private names used (`missing_private_api`): no number rather than a crash half-way."""
     version = version or torch.__version__
-    if not version.startswith(TORCH_VERSION + ".") and version != TORCH_VERSION:
-        raise MeasureError(f"--measure was written for torch {TORCH_VERSION} (it uses torch's private fake process group, "
-                           f"FSDPMemTracker and DTensor internals) and this is torch {version}: the measurement is refused "
-                           "rather than risk wrong numbers; run it where torch 2.13 is installed (requirements.txt), or "
-                           "use the analytic plan (--print-plan without --measure)")
+    missing = missing_private_api()
+    if missing:
+        raise MeasureError(f"torch {version} lacks the private APIs --measure uses: {', '.join(missing)}; use the "
+                           f"analytic plan (--print-plan without --measure), or torch {VERIFIED_TORCH[-1]}")
+    if any(version == v or version.startswith(v + ".") for v in VERIFIED_TORCH):
+        return None
+    return (f"WARNING: unverified torch version {version}: --measure was checked against torch "
+            f"{', '.join(VERIFIED_TORCH)} (its fake process group, FSDPMemTracker and DTensor internals); every name it "
+            "uses is present here, but their behaviour was not read in this version's source: compare with the plan")
+
+
+SELF_CHECK_MODEL = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": True,
+                    "max_position_embeddings": 512}
+
+
+def self_check(cfg) -> str:
+    """On an unverified torch: a small model's measurement on fake tensors against the same code on real tensors
+    (`measure_update(fake=False)`, the run's config, a 128 + 72-token micro-batch, 4 fake processes); equal byte counts
+    mean the fake-mode helpers change no allocation on this torch (what tests/test_plan_measure.py asserts on torch
+    2.13). It cannot see a tracker that counts differently in both runs. Returns the line to print."""
+    fake, real = (measure_update(cfg, SELF_CHECK_MODEL, world_size=4, fake=f, lengths=[128, 72], verified=True)
+                  for f in (True, False))
+    if fake.backward == real.backward and fake.optimizer_step == real.optimizer_step:
+        return (f"self-check on torch {torch.__version__}: a small model measured on fake tensors equals the same update "
+                f"on real tensors byte for byte (peak {fake.peak} bytes)")
+    return (f"self-check on torch {torch.__version__} FAILED: a small model's peak on fake tensors {fake.peak} bytes, on "
+            f"real tensors {real.peak} bytes: the fake-tensor numbers below are not trustworthy on this torch")
 
 
 @dataclass
@@ -230,10 +289,12 @@ def _actor(cfg, model, device):
 
 
 def measure_update(cfg, model_config: dict, *, world_size: int, fake: bool = True,
-                   lengths: list[int] | None = None) -> Measured:
+                   lengths: list[int] | None = None, verified: bool = False) -> Measured:
     """Run one optimizer step of our update (one micro-batch filling the token budget) on rank 0 of a fake
-    `world_size`-process group and return the tracker's peak. `fake=False` runs the same on real tensors (small models)."""
-    check_torch()  # before the private imports below
+    `world_size`-process group and return the tracker's peak. `fake=False` runs the same on real tensors (small models).
+    `verified`: the caller has run `check_torch` already."""
+    if not verified:
+        check_torch()  # before the private imports below
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -307,9 +368,11 @@ def measure_lines(cfg, model_config: dict, sizes, world_size: int, parts: dict, 
     """The measured training phase's lines, beside the analytic plan's (`parts`, grpo_lib.plan.memory_plan)."""
     from grpo_lib.plan_memory import GIB, fitting_budget
 
-    m = measure_update(cfg, model_config, world_size=world_size)
+    warning = check_torch()
+    lines = [warning, self_check(cfg)] if warning else []
+    m = measure_update(cfg, model_config, world_size=world_size, verified=True)
     analytic = parts["training phase"] - parts["CUDA context + NCCL"]
-    lines = [(f"micro-batch {' + '.join(map(str, m.micro_batch_tokens))} tokens, after earlier micro-batches of its mini-batch; "
+    lines += [(f"micro-batch {' + '.join(map(str, m.micro_batch_tokens))} tokens, after earlier micro-batches of its mini-batch; "
               f"measured in {m.seconds:.0f} s (torch {torch.__version__})")]
     for name, kinds in (("forward + backward", m.backward), ("clip + AdamW step", m.optimizer_step)):
         shown = ", ".join(f"{k} {v / GIB:.2f}" for k, v in kinds.items() if k != "Total" and v >= 0.005 * GIB)
@@ -331,7 +394,7 @@ def main(argv: list[str]) -> int:
     from grpo_lib.plan import print_plan
 
     try:
-        check_torch()
+        check_torch()  # a torch without the private APIs: exit 2 before the plan (another version: measured, warned)
     except MeasureError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,9 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
     root reduce-scatter    4 x root / W  the root's fp32 reduce-scatter output
     vLLM share             rollout.gpu_memory_utilization x GPU size during generation; with
                            rollout.free_cache_engine the KV cache is freed and the weights offloaded for training
-    CUDA context + NCCL    1.5 GiB       per process, outside vLLM's share (an estimate)
+    CUDA context + NCCL    per process, outside vLLM's share: the context (1 GiB, an estimate) + NCCL's buffers of
+                           each communicator it is in (`nccl_bytes`: the trainer's world of W ranks, the engine's TP
+                           group with vLLM's symmetric-memory all-reduce buffer; from NCCL's and vLLM's defaults)
     teacher                2 P_t / W     distillation's teacher, sharded like the reference (0 when offloaded); its pass
                            (a phase) gathers its units, its head chunk and one layer's no-grad activations
                            (`teacher_terms`); a teacher that does not fit is refused at setup (`teacher_fit_problem`)
@@ -35,8 +37,10 @@ bytes, 2 for bf16; V x H the vocabulary x hidden; root = the FSDP2 root unit: em
 Phases: generation (weights + AdamW + reference + vLLM share + context); training = the largest of the layers'
 backward (weights + gradients + AdamW + gathered units + activations + head chunk + head gradient), the root's backward
 (the bf16 root, the head and embedding gradients, the reduce-scatter) and the optimizer step; resume (checkpoint.load
-creates AdamW's state with the engine released, as before an update). Peak = the largest phase. The host-memory line counts what the processes
-of one machine load at start and keep resident after. Measured against the real update on fake tensors:
+creates AdamW's state with the engine released, as before an update). Peak = the largest phase; margin = the GPU less
+the peak, the room left for what no term counts (the caching allocator's fragmentation, FSDP2's prefetch of the next
+unit, the estimates' errors). The host-memory line counts what the processes of one machine load at start and keep
+resident after (`host_memory`). Measured against the real update on fake tensors:
 `--measure` (grpo_lib/plan_measure.py; tests/test_plan_measure.py holds the Qwen3-4B plan within 10% of it).
 
 Token budgets that fit: the largest actor.ppo_max_token_len_per_gpu whose layers' backward fits FIT_FRACTION of the
@@ -129,9 +133,55 @@ def lora_params(sizes: ModelSizes, rank: int) -> int:
 
 HEAD_BYTES_PER_LOGIT = 12  # the output head's recompute, per logit of one chunk (see the module docstring)
 HEAD_BYTES_PER_LOGIT_ENTROPY_GRAD = 24  # the same with an entropy bonus (actor.entropy_coeff != 0)
-CUDA_CONTEXT_BYTES = 1.5 * GIB  # CUDA context + cuBLAS workspace + NCCL buffers per process, outside vLLM's share (estimate)
+CUDA_CONTEXT_BYTES = 1.0 * GIB  # CUDA context, loaded kernels, cuBLAS / cuBLASLt workspaces per process (an estimate)
+# NCCL's device buffers, per communicator and GPU, from NCCL's defaults (src/include/device.h, src/transport/nvls.cc).
+# The sizes are NCCL's; how many channels it opens and which algorithms it connects it chooses at run time
+# (NCCL_DEBUG=INFO prints them), so the totals are estimates for NVLink H100 / H200 machines: every channel with both
+# the ring and the tree connected (high: NCCL connects an algorithm at its first use), NVLS before its rounding (low):
+NCCL_CONNECTION_BYTES = 4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16  # 9.19 MiB: one connection's three protocols,
+#   Simple (NCCL_BUFFSIZE 4 MiB), LL128 (120 elements x 640 threads x NCCL_STEPS 8 x 8 B) and LL (8 lines x 512
+#   threads x 8 steps x 16 B); the receiving GPU holds them
+NCCL_CHANNELS = 32  # channels NCCL opens on NVLink H100 / H200 (an estimate: it picks 16-32 there, fewer over PCIe)
+NCCL_CONNECTIONS = 2  # incoming connections per channel: the ring's and the tree's
+NCCL_NVLS_BYTES_PER_RANK = 16 * 2 * 128 * 2**10 * 8  # 32 MiB: NVLS (NVLink SHARP, NVSwitch machines; NCCL turns it on
+#   above 2 GPUs) holds 16 channels (NVLS_NCHANNELS_SM90) x 2 (reduce, broadcast) x NCCL_NVLS_CHUNKSIZE 128 KiB x 8
+#   steps per rank of the communicator, rounded up to the multicast granularity (not counted: a lower estimate)
+# vLLM's tensor-parallel all-reduce on Hopper also holds a torch symmetric-memory buffer (VLLM_ALLREDUCE_USE_SYMM_MEM,
+# on by default): vLLM 0.32's SYMM_MEM_ALL_REDUCE_MAX_SIZES for sm90, by TP size.
+VLLM_SYMM_MEM_BYTES = {2: 64 * 2**20, 4: 32 * 2**20, 6: 64 * 2**20, 8: 64 * 2**20}
+# vLLM 0.32 keeps its CUDA-graph pool across a sleep by copying it to pinned host memory (CuMemBackend.suspend offloads
+# the "cudagraph" and "runtime" tags at every level, "weights" at level 1). The graphs share one pool, which holds the
+# largest captured batch's transient tensors: VLLM_CAPTURE_TOKENS_MAX (vLLM's max_cudagraph_capture_size default,
+# min(2 x rollout.max_num_seqs, 512)) tokens x one layer's transients (an estimate; vLLM logs the size it measured,
+# "CUDA graph pool memory: X GiB (actual)"). The "runtime" pool (block tables, attention metadata) is MiBs with
+# FlashAttention and not counted.
+VLLM_CAPTURE_TOKENS_MAX = 512
 FIT_FRACTION = 0.9  # a token budget "fits" when its training phase uses at most this share of the GPU (allocator slack)
 BUDGET_STEP = 1024  # `auto` token budgets are multiples of this
+
+
+def nccl_bytes(ranks: int) -> float:
+    """Device bytes each GPU holds for one NCCL communicator of `ranks` ranks (an estimate, the constants above):
+    nothing for one rank, NCCL_CHANNELS x NCCL_CONNECTIONS connections' buffers for 2 or more, and NVLS's
+    buffers above 2 (NCCL enables NVLS only there).
+
+    Examples: nccl_bytes(1) = 0; nccl_bytes(2) = 32 x 2 x 9.19 MiB = 588 MiB; nccl_bytes(4) = 588 + 4 x 32 = 716 MiB.
+    """
+    if ranks < 2:
+        return 0.0
+    nvls = NCCL_NVLS_BYTES_PER_RANK * ranks if ranks > 2 else 0
+    return float(NCCL_CHANNELS * NCCL_CONNECTIONS * NCCL_CONNECTION_BYTES + nvls)
+
+
+def context_terms(cfg: Config, *, world_size: int) -> dict[str, float]:
+    """Per-process device memory outside the terms of the model and outside vLLM's share: the CUDA context and the
+    NCCL communicators this process is in: the trainer's world (FSDP2's all-gathers and reduce-scatters, the reference's
+    and the teacher's; `world_size` ranks) and the engine's tensor-parallel group (vLLM's own communicator, with its
+    symmetric-memory all-reduce buffer). Example: 4 processes, TP 2: 1 GiB + 716 MiB + (588 + 64) MiB = 2.34 GiB."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    return {"CUDA context": float(CUDA_CONTEXT_BYTES),
+            f"NCCL trainer world ({world_size})": nccl_bytes(world_size),
+            f"NCCL vLLM TP group ({tp})": nccl_bytes(tp) + (VLLM_SYMM_MEM_BYTES.get(tp, 0) if tp > 1 else 0)}
 
 
 def root_params(sizes: ModelSizes) -> int:
@@ -176,7 +226,8 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     full = cfg.model.lora_rank == 0  # the embedding / head train (LoRA: frozen, no gradient)
     root, vh = root_params(sizes), sizes.vocab * sizes.hidden
     tied = sizes.params < sizes.layers * sizes.layer_params + 2 * sizes.embed_params
-    ctx = CUDA_CONTEXT_BYTES if with_engine else 0.0
+    context = context_terms(cfg, world_size=W) if with_engine else {}  # the CPU twin has neither
+    ctx = sum(context.values())
     # FSDP2 units exist on every GPU run (one process starts a 1-process group there); with_engine=False plans the CPU
     # twin, where one process has no group and nothing is gathered
     sharded = W > 1 or with_engine
@@ -195,7 +246,7 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         "embedding gradient": float((2 if tied else 1) * compute_bytes * vh) if full else 0.0,
         "root reduce-scatter": master_bytes * root / W if (sharded and full) else 0.0,
         "vLLM share": cfg.rollout.gpu_memory_utilization * gpu_bytes if with_engine else 0.0,
-        "CUDA context + NCCL": ctx,
+        "CUDA context + NCCL": ctx,  # its parts: context_terms
     }
     if teacher is not None and cfg.distillation.enabled:
         parts.update(teacher_terms(cfg, teacher, world_size=world_size, compute_bytes=compute_bytes, sharded=sharded))
@@ -222,11 +273,12 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     # engine released (train_grpo.py's setup releases it before the load, as a step does before its update)
     parts["resume phase"] = weights + grads + adam + parts["AdamW step temporary"] + ref + engine_in_training + ctx
     parts["peak"] = max(parts["generation phase"], parts["training phase"], parts["resume phase"])
+    parts["margin"] = gpu_bytes - parts["peak"]  # < 0: does not fit
     return parts
 
 
 PHASES = ("layers' backward", "root's backward", "optimizer step", "teacher pass", "generation phase", "training phase",
-          "training phase at", "resume phase", "peak")
+          "training phase at", "resume phase", "peak", "margin")
 
 
 def teacher_terms(cfg: Config, teacher: ModelSizes, *, world_size: int, compute_bytes: int, sharded: bool) -> dict[str, float]:
@@ -285,13 +337,26 @@ def update_tokens(cfg: Config) -> int:
                                                                                                   d.max_response_length)
 
 
+def vllm_graph_pool_bytes(cfg: Config, sizes: ModelSizes) -> float:
+    """vLLM's CUDA-graph pool per engine process, which its sleep copies to pinned host memory (an estimate: the
+    constants above): 0 with rollout.enforce_eager (or the hf engine), else min(2 x rollout.max_num_seqs,
+    VLLM_CAPTURE_TOKENS_MAX) tokens x one layer's transient tensors in rollout.dtype. Example: Qwen3-4B in bf16,
+    max_num_seqs 256: 512 x 113,664 B = 55.5 MiB."""
+    if cfg.rollout.enforce_eager or cfg.rollout.name != "vllm":  # the hf engine captures no graphs
+        return 0.0
+    tokens = min(2 * cfg.rollout.max_num_seqs, VLLM_CAPTURE_TOKENS_MAX)
+    return float(tokens * logprob_bytes_per_token(sizes, gpu_dtype_bytes(cfg.rollout.dtype)))
+
+
 def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int, teacher: ModelSizes | None = None) -> dict[str, float]:
     """Host bytes per machine (all W processes of one machine): what the start loads and what stays resident.
 
     Start: process 0 alone reads the whole model in float32 (and the reference in model.dtype) and broadcasts it into
     the shards (fsdp.shard); the others build on the meta device and receive their shards (on GPU, on the device).
-    Resident: the reference's shards in pinned memory (ref.fsdp_config.param_offload), vLLM's level-1 sleep backup of
-    its weights (bf16, one TP shard per process), the offloaded actor shards / AdamW state when those keys are on.
+    Resident: the reference's shards in pinned memory (ref.fsdp_config.param_offload), vLLM's sleep backup in pinned
+    memory while the engine sleeps ("engine backup": its weights at sleep level 1, bf16, one TP shard per process, and
+    at every level its CUDA-graph pool, `vllm_graph_pool_bytes` per process), the offloaded actor shards / AdamW state
+    when those keys are on.
     """
     P, W = sizes.params, world_size
     kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -300,13 +365,15 @@ def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int, teacher: Mod
     if teacher is not None and cfg.distillation.enabled:  # the teacher is read and kept like the reference
         teacher_bytes = gpu_dtype_bytes(cfg.model.dtype) * teacher.params
         ref_bytes, ref_on_host = (ref_bytes if ref_on_host else 0.0) + teacher_bytes, True
-    fc = cfg.actor.fsdp_config
+    fc, r = cfg.actor.fsdp_config, cfg.rollout
     start = 4 * P + (ref_bytes if ref_on_host else 0)  # process 0's full copies, read once per machine
-    resident = (ref_bytes if ref_on_host and cfg.ref.fsdp_config.param_offload else 0.0)
-    if cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 1:
-        resident += gpu_dtype_bytes(cfg.rollout.dtype) * P * W / cfg.rollout.tensor_model_parallel_size
+    sleeps = r.free_cache_engine  # the engine sleeps between generations: its backup is in pinned host memory then
+    weights = gpu_dtype_bytes(r.dtype) * P * W / r.tensor_model_parallel_size if sleeps and r.sleep_level == 1 else 0.0
+    pools = W * vllm_graph_pool_bytes(cfg, sizes) if sleeps else 0.0
+    resident = (ref_bytes if ref_on_host and cfg.ref.fsdp_config.param_offload else 0.0) + weights + pools
     resident += (4 * P if fc.param_offload else 0) + (8 * P if fc.optimizer_offload else 0)
-    return {"start": float(start), "resident": float(resident)}
+    return {"start": float(start), "resident": float(resident), "engine weights backup": float(weights),
+            "engine graph pool backup": float(pools)}
 
 
 def fitting_budget(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float,
@@ -315,8 +382,8 @@ def fitting_budget(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes
     FIT_FRACTION of the GPU, from the activation slope (bytes per token; default the analytic one), at least one
     sequence and at most this process's share of a mini-batch (no micro-batch can hold more).
 
-    Example (Qwen3-4B, 4 processes, 80 GiB): the update's budget-free terms are ~19.5 GiB, the slope ~0.28 MiB per token,
-    so ~0.9 x 80 - 19.5 GiB / 0.28 MiB ~= 190k tokens.
+    Example (Qwen3-4B, 4 processes, 80 GiB): the update's budget-free terms are ~20.7 GiB, the slope ~0.28 MiB per token,
+    so ~(0.9 x 80 - 20.7) GiB / 0.28 MiB ~= 185k tokens (184320).
     """
     d = cfg.data
     seq = d.max_prompt_length + d.max_response_length

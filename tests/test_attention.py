@@ -8,6 +8,8 @@ CPU flex attention has no backward). Run: `.venv/bin/python -m pytest tests/test
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
@@ -132,12 +134,36 @@ def test_selection_and_reasons(monkeypatch):
     assert attention.select_attn_implementation(cuda, torch.bfloat16, remove_padding=False) == attention.VARLEN_NAME
     # Usable flash-attn: chosen for padded batches in half precision only; packing prefers grpo_varlen (shared prompts).
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda *a, **k: True)
+    monkeypatch.setitem(sys.modules, attention.FLASH_ATTN_EXTENSION, types.ModuleType(attention.FLASH_ATTN_EXTENSION))
     assert attention.available_implementations(cuda)["flash_attention_2"] is None
     assert attention.choose_attn_implementation(cuda, torch.bfloat16, remove_padding=False)[0] == "flash_attention_2"
     assert attention.select_attn_implementation(cuda, torch.float32, remove_padding=False) == attention.VARLEN_NAME
     name, why = attention.choose_attn_implementation(cuda, torch.bfloat16, remove_padding=True)
     assert name == attention.VARLEN_NAME and "shared prompts" in why
     assert "per sequence" in attention.describe(attention.VARLEN_NAME, DEVICE, torch.float32)
+
+
+@pytest.mark.parametrize("error", ["ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEab')",
+                                   "OSError('libcudart.so.12: cannot open shared object file')"])
+def test_flash_attn_whose_binary_does_not_load_is_not_chosen(monkeypatch, tmp_path, error):
+    """Issue 41 item 8: a flash-attn wheel built for another torch ABI (or CUDA) passes transformers' metadata check
+    (distribution and version) and fails only when its compiled extension loads, at the model's first attention. A
+    fake package whose metadata passes and whose extension raises on import: flash_attention_2 is not chosen, and the
+    reason names the failed load."""
+    import transformers.utils
+
+    (tmp_path / f"{attention.FLASH_ATTN_EXTENSION}.py").write_text(f"raise {error}\n")
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("__version__ = '2.8.3'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, attention.FLASH_ATTN_EXTENSION, raising=False)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda *a, **k: True)  # the metadata passes
+    cuda = torch.device("cuda")
+    reason = attention.available_implementations(cuda)["flash_attention_2"]
+    assert reason is not None and f"CUDA extension {attention.FLASH_ATTN_EXTENSION} does not load" in reason, reason
+    assert error.split("'")[1] in reason  # the loader's own message
+    name, why = attention.choose_attn_implementation(cuda, torch.bfloat16, remove_padding=False)
+    assert name == attention.VARLEN_NAME and "does not load" in why, why
 
 
 def test_packing_pays_only_with_length_spread():

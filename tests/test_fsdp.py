@@ -196,6 +196,30 @@ def test_reference_is_sharded_and_matches_the_initial_actor(tiny_model_dir):
     assert abs(kl[0]) < 1e-9 and 1e-6 < kl[1] < kl[2], f"KL must be 0 at step 1 (actor == reference) and grow: {kl}"
 
 
+
+def test_packing_check_runs_inside_one_forward_of_the_fsdp_root(tiny_model_dir):
+    """Issue 41 defect 9: the start-up packing check runs as one forward of the FSDP2 root (`fsdp.in_root_forward`), so
+    FSDP2's root pre-forward (on CUDA: the all-gather streams wait for the current stream, inputs to the device) runs
+    for the root's own state before any of the check's model calls, and the root's post-forward after them. Before,
+    the Hugging Face model was called directly after `unshard()`: the root never became the forward's root (the first
+    decoder layer did, mid-call)."""
+    cfg = make_cfg(tiny_model_dir, "model.use_remove_padding=true")
+    with one_process_group():
+        actor = Actor(cfg, device=torch.device("cpu"))
+        root = actor.policy._get_fsdp_state()  # torch 2.11-2.13: FSDPModule's state; _state_ctx.iter_forward_root
+        seen = []  # at each of the check's Hugging Face model calls: the state that ran the root pre-forward
+        handle = actor.model.register_forward_pre_hook(lambda m, args: seen.append(root._state_ctx.iter_forward_root))
+        try:
+            actor.check_packing()
+        finally:
+            handle.remove()
+        after = root._state_ctx.iter_forward_root
+    assert len(seen) >= 4, f"the check made {len(seen)} model calls: it compares 3 alone and at least 1 packed"
+    assert all(state is root for state in seen), (
+        f"the check's model calls ran under the forward root {seen}, not the FSDP2 root's state {root}")
+    assert after is None, "FSDP2's root post-forward must run after the check (it resets the forward root)"
+
+
 class _FakeLLM:
     """Stands in for vllm.LLM: consumes the weights iterator like reload_weights and records what was alive."""
 

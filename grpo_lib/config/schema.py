@@ -518,7 +518,7 @@ class TrainerConfig:
     """Every step's rollouts are proven to come from the actor's weights: the engine scores a fixed probe (the first 32
     tokens of the first training prompt) inside each generation call, the actor scored it when the engine got its
     weights (setup, each push): `rollout/weight_probe_abs_diff` (mean over the probe), and a difference above the
-    tolerance (3 x the difference at the set-up's weights, within the compute dtype's bound) stops the run before the step's update, saving the last completed step (exit 3)
+    tolerance (3 x the largest difference of the run's first 3 probes, at least a floor tied to the compute dtype, within its bound) stops the run before the step's update, saving the last completed step (exit 3)
     (grpo_lib/weight_probe.py). One actor forward of 32 tokens and one more request in the generation batch per step."""
     project_name: str = may_change_on_resume("grpo")
     """Project of the run in wandb; with experiment_name, the run's name in TensorBoard (text `run/name`)."""

@@ -9,7 +9,8 @@ transitions onto its own calls (vLLM's sleep mode: `engines/vllm.py`):
 
     ready --release()--> released --prepare_for_generation(weights)--> ready
                                     = empty the trainer's device cache -> restore weights -> push -> reset prefix
-                                      cache -> the actor's offload (free_trainer_memory) -> restore cache
+                                      cache -> the actor's offload (free_trainer_memory) -> empty the trainer's
+                                      device cache (the push's blocks) -> restore cache
 
     states: ready (weights + cache on the device) | released (neither) | weights_only (weights, no cache)
     generate / score_logprobs: ready only.     push / reset_prefix_cache: weights_only or ready.
@@ -187,7 +188,7 @@ class Lifecycle:
     # transition -> its memory metric; the names keep vLLM's sleep / wake words they have always been logged under
     METRIC = {"release": "memory/sleep_freed_mb", "restore_weights": "memory/wake_weights_mb",
               "restore_cache": "memory/wake_kv_cache_mb", "restore_all": "memory/wake_regained_mb",
-              "empty_cache": "memory/empty_cache_freed_mb"}
+              "empty_cache": "memory/empty_cache_freed_mb", "push_cache": "memory/push_cache_freed_mb"}
 
     def __init__(self, *, frees_memory: bool, discards_weights: bool):
         self.frees_memory, self.discards_weights = frees_memory, discards_weights
@@ -218,12 +219,13 @@ class Lifecycle:
         self.metrics[name] = self.metrics.get(name, 0.0) + value
 
     def record(self, name: str, before: float | None) -> None:
-        """Device memory the transition freed (release, empty_cache) or took (restores), MiB; nothing without CUDA."""
+        """Device memory the transition freed (release, empty_cache, push_cache) or took (restores), MiB; nothing
+        without CUDA."""
         if before is None:
             return
         now = device_free_mb()
         freed = now - before  # > 0: the device has more free memory than before
-        value = freed if name in ("release", "empty_cache") else -freed
+        value = freed if name in ("release", "empty_cache", "push_cache") else -freed
         self.add(self.METRIC[name], value)
         if name in ("restore_weights", "restore_cache"):
             self.add("memory/wake_regained_mb", value)
@@ -233,10 +235,11 @@ class Lifecycle:
             if residual is not None:
                 self.metrics["memory/sleep_residual_mb"] = residual
 
-    def empty_trainer_cache(self) -> None:
+    def empty_trainer_cache(self, metric: str = "empty_cache") -> None:
+        """`empty_trainer_cache` with the device memory it freed counted under METRIC[metric]."""
         before = device_free_mb()
         empty_trainer_cache()
-        self.record("empty_cache", before)
+        self.record(metric, before)
 
 
 # ------------------------------------------------------------------------------------------------ shared glue
@@ -249,9 +252,10 @@ class EngineGlue:
                                free_trainer_memory: Callable[[], None] | None = None, version: int | None = None) -> None:
         """released -> ready with the actor's weights: empty the trainer's cache, restore weights, push, reset prefix
         cache, `free_trainer_memory()` (the actor's offload: the shards the push gathered leave the device BEFORE the
-        cache is restored, which needs that memory free at once), restore cache. `weights` None (nothing changed since
-        the last push) is refused after a release that discarded the weights. `version` (with `weights`): the weight
-        version the engine reports from then on (`weight_version`; grpo_lib/weight_sync.py numbers them)."""
+        cache is restored, which needs that memory free at once), empty the trainer's cache again (what the push left
+        cached), restore cache. `weights` None (nothing changed since the last push) is refused after a release that
+        discarded the weights. `version` (with `weights`): the weight version the engine reports from then on
+        (`weight_version`; grpo_lib/weight_sync.py numbers them)."""
         self.lifecycle.empty_trainer_cache()
         self.restore_weights()
         if weights is not None:
@@ -261,6 +265,14 @@ class EngineGlue:
                 self.weight_version = version
         if free_trainer_memory is not None:
             free_trainer_memory()
+        if weights is not None:
+            # The push's blocks are free but still reserved by torch's caching allocator: the full tensors FSDP2
+            # gathered one at a time (the fp32 embedding, 1.5 GiB for Qwen3-4B), their copies cast to the engine's dtype
+            # and the rollout.update_weights_bucket_megabytes bucket. vLLM maps its KV cache with its own allocator,
+            # which cannot use torch's reserve: returned to the device here, once, or they stay reserved through
+            # generation (Actor.offload empties the cache only with an offload key on; memory/push_cache_freed_mb says
+            # how much).
+            self.lifecycle.empty_trainer_cache("push_cache")
         self.restore_cache()
 
     def pop_metrics(self, prefix: str = "") -> dict[str, float]:

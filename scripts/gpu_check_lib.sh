@@ -1,0 +1,127 @@
+# Shared by scripts/gpu_check.sh and scripts/gpu_vllm_check.sh (sourced, not run): the verdict file and table, stages
+# run each under its own timeout, and the tiny training runs. The sourcing script sets PY, WORK, STAGES and defines
+# stage_NAME functions; `run_stage NAME LIMIT_S` runs one.
+#
+# How a stage runs: `timeout LIMIT bash SCRIPT --stage NAME` (its own process group, SIGKILLed 10 s after the TERM),
+# within what is left of the check's BUDGET_S; its output goes to the terminal and to LOGS/NAME.log; the rows it adds are
+# printed as soon as it ends, and the verdict table is rewritten after every stage, so a check killed from outside
+# still leaves the table of the stages that ended. A stage that times out, or exits non-zero without a row, gets a FAIL
+# row; one that cannot start because the budget is spent gets a SKIP row.
+#
+# Where the verdict goes: REPORT = $OUT when set (the lent machine's output folder, which comes back), else the work
+# dir; printed at the start. REPORT/gpu_check_verdict.tsv (rows), REPORT/gpu_check_verdict.md (the table),
+# REPORT/gpu_check_logs/ (each stage's output and the last lines of each training log).
+
+# Row statuses (scripts/gpu_report.py says what each means): OK, FAIL, SKIP, INFO.
+row() { printf '%s\t%s\t%s\n' "$1" "$2" "$(printf '%s' "$3" | tr '\t\n' '  ')" >> "$VERDICT"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+report_init() {  # NAME: the file prefix (gpu_check, gpu_vllm_check)
+  REPORT=${OUT:-$WORK}
+  mkdir -p "$REPORT/${1}_logs"
+  VERDICT="$REPORT/${1}_verdict.tsv"; TABLE="$REPORT/${1}_verdict.md"; LOGS="$REPORT/${1}_logs"; LABEL=$1
+  : > "$VERDICT"
+  START=$SECONDS
+  DEADLINE=$((START + ${BUDGET_S:-570}))
+  echo "$1: verdict table -> $TABLE (rows $VERDICT, logs $LOGS; work dir $WORK; budget ${BUDGET_S:-570} s)"
+  export REPORT VERDICT TABLE LOGS LABEL
+}
+
+write_table() { $PY scripts/gpu_report.py table "$VERDICT" --out "$TABLE" --label "$LABEL" --quiet || true; }
+
+# run_stage NAME LIMIT_S: the stage's own timeout (TIMEOUT_NAME overrides LIMIT_S), cut to the budget left
+run_stage() {
+  local name=$1 var="TIMEOUT_$1" limit left before status
+  limit=${!var:-$2}
+  left=$((DEADLINE - SECONDS))
+  before=$(wc -l < "$VERDICT")
+  if [ "$left" -lt "${MIN_STAGE_S:-20}" ]; then
+    row "$name" SKIP "not started: $left s left of the check's BUDGET_S=${BUDGET_S:-570} s"
+  else
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== stage $name (timeout $limit s)"
+    timeout -k 10 "$limit" bash "$SELF" --stage "$name" 2>&1 | tee "$LOGS/$name.log"
+    status=${PIPESTATUS[0]}
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+      row "$name" FAIL "TIMEOUT: no end within $limit s (TIMEOUT_$name=S sets it; the last lines: $(tail -3 "$LOGS/$name.log" | cut -c1-200 | tr '\n' ' '))"
+    elif [ "$status" -ne 0 ] && [ "$(wc -l < "$VERDICT")" -eq "$before" ]; then
+      row "$name" FAIL "the stage exited $status without a verdict row ($LOGS/$name.log)"
+    fi
+  fi
+  tail -n +$((before + 1)) "$VERDICT" | while IFS=$'\t' read -r n s d; do
+    echo "verdict row: | $n | $s | $d |"
+  done
+  write_table
+}
+
+finish() {
+  row "total" INFO "$((SECONDS - START)) s wall, work dir $WORK"
+  $PY scripts/gpu_report.py table "$VERDICT" --out "$TABLE" --label "$LABEL"
+  exit $?
+}
+
+# train NAME RECIPE STEPS_EXPECTED [key=value ...]: a run under accelerate launch into $WORK/NAME/run, then its report
+# row. Reads N, IDS, ON_GPU, TOL, ENGINE_ARGS (words), MODEL, ACCELERATE_CONFIG, WORK (with model/, data/,
+# accelerate.yaml).
+train() {
+  local name=$1 recipe=$2 steps=$3 out="$WORK/$1" status smi="" engine=()
+  shift 3
+  read -r -a engine <<< "${ENGINE_ARGS:-}"
+  mkdir -p "$out"
+  echo "== $name: $recipe $*"
+  if [ "$ON_GPU" = 1 ] && command -v nvidia-smi >/dev/null; then
+    nvidia-smi --id="$IDS" --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi.csv" 2>/dev/null &
+    smi=$!
+  fi
+  $PY -m accelerate.commands.launch --config_file "${ACCELERATE_CONFIG:-$WORK/accelerate.yaml}" train_grpo.py "$recipe" model.path="${MODEL:-$WORK/model}" \
+    data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
+    trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false \
+    trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=$((4 * N)) \
+    actor.ppo_mini_batch_size=$((4 * N)) rollout.n=4 rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=null \
+    "${engine[@]}" "$@" > "$out/train.log" 2>&1
+  status=$?
+  [ -n "$smi" ] && kill "$smi" 2>/dev/null
+  tail -n 300 "$out/train.log" > "$LOGS/$name.train.log"
+  grep -E "\] (actor|reference):|resumed from" "$out/train.log" || true
+  if [ -s "$out/smi.csv" ]; then
+    echo "  peak memory per GPU (nvidia-smi, whole process incl. the engine): $(awk -F', ' '{ if ($2 > p[$1]) p[$1] = $2 } END { for (g in p) printf "GPU %s %d MiB; ", g, p[g] }' "$out/smi.csv")"
+  fi
+  if [ "$status" -ne 0 ]; then
+    row "$name" FAIL "training exited $status: $(grep -E "Error|error" "$out/train.log" | tail -2 | tr '\n' ' ' | cut -c1-300) ($LOGS/$name.train.log)"
+    return 1
+  fi
+  $PY scripts/gpu_report.py run "$out/run/metrics.jsonl" --name "$name" --steps "$steps" --tol "$TOL" --verdict "$VERDICT"
+}
+
+# prepare_inputs: the tiny model and data every training stage uses, and the accelerate config (its own: a default one
+# in ~/.cache is not read)
+prepare_inputs() {
+  $PY data_prep/tiny_model.py --out "$WORK/model" --warmup-steps 0 > "$WORK/prep.log" 2>&1 \
+    && $PY data_prep/synthetic.py --out "$WORK/data" --train-size 256 --test-size 16 >> "$WORK/prep.log" 2>&1 \
+    || { row "prep" FAIL "tiny model / data: $(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; return 1; }
+  accelerate_config "$N" "$WORK/accelerate.yaml"
+}
+
+accelerate_config() {  # PROCESSES FILE: an accelerate config of its own (a default one in ~/.cache is not read)
+  local kind=MULTI_GPU
+  [ "$1" -eq 1 ] && kind=NO
+  printf '%s\n' "compute_environment: LOCAL_MACHINE" "distributed_type: $kind" "num_machines: 1" "machine_rank: 0" \
+    "num_processes: $1" "gpu_ids: all" "mixed_precision: 'no'" "rdzv_backend: static" "same_network: true" "use_cpu: false" \
+    "main_training_function: main" > "$2"
+}
+
+# detect_gpus: GPUS (torch's count), TORCH, GPU_NAME, PROBLEM (why a machine with NVIDIA GPUs shows none: the message
+# train_grpo.py gives, an old driver); a torch that does not import or a CUDA that does not answer is a FAIL row
+detect_gpus() {
+  local info
+  info=$(timeout 120 $PY - <<'PYEOF'
+import torch
+from grpo_lib.distributed import gpu_visibility_problem
+problem = gpu_visibility_problem()
+n = torch.cuda.device_count()
+name = torch.cuda.get_device_name(0) if n else "none"
+print(f"{n}\t{torch.__version__} (CUDA {torch.version.cuda})\t{name}\t{problem or ''}")
+PYEOF
+) || { row "env: torch" FAIL "torch does not import or CUDA does not answer within 120 s: $info"; finish; }
+  IFS=$'\t' read -r GPUS TORCH GPU_NAME PROBLEM <<< "$info"
+}
