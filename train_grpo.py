@@ -12,9 +12,9 @@ Config problems, and a run folder that holds another run (or is in use by one: t
 anything heavy loads.
 A run resumes from its newest complete checkpoint whose files all check out (trainer.resume_mode=auto; a damaged one
 is reported and skipped before the engine starts). SIGTERM / SIGINT finish the step, save and exit 0
-(grpo_lib/checkpoint.py, grpo_lib/stopping.py).
+(grpo_lib/checkpoints/checkpoint.py, grpo_lib/core/stopping.py).
 `--print-plan` prints the batch arithmetic, the resolved defaults and a memory plan per GPU without loading a
-model (grpo_lib/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when every part
+model (grpo_lib/planning/plan.py; flags --num-processes N, --gpu-memory-gb G, --model-config FILE). It exits 0 when every part
 of the plan was computed and it fits, 2 on a config or flag problem, 4 when the peak per GPU does not fit in
 --gpu-memory-gb, 5 when the plan has no memory part (no config.json of the model reachable: pass --model-config FILE),
 so a script can gate on it.
@@ -35,30 +35,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's own environment: grpo_lib/engines/vllm_settings.py
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's own environment: grpo_lib/rollout/engines/vllm_settings.py
 
-from grpo_lib.config import ConfigError, load_config  # noqa: E402  (light imports first: config errors exit fast)
-from grpo_lib.config.checks import environment_problems, multi_turn_warnings, needs_old_logprobs  # noqa: E402
+from grpo_lib.config.checks import needs_old_logprobs  # noqa: E402  (light imports first: config errors exit fast)
+from grpo_lib.trainer import launch  # noqa: E402
+from grpo_lib.trainer.launch import SetupError  # noqa: E402
 
 if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, vLLM's engine), for readers and checkers only
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from grpo_lib.actor import Actor
-    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.model.actor import Actor
+    from grpo_lib.checkpoints.checkpoint import ResumePlan
     from grpo_lib.config import Config
-    from grpo_lib.data import PromptDataset, PromptSampler
-    from grpo_lib.engines.base import RolloutEngine
-    from grpo_lib.episodes import EpisodeRunner
-    from grpo_lib.metrics import MetricLogger
-    from grpo_lib.reference import AdapterDisabledReference, Reference
+    from grpo_lib.rollout.data import PromptDataset, PromptSampler
+    from grpo_lib.rollout.engines.base import RolloutEngine
+    from grpo_lib.rollout.episodes import EpisodeRunner
+    from grpo_lib.core.metrics import MetricLogger
+    from grpo_lib.model.reference import AdapterDisabledReference, Reference
     from grpo_lib.rewards.scorer import RewardScorer
-    from grpo_lib.teacher import Teacher
-    from grpo_lib.weight_sync import WeightSync
-
-
-class SetupError(RuntimeError):
-    """A model folder or reward function that cannot be loaded (reported with exit code 2, before the engine starts)."""
+    from grpo_lib.model.teacher import Teacher
+    from grpo_lib.rollout.weight_sync import WeightSync
 
 
 @contextmanager
@@ -105,20 +102,21 @@ class GRPOTrainer:
         import torch
         from transformers import AutoTokenizer
 
-        from grpo_lib import checkpoint, dtypes
-        from grpo_lib.actor import Actor
-        from grpo_lib.data import PromptSampler, load_prompts
-        from grpo_lib.engines import build_engine
-        from grpo_lib.episodes import EpisodeRunner, TemplateError
-        from grpo_lib.lora import check_lora_setup
-        from grpo_lib.metrics import MetricLogger
-        from grpo_lib.perf import freeze_static_heap
-        from grpo_lib.plan_memory import auto_budget_notes
-        from grpo_lib.reference import make_reference
+        from grpo_lib.checkpoints import checkpoint
+        from grpo_lib.core import dtypes
+        from grpo_lib.model.actor import Actor
+        from grpo_lib.rollout.data import PromptSampler, load_prompts
+        from grpo_lib.rollout.engines import build_engine
+        from grpo_lib.rollout.episodes import EpisodeRunner, TemplateError
+        from grpo_lib.model.lora import check_lora_setup
+        from grpo_lib.core.metrics import MetricLogger
+        from grpo_lib.core.perf import freeze_static_heap
+        from grpo_lib.planning.memory import auto_budget_notes
+        from grpo_lib.model.reference import make_reference
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.tools.config import ToolConfigError
-        from grpo_lib.weight_probe import WeightProbe
-        from grpo_lib.weight_sync import WeightSync
+        from grpo_lib.rollout.weight_probe import WeightProbe
+        from grpo_lib.rollout.weight_sync import WeightSync
 
         import copy
 
@@ -166,9 +164,11 @@ class GRPOTrainer:
                 if rank == 0:
                     print(note, file=sys.stderr)
             if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load
-                from grpo_lib.teacher import setup_problem
+                from grpo_lib.model.teacher import tokenizer_problem
+                from grpo_lib.planning.memory import teacher_fit_problem
 
-                if problem := setup_problem(cfg, tokenizer, world_size=self.world_size, gpu_bytes=gpu_bytes):
+                if problem := tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(cfg, world_size=self.world_size,
+                                                                                       gpu_bytes=gpu_bytes):
                     raise SetupError(problem)
             # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
             engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)
@@ -176,8 +176,8 @@ class GRPOTrainer:
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = make_reference(actor) if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
             teacher = None
-            if cfg.distillation.enabled:  # sharded and offloaded like the reference (grpo_lib/teacher.py)
-                from grpo_lib.teacher import Teacher
+            if cfg.distillation.enabled:  # sharded and offloaded like the reference (grpo_lib/model/teacher.py)
+                from grpo_lib.model.teacher import Teacher
 
                 teacher = Teacher(cfg, device=device)
             probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
@@ -193,7 +193,7 @@ class GRPOTrainer:
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
                            "data/invalid_rows": train.num_invalid + (val.num_invalid if val else 0)})
-        freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/perf.py)
+        freeze_static_heap()  # the run's long-lived objects leave the garbage collector's scans (grpo_lib/core/perf.py)
         # The engine read model.path alone: a resume's weights, or the adapters of model.lora_adapter_path, are pushed
         # to it. A resume loads with the engine asleep: loading creates the AdamW state (and DCP's read buffers) on the
         # device, which next to the engine's share is the run's peak; then the engine wakes with the weights, the
@@ -219,7 +219,7 @@ class GRPOTrainer:
     def train(self) -> int:
         """`run_steps`; a metrics write that fails (a full disk: MetricWriteError, raised on every process alike) saves
         the last completed step if the disk allows and returns exit code 3."""
-        from grpo_lib.metrics import MetricWriteError
+        from grpo_lib.core.metrics import MetricWriteError
 
         self.completed = (self.resume.step, self.parts.sampler.state_dict())  # (step, sampler position after it)
         try:
@@ -232,10 +232,10 @@ class GRPOTrainer:
         """Validation before training (if asked), then steps resume.step + 1 .. total_steps; returns the exit code.
         Each step is logged; validation and checkpoints follow their frequencies; a stop signal ends the run after the
         step with a checkpoint; trainer.max_bad_steps consecutive non-finite updates end it with exit code 3."""
-        from grpo_lib import checkpoint
-        from grpo_lib import step as S
-        from grpo_lib.stopping import install_stop_handlers, stop_requested
-        from grpo_lib.weight_probe import mismatch
+        from grpo_lib.checkpoints import checkpoint
+        from grpo_lib.trainer import step as S
+        from grpo_lib.core.stopping import install_stop_handlers, stop_requested
+        from grpo_lib.rollout.weight_probe import mismatch
 
         cfg, p = self.cfg, self.parts
         try:  # a validation that cannot finish (tools that never return: exit 3) saves nothing: no step ran yet
@@ -288,8 +288,8 @@ class GRPOTrainer:
         """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
         when the rollouts cannot be trusted (rewards, tools, the engine's weights) or DAPO finds no usable group; the
         step's generation metrics are logged then."""
-        from grpo_lib import step as S
-        from grpo_lib.perf import PhaseMemory
+        from grpo_lib.trainer import step as S
+        from grpo_lib.core.perf import PhaseMemory
 
         cfg, actor = self.cfg, self.parts.actor
         timings: dict[str, float] = {}
@@ -315,7 +315,7 @@ class GRPOTrainer:
         (rollout.free_cache_engine: its KV cache and weights make room for the update). Rewards or a tool failing on
         every call of the step raise step.RunAborted (exit 3), as `collect_rollouts` does for the engine's weights; the
         metrics gathered so far are logged first."""
-        from grpo_lib import step as S
+        from grpo_lib.trainer import step as S
 
         cfg, p, metrics = self.cfg, self.parts, {}
         try:
@@ -345,10 +345,10 @@ class GRPOTrainer:
                 batch.old_logprobs = p.actor.compute_logprobs(batch, plan)
 
     def push_weights(self, step: int, batch, gen_metrics: dict[str, float], timings: dict[str, float], memory) -> dict[str, float]:
-        """The push after step `step`'s update (grpo_lib/weight_sync.py): the probe's logprobs of the weights about to be
+        """The push after step `step`'s update (grpo_lib/rollout/weight_sync.py): the probe's logprobs of the weights about to be
         pushed, then wake weights -> push as version `step` -> actor.offload -> wake KV cache. The last step's probe is
         scored now (no generation follows; run_steps checks it) and trainer.check_weight_sync's debug pass runs here."""
-        from grpo_lib.weight_probe import worse_probe
+        from grpo_lib.rollout.weight_probe import worse_probe
 
         p, metrics = self.parts, {}
         p.sync.expect(p.actor, timings=timings)
@@ -367,14 +367,15 @@ class GRPOTrainer:
         found no usable group), where the weights may be the cause: other weights than the pushed ones raise
         step.RunAborted (exit 3) before anything trains on the rollouts. A chat template that cannot extend an episode
         is RunAborted with exit code 2, tool calls that never returned with exit code 3."""
-        from grpo_lib import step as S
-        from grpo_lib.episodes import TemplateError
+        from grpo_lib.trainer import step as S
+        from grpo_lib.trainer import rounds
+        from grpo_lib.rollout.episodes import TemplateError
         from grpo_lib.tools.calls import ToolStallError
 
         p, batch, gave_up = self.parts, None, None
         request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
         try:
-            batch, metrics = S.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
+            batch, metrics = rounds.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
                                                 world_size=self.world_size, rank=self.rank, timings=timings,
                                                 episodes=p.episodes, score_request=request)
             into.update(metrics)
@@ -396,13 +397,14 @@ class GRPOTrainer:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples. Tool calls
         that never return (agreed by every process) or a chat template that cannot extend an episode raise
         step.RunAborted (exit 3 / 2), as in a step."""
-        from grpo_lib import step as S
-        from grpo_lib.episodes import TemplateError
+        from grpo_lib.trainer import step as S
+        from grpo_lib.trainer import rounds
+        from grpo_lib.rollout.episodes import TemplateError
         from grpo_lib.tools.calls import ToolStallError
 
         p = self.parts
         try:
-            metrics, rows = S.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
+            metrics, rows = rounds.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
                                        step=step, tokenizer=p.tokenizer, episodes=p.episodes)
         except TemplateError as error:
             raise S.RunAborted(f"validation at step {step}: {error}", exit_code=2) from error
@@ -412,9 +414,9 @@ class GRPOTrainer:
         p.logger.log_generations(step, rows)
 
     def save(self, step: int, sampler_state: dict | None = None) -> Path:
-        """A resumable checkpoint of `step` (grpo_lib/checkpoint.py; every process calls it); the actor rests on the host
+        """A resumable checkpoint of `step` (grpo_lib/checkpoints/checkpoint.py; every process calls it); the actor rests on the host
         afterwards (the export gathered the shards onto the device; the next generation needs that memory)."""
-        from grpo_lib import checkpoint
+        from grpo_lib.checkpoints import checkpoint
 
         p = self.parts
         path = checkpoint.save(self.cfg, step=step, actor=p.actor, sampler_state=sampler_state or p.sampler.state_dict(),
@@ -430,7 +432,7 @@ class GRPOTrainer:
         `last_step` (from before an aborted step: a resume, after fixing the reward, starts with the prompts that step
         drew). A save that does not fit (a full disk) leaves the previous checkpoint as it was.
         """
-        from grpo_lib.checkpoint import MARKER, SaveError
+        from grpo_lib.checkpoints.checkpoint import MARKER, SaveError
 
         print(f"error: {error}", file=sys.stderr)
         saved_already = (Path(self.cfg.trainer.default_local_dir) / f"global_step_{last_step}" / MARKER).is_file()
@@ -451,122 +453,15 @@ class GRPOTrainer:
 
 
 def main(argv: list[str]) -> int:
-    """The command line: checks that need no model (exit 2), then the run; returns the exit code."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv else 2
-    if "--print-plan" in argv:
-        from grpo_lib.plan import print_plan
-
-        if "--measure" in argv:  # the training phase measured on fake tensors (imports torch, transformers)
-            from grpo_lib.plan_measure import measure_lines
-
-            return print_plan(argv, measure=measure_lines)
-        return print_plan(argv)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    try:
-        cfg = load_config(argv[0], argv[1:], world_size=world_size)
-        from grpo_lib.engines import settings_problems  # the engine's settings against the installed library
-
-        if problems := environment_problems(cfg) + settings_problems(cfg):
-            raise ConfigError(problems)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from grpo_lib.preflight import check_model_folder, check_run_folder  # before anything heavy
-
-    folder_problems = check_model_folder(cfg.model.path) + check_run_folder(cfg)  # weights complete; writable, room
-    if folder_problems:
-        print("error: " + "\n".join(folder_problems), file=sys.stderr)
-        return 2
-    from grpo_lib.stopping import launcher_timeout_warning
-
-    if rank == 0 and (warning := launcher_timeout_warning()):  # accelerate launch would kill us before a stop saves
-        print(warning, file=sys.stderr, flush=True)
-    if rank == 0:
-        for warning in multi_turn_warnings(cfg):
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-    if cfg.ignored and rank == 0:  # once, at start
-        print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
-              flush=True)
-
-    from grpo_lib import checkpoint
-    from grpo_lib.perf import capture_torch_threads, tune_allocator
-
-    if cfg.trainer.tune_allocator:  # before the model and engine load: what start-up frees goes back to the OS
-        tune_allocator(loading=True)
-    capture_torch_threads()  # before the engine drops torch to 1 thread: the actor's passes get these back
-    from grpo_lib.distributed import gpu_visibility_problem, init_distributed
-
-    if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    init_distributed()
-    from grpo_lib.checkpoint_lock import take_agreed_run_lock
-    from grpo_lib.distributed import broadcast_object
-
-    # one run at a time per folder: process 0 holds the lock for the run, every process agrees (all go on, or all exit 2)
-    lock, refusal = take_agreed_run_lock(Path(cfg.trainer.default_local_dir), rank=rank, agree=broadcast_object)
-    if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
-    try:
-        try:  # a folder holding another run, or a resume that would delete newer checkpoints: exit 2 now (read only)
-            resume = checkpoint.plan_resume(cfg)
-        except checkpoint.ResumeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        return run_in_held_folder(cfg, resume, rank=rank, world_size=world_size)
-    finally:  # every way out of the run; a kill leaves a stale lock that the next start takes over
-        if lock is not None:
-            lock.release()
-
-
-def run_in_held_folder(cfg, resume, *, rank: int, world_size: int) -> int:
-    """The run, once process 0 holds the run folder's lock: the folder is one for every process, the checkpoint's files
-    are checked (a damaged one set aside), then set-up and training; returns the exit code."""
-    from grpo_lib import checkpoint
-    from grpo_lib.data import DataError
-    from grpo_lib.distributed import barrier
-    from grpo_lib.perf import tune_allocator
-    from grpo_lib.preflight import run_folder_not_shared
-
-    if problem := run_folder_not_shared(Path(cfg.trainer.default_local_dir), rank=rank, world_size=world_size):  # 2+ machines
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    try:  # every file of the checkpoint, on every process (a share each); a damaged one falls back (auto) or exits 2
-        resume = checkpoint.verify_resume(cfg, resume, rank=rank, world_size=world_size)
-    except checkpoint.ResumeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if rank == 0:
-        checkpoint.prepare_run_folder(cfg, resume)
-    barrier()
-    trainer = GRPOTrainer(cfg, world_size=world_size, rank=rank, resume=resume)
-    from grpo_lib.metrics import MetricWriteError
-
-    try:
-        try:
-            trainer.setup()
-        except (DataError, SetupError) as exc:  # bad data, model path or reward: a message naming it, not a traceback
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        if cfg.trainer.tune_allocator:  # after set-up: freed activations stay in the heap for the CPU update
-            import torch
-
-            tune_allocator(on_gpu=torch.cuda.is_available())  # the device setup() chose
-        return trainer.train()
-    except MetricWriteError as exc:  # a full disk while setting up (the metric files open there)
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    finally:
-        trainer.close()
+    """The command line (grpo_lib/trainer/launch.py: the checks that need no model, the run lock, resume), then
+    `GRPOTrainer`'s setup, run and close; returns the exit code."""
+    return launch.main(argv, trainer_class=GRPOTrainer, usage=__doc__)
 
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    if "grpo_lib.distributed" in sys.modules:  # a process group exists only past the config checks (no torch before)
-        from grpo_lib.distributed import close_distributed
+    if "grpo_lib.core.distributed" in sys.modules:  # a process group exists only past the config checks (no torch before)
+        from grpo_lib.core.distributed import close_distributed
 
         close_distributed()  # every process leaves the group before exit (a clean launcher report on every path)
     sys.exit(code)

@@ -12,7 +12,7 @@ hermes parser reads every turn as one calculator call, rollout.multi_turn.max_as
 the engine handed to the episode loop caps each turn at --turn-tokens (a cut turn reads as ended, not as the budget).
 
 Three ways to make the same 128 sequences, alternated within one process (one engine), --rounds times after a warm-up:
-1. episodes: `EpisodeRunner.generate` (grpo_lib/episodes.py): 3 engine calls, each for every running episode, with the
+1. episodes: `EpisodeRunner.generate` (grpo_lib/rollout/episodes.py): 3 engine calls, each for every running episode, with the
    tools and the template deltas between them;
 2. single (same total tokens): one engine call, each sample's response exactly as long as its episode's whole
    response (sampled + tool tokens; ignore_eos), same prompts and seeds;
@@ -116,10 +116,10 @@ def tool_episode_setup(model_dir: Path, tools_path: Path, *, prompts: int, n: in
 
     from data_prep.synthetic import GSM8K_INSTRUCTION
     from grpo_lib.config import load_config
-    from grpo_lib.data import render_prompt
-    from grpo_lib.engines import build_engine
-    from grpo_lib.episodes import EpisodeRunner
-    from grpo_lib.types import PromptBatch
+    from grpo_lib.rollout.data import render_prompt
+    from grpo_lib.rollout.engines import build_engine
+    from grpo_lib.rollout.episodes import EpisodeRunner
+    from grpo_lib.core.types import PromptBatch
 
     cfg = load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_prompt_length=512",
                              "actor.ppo_micro_batch_size_per_gpu=8", f"data.max_response_length={budget}",
@@ -154,7 +154,7 @@ def main() -> None:
 
     import torch
 
-    import grpo_lib.episodes as episodes
+    import grpo_lib.rollout.episodes as episodes
     from data_prep.tiny_model import make_tiny_model
     from grpo_lib.tools.hermes import ToolCall
 

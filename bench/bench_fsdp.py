@@ -120,7 +120,7 @@ def collectives_batch(vocab: int, rank: int):
     """This process's share of one mini-batch: every trajectory at the length cap, random tokens and advantages."""
     import torch
 
-    from grpo_lib.types import RolloutBatch
+    from grpo_lib.core.types import RolloutBatch
 
     g = torch.Generator().manual_seed(rank)
     rows, width = TRAJECTORIES_PER_PROCESS, SEQ_PROMPT + SEQ_RESPONSE
@@ -140,9 +140,9 @@ def collectives_worker(model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from grpo_lib import fsdp
-    from grpo_lib.actor import Actor
-    from grpo_lib.distributed import init_distributed
+    from grpo_lib.model import fsdp
+    from grpo_lib.model.actor import Actor
+    from grpo_lib.core.distributed import init_distributed
 
     init_distributed()
     rank = dist.get_rank()

@@ -76,8 +76,8 @@ def requests(work: Path) -> tuple[list[list[int]], list[int], list[int]]:
 
 def bench_engines(work: Path, rounds: int, *, hf_compile: bool = False, warm_up: dict | None = None) -> list[dict]:
     from grpo_lib.config import RolloutConfig
-    from grpo_lib.engines.hf import HFEngine
-    from grpo_lib.engines.vllm import VLLMEngine
+    from grpo_lib.rollout.engines.hf import HFEngine
+    from grpo_lib.rollout.engines.vllm import VLLMEngine
 
     ids, limits, seeds = requests(work)
     warm_up = {} if warm_up is None else warm_up
@@ -169,10 +169,10 @@ def bench_reward(work: Path, rounds: int) -> list[dict]:
 
     import train_grpo
     from bench_step import overrides
-    from grpo_lib import step as S
-    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.trainer import rounds
+    from grpo_lib.checkpoints.checkpoint import ResumePlan
     from grpo_lib.config import load_config
-    from grpo_lib.perf import capture_torch_threads, tune_allocator
+    from grpo_lib.core.perf import capture_torch_threads, tune_allocator
     from grpo_lib.rewards import RewardScorer
 
     model = eos_model(work)
@@ -185,20 +185,20 @@ def bench_reward(work: Path, rounds: int) -> list[dict]:
     trainer = train_grpo.GRPOTrainer(cfg, world_size=1, rank=0, resume=ResumePlan())
     trainer.setup()
     free = trainer.parts.scorer
-    real_collect = S.collect_rollouts
+    real_collect = rounds.collect_rollouts
     number = 0
 
     def one_step(scorer, *, stream: bool) -> dict:
         nonlocal number
         number += 1
         trainer.parts.scorer = scorer
-        S.collect_rollouts = real_collect if stream else functools.partial(real_collect, stream_rewards=False)
+        rounds.collect_rollouts = real_collect if stream else functools.partial(real_collect, stream_rewards=False)
         try:
             start = time.perf_counter()
             metrics = trainer.step(number)
             metrics["wall_s"] = time.perf_counter() - start
         finally:
-            S.collect_rollouts = real_collect
+            rounds.collect_rollouts = real_collect
         return {k: metrics[k] for k in metrics if k.startswith("timing_s/") or k in ("wall_s", "response/length_mean",
                                                                                     "response/length_max")}
 

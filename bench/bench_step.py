@@ -153,10 +153,11 @@ def trainer_worker(work: Path, setting: str, shape: str = "none") -> None:
     import torch
 
     import train_grpo
-    from grpo_lib import step as S
-    from grpo_lib.checkpoint import ResumePlan
+    from grpo_lib.trainer import step as S
+    from grpo_lib.trainer import rounds
+    from grpo_lib.checkpoints.checkpoint import ResumePlan
     from grpo_lib.config import load_config
-    from grpo_lib.perf import capture_torch_threads, trainer_threads, tune_allocator
+    from grpo_lib.core.perf import capture_torch_threads, trainer_threads, tune_allocator
 
     cfg = load_config(None, overrides(work, setting, shape))
     lengths = force_lengths(shape)
@@ -187,7 +188,7 @@ def trainer_worker(work: Path, setting: str, shape: str = "none") -> None:
             step_number += 1
             timings: dict[str, float] = {}
             start = time.perf_counter()
-            batch, gen_metrics = S.collect_rollouts(cfg, engine, parts.scorer, parts.train, parts.sampler, step=step_number,
+            batch, gen_metrics = rounds.collect_rollouts(cfg, engine, parts.scorer, parts.train, parts.sampler, step=step_number,
                                                     world_size=1, rank=0, timings=timings)
             S.compute_advantages(cfg, batch)
             t = time.perf_counter()
@@ -257,7 +258,7 @@ def bare_worker(work: Path, setting: str, shape: str = "none") -> None:
     from vllm import SamplingParams
 
     from grpo_lib.config import load_config
-    from grpo_lib.engines.vllm import VLLMEngine
+    from grpo_lib.rollout.engines.vllm import VLLMEngine
 
     cfg = load_config(None, overrides(work, setting, shape))
     force_lengths(shape)

@@ -43,12 +43,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import grpo_lib.actor as actor_module  # noqa: E402
-from grpo_lib.actor import Actor, micro_batches  # noqa: E402
-from grpo_lib.packing import pack_sequences  # noqa: E402
+import grpo_lib.model.actor as actor_module  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
+from grpo_lib.model.passes import micro_batches  # noqa: E402
+from grpo_lib.model.packing import pack_sequences  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.logprobs import num_packed_rows, token_logprobs  # noqa: E402
-from grpo_lib.types import RolloutBatch  # noqa: E402
+from grpo_lib.model.logprobs import num_packed_rows, token_logprobs  # noqa: E402
+from grpo_lib.core.types import RolloutBatch  # noqa: E402
 
 GROUP_SIZE = 4  # rollout.n
 
@@ -124,8 +125,8 @@ def peak_rss_mib() -> float:
 
 
 def reset_peak_rss() -> bool:
-    """Restart VmHWM at the current resident set (grpo_lib.perf.reset_peak_memory on the CPU)."""
-    from grpo_lib.perf import reset_peak_memory
+    """Restart VmHWM at the current resident set (grpo_lib.core.perf.reset_peak_memory on the CPU)."""
+    from grpo_lib.core.perf import reset_peak_memory
 
     return reset_peak_memory(torch.device("cpu"))
 
@@ -305,7 +306,7 @@ long and short rows in every micro-batch, so each is padded to a long row; with 
 longest row of each is below the global maximum, hence ~1.6x, not 1.8x), and further by what does not shrink:
 
 - the output head, log-softmax and entropy run over real tokens only in every mode (the chunked head of
-  `grpo_lib.logprobs`). With a 32k vocabulary on a 512-wide model the head is ~47% of a real token's matmul
+  `grpo_lib.model.logprobs`). With a 32k vocabulary on a 512-wide model the head is ~47% of a real token's matmul
   FLOPs, which caps the speed-up at the "matmul-FLOP bound" above (~1.3x at the defaults) whatever the packing
   layout; a real 7-8B model spends well under 10% there;
 - attention: sdpa (CPU, and GPU without a varlen kernel) computes the packed row's block-diagonal causal mask as a

@@ -1,4 +1,4 @@
-"""The weight probe's cost (trainer.weight_probe, grpo_lib/weight_probe.py): its share of the step, on the demo's run.
+"""The weight probe's cost (trainer.weight_probe, grpo_lib/rollout/weight_probe.py): its share of the step, on the demo's run.
 
 Not a test: `python bench/bench_weight_probe.py [--steps 12] [--work-dir DIR] [--warmup-steps 300]` builds the demo's
 model and data (as `make demo` does: the tiny Qwen3 warmed up --warmup-steps steps, 2000 synthetic additions) unless DIR
@@ -50,10 +50,10 @@ def generate_ab(model: Path, data: Path, pairs: int) -> tuple[float, float]:
     from transformers import AutoTokenizer
 
     from grpo_lib.config import load_config
-    from grpo_lib.data import load_prompts
-    from grpo_lib.engines.vllm import VLLMEngine
-    from grpo_lib.types import ScoreRequest
-    from grpo_lib.weight_probe import PROBE_TOKENS
+    from grpo_lib.rollout.data import load_prompts
+    from grpo_lib.rollout.engines.vllm import VLLMEngine
+    from grpo_lib.core.types import ScoreRequest
+    from grpo_lib.rollout.weight_probe import PROBE_TOKENS
 
     cfg = load_config(REPO / "recipes" / "tiny_cpu.yaml", [f"model.path={model}", f"data.train_files=[{data / 'train.parquet'}]"])
     train = load_prompts(cfg.data.train_files, AutoTokenizer.from_pretrained(str(model)), cfg.data)

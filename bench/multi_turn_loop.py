@@ -17,7 +17,7 @@ loop is given (ScriptedEngine) caps each turn at its drawn length and sets the t
 or to an answer by the episode's plan; the sampled token ids stay the model's. It finds the episode and turn of a
 request from its seed (turn t of sample k of prompt i is seeded turn_seed(seeds[i] + k, t) in both loops).
 
-Both loops run through the one public call, `EpisodeRunner.generate` (grpo_lib/episodes.py), on one engine: the
+Both loops run through the one public call, `EpisodeRunner.generate` (grpo_lib/rollout/episodes.py), on one engine: the
 per-episode loop (VLLMEngine.open_session, the trainer's choice for vLLM at TP 1) and the turn-synchronous one (the
 trainer's choice for the hf engine and for TP > 1; chosen here by setting the runner's `per_episode` to False). They
 alternate in one process, --rounds times after one warm-up of each, so machine load falls on both alike. Measured:
@@ -89,7 +89,7 @@ def plan_episodes(seeds: list[int], n: int, *, long_fraction: float, call_tokens
 
     Example: 2 prompts, n 1, long_fraction 0.5 might give episode 0 one answer turn of 200 tokens and episode 1 four
     call turns of 8-48 tokens and an answer."""
-    from grpo_lib.seeds import turn_seed
+    from grpo_lib.core.seeds import turn_seed
 
     rng = random.Random(seed)
     plan = {}
@@ -221,7 +221,7 @@ def main() -> None:
     from bench_episodes import tool_episode_setup  # bench/ is this script's own folder (sys.path[0])
 
     from data_prep.tiny_model import make_tiny_model
-    from grpo_lib.seeds import turn_seed
+    from grpo_lib.core.seeds import turn_seed
 
     call_tokens, answer_tokens = (tuple(int(x) for x in v.split(",")) for v in (args.call_tokens, args.answer_tokens))
     budget = answer_tokens[1] + 5 * (call_tokens[1] + 40)  # 5 calls, each with a tool turn of ~35 tokens

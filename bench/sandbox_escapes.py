@@ -1,5 +1,5 @@
 """Tally of escape attempts against the Python tool's sandbox of a checkout: which of issue 40's attempts the model's
-code gets through (ESCAPED) and which are contained. Not a test (tests/test_tools_python_escapes.py asserts each);
+code gets through (ESCAPED) and which are contained. Not a test (tests/tools/test_tools_python_escapes.py asserts each);
 this runs against any checkout, so an older one can be compared:
 
     .venv/bin/python bench/sandbox_escapes.py              # this checkout

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_report  # noqa: E402  (scripts/, beside this file)
 import torch  # noqa: E402
 
-from grpo_lib import attention  # noqa: E402
+from grpo_lib.model import attention  # noqa: E402
 
 
 def timed(fn, repeats: int = 10) -> float:
@@ -89,7 +89,7 @@ def shared_prompt_check(device: torch.device = torch.device("cuda")) -> tuple[st
 def isolation_check() -> tuple[str, str]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from grpo_lib.packing import check_packing_isolated, isolation_tolerance
+    from grpo_lib.model.packing import check_packing_isolated, isolation_tolerance
 
     attention.register()
     config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
             gpu_report.add(args.verdict, name, status, detail)
 
     if not torch.cuda.is_available():
-        report("attention", "SKIP", "no CUDA device: nothing to check (the CPU paths are tested by tests/test_attention.py)")
+        report("attention", "SKIP", "no CUDA device: nothing to check (the CPU paths are tested by tests/model/test_attention.py)")
         return 0
     statuses = {}
     for name, check in CHECKS.items():

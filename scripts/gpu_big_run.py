@@ -92,10 +92,10 @@ def main(argv: list[str]) -> int:
     import torch
 
     import train_grpo
-    from grpo_lib import checkpoint
+    from grpo_lib.checkpoints import checkpoint
     from grpo_lib.config import load_config
-    from grpo_lib.distributed import init_distributed
-    from grpo_lib.perf import capture_torch_threads, tune_allocator
+    from grpo_lib.core.distributed import init_distributed
+    from grpo_lib.core.perf import capture_torch_threads, tune_allocator
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
@@ -132,8 +132,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    if "grpo_lib.distributed" in sys.modules:
-        from grpo_lib.distributed import close_distributed
+    if "grpo_lib.core.distributed" in sys.modules:
+        from grpo_lib.core.distributed import close_distributed
 
         close_distributed()
     sys.exit(code)

@@ -42,13 +42,13 @@
 #   lora (120)     recipes/tiny_cpu_lora.yaml, bf16 compute, 2 steps (adapters only, merged push), weight sync checked
 #   resume (200)   2 steps saving a DCP checkpoint each step, then the same command to 3 steps: resumes from step 2
 #   gputest (120)  the suite's GPU-only tests (pytest from .whl/): the offload of shards to the host and back
-#   measure (180)  `python -m grpo_lib.plan_measure` for the big run's config: the training phase measured on fake
+#   measure (180)  `python -m grpo_lib.planning.measure` for the big run's config: the training phase measured on fake
 #                  tensors beside the plan's (on a torch other than 2.13 with its "unverified" warning and self-check)
 #   big (330)      a true-size random-init Qwen3-4B (tests/data/qwen3_4b_config.json, no download) for BIG_STEPS (2)
 #                  steps of the seed recipe (scripts/gpu_big_run.py; responses capped at BIG_RESPONSE_TOKENS=256: random
 #                  weights never stop, and the hf engine would decode 1024 tokens per sample): peak memory per phase
 #                  against the 1-process plan (--print-plan) and `measure`, step time, tokens/s, MFU; BIG_ARGS="k=v ..."
-# CPU: every stage runs as it would on the GPU image (tests/test_gpu_check_script.py runs `env tiny collectives` with
+# CPU: every stage runs as it would on the GPU image (tests/repo/test_gpu_check_script.py runs `env tiny collectives` with
 # vllm blocked, and a stage that outlives its timeout); BIG_SHRINK=1 (the default without CUDA) builds the same
 # architecture shrunk, since 4B parameters with AdamW do not fit a laptop.
 set -uo pipefail
@@ -138,7 +138,7 @@ stage_resume() {  # DCP save at steps 1 and 2, then the same command to step 3: 
 stage_gputest() {
   $PY -c "import pytest" 2>/dev/null \
     || { row gputest SKIP "pytest not importable (scripts/gpu_wheels.sh brings it)"; return 0; }
-  $PY -m pytest -q -p no:cacheprovider tests/test_fsdp.py -k on_gpu > "$WORK/gputest.log" 2>&1
+  $PY -m pytest -q -p no:cacheprovider tests/model/test_fsdp.py -k on_gpu > "$WORK/gputest.log" 2>&1
   local status=$? summary
   summary=$(tail -1 "$WORK/gputest.log")
   if [ "$status" -ne 0 ]; then row gputest FAIL "$summary ($WORK/gputest.log)"
@@ -157,7 +157,7 @@ big_plan_args() {  # the 1-process plan of the big run's config (its overrides f
 stage_measure() {
   mkdir -p "$WORK/big"
   big_plan_args
-  $PY -m grpo_lib.plan_measure "${PLAN_ARGS[@]}" > "$WORK/measure.txt" 2>&1
+  $PY -m grpo_lib.planning.measure "${PLAN_ARGS[@]}" > "$WORK/measure.txt" 2>&1
   local status=$?
   cat "$WORK/measure.txt" | grep -A12 "measured training phase" || tail -5 "$WORK/measure.txt"
   $PY scripts/gpu_report.py measure "$WORK/measure.txt" --exit-code "$status" --verdict "$VERDICT"

@@ -116,7 +116,7 @@ detect_gpus() {
   local info
   info=$(timeout 120 $PY - <<'PYEOF'
 import torch
-from grpo_lib.distributed import gpu_visibility_problem
+from grpo_lib.core.distributed import gpu_visibility_problem
 problem = gpu_visibility_problem()
 n = torch.cuda.device_count()
 name = torch.cuda.get_device_name(0) if n else "none"

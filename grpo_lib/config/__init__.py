@@ -10,6 +10,7 @@
 
 Imports go one way only, schema <- checks <- load, and no submodule imports this package's names: this file only
 re-exports them. Nothing here imports torch, so a bad config exits before anything heavy loads (DESIGN invariant 4).
+May import: core, and rollout's torch-free engine settings (`rollout.engines.settings`: each engine checks its own keys).
 """
 
 from grpo_lib.config.checks import (engine_logprobs_needed, environment_problems, mini_batch_sizes, resolve_defaults,

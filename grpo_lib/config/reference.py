@@ -1,5 +1,5 @@
 """The config reference (docs/REFERENCE.md), generated from the schema's field docstrings: `python -m grpo_lib.config`
-prints it, `--update-docs` rewrites docs/REFERENCE.md's tables (tests/test_config.py checks the page holds every line)."""
+prints it, `--update-docs` rewrites docs/REFERENCE.md's tables (tests/config/test_config.py checks the page holds every line)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from grpo_lib.config.schema import Config
 from grpo_lib.config.schema_distillation import DistillationConfig
+from grpo_lib.config.schema_rollout import RolloutConfig
 
 
 def reference_markdown() -> str:
@@ -17,7 +18,7 @@ def reference_markdown() -> str:
     import inspect
 
     docs: dict[str, dict[str, str]] = {}
-    for module in (Config.__module__, DistillationConfig.__module__):  # the sections' modules (distillation has its own)
+    for module in (Config.__module__, DistillationConfig.__module__, RolloutConfig.__module__):  # the sections' modules
         tree = ast.parse(inspect.getsource(__import__(module, fromlist=["x"])))
         for node in tree.body:
             if isinstance(node, ast.ClassDef):

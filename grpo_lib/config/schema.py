@@ -5,7 +5,7 @@ metadata declares what the code must know about the key beyond its type:
 
     metadata={"runtime": True}        a value set by load_config, not by the user (`Config.ignored`)
     may_change_on_resume(default)     may differ between a checkpoint and the run resuming it (speed, memory, logging,
-                                      length of the run); grpo_lib/checkpoint.py reads `resume_may_change_keys()`
+                                      length of the run); grpo_lib/checkpoints/checkpoint.py reads `resume_may_change_keys()`
 
 The config reference (docs/REFERENCE.md) is generated from the field docstrings (`python -m grpo_lib.config --update-docs`).
 
@@ -21,19 +21,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from grpo_lib.config.fields import may_change_on_resume
 from grpo_lib.config.schema_distillation import DistillationConfig
+from grpo_lib.config.schema_rollout import MultiTurnConfig, RolloutConfig, ValKwargsConfig  # noqa: F401 (re-exported)
 
 # --------------------------------------------------------------------------------------------- field metadata
-
-
-def may_change_on_resume(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A field whose value may differ between a checkpoint and the run resuming it: it changes speed, memory, logging or
-    how long the run goes, never what one step computes (any other difference exits 2: grpo_lib/checkpoint.py). On a
-    section (`ref`) or a mapping it covers every key under it.
-
-    Example: `save_freq: int = may_change_on_resume(-1)` is `field(default=-1, metadata={"resume_may_change": True})`.
-    """
-    return field(default=default, default_factory=default_factory, metadata={"resume_may_change": True})
 
 
 # --------------------------------------------------------------------------------------------- sections
@@ -82,7 +74,7 @@ class ModelConfig:
     always keeps float32 master weights and AdamW state; its compute dtype is actor.fsdp_config.param_dtype."""
     use_remove_padding: bool = may_change_on_resume(False)
     """Pack a micro-batch into one row of whole sequences (restarting position_ids, boundaries passed to a varlen
-    attention: flash_attention_2 where installed on CUDA, else grpo_varlen, grpo_lib/attention.py) when that computes
+    attention: flash_attention_2 where installed on CUDA, else grpo_varlen, grpo_lib/model/attention.py) when that computes
     < 90% of its padded [rows, longest] block; on grpo_varlen the responses to one prompt share it (the prompt runs
     through the decoder once per micro-batch, its gradient summed over them), which pays even without length spread;
     a micro-batch where neither pays stays padded (perf/packed, perf/shared_prefix, perf/real_token_fraction). Checked
@@ -93,7 +85,7 @@ class ModelConfig:
     """Passed to transformers and vLLM."""
     lora_rank: int = 0
     """LoRA rank r (0: full fine-tuning). With r > 0 only the peft adapters train; the reference is the same model
-    with adapters disabled (no second copy) and the engine gets merged weights (grpo_lib/lora.py)."""
+    with adapters disabled (no second copy) and the engine gets merged weights (grpo_lib/model/lora.py)."""
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B @ A (verl's default 16)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
@@ -135,11 +127,11 @@ class ActorFSDPConfig:
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype: each FSDP2 unit is gathered and cast to it for forward/backward; master weights stay float32.
     auto: bfloat16 on GPU, float32 on CPU (verl's mixed_precision.param_dtype). On CPU a lower dtype runs the actor's
-    passes under torch.autocast (grpo_lib/perf.py); it pays only on CPUs with AMX / AVX512-BF16. float16 is refused
+    passes under torch.autocast (grpo_lib/core/perf.py); it pays only on CPUs with AMX / AVX512-BF16. float16 is refused
     (it would need loss scaling)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter (verl's mixed_precision.reduce_dtype)."""
-    # FSDP2 collectives of the update's micro-batches (grpo_lib/fsdp.py mini_batch_collectives; --print-plan shows
+    # FSDP2 collectives of the update's micro-batches (grpo_lib/model/fsdp.py mini_batch_collectives; --print-plan shows
     # each one's bytes per mini-batch and memory). None changes the gradient beyond float32 summation order.
     keep_root_gathered: bool = True
     """Gather the root unit (embeddings, final norm, output head: the largest unit) once per mini-batch instead of
@@ -224,133 +216,6 @@ class ActorConfig:
     """torch.compile each decoder layer of the actor (dynamic shapes) for the update and logprob passes. Off by default:
     a one-off compile of tens of seconds on CPU for about 10% of the update (bench/results_cpu.md)."""
     fsdp_config: ActorFSDPConfig = field(default_factory=ActorFSDPConfig)
-
-
-@dataclass
-class ValKwargsConfig:
-    do_sample: bool = False
-    """false: greedy validation (verl's default; temperature/top_p/top_k ignored); true: sample with the keys below."""
-    temperature: float = 0.0
-    """Validation sampling temperature when do_sample (0: greedy)."""
-    top_p: float = 1.0
-    """Validation nucleus threshold when do_sample."""
-    top_k: int = -1
-    """Validation top-k when do_sample (-1: off)."""
-    n: int = 1
-    """Responses per validation prompt (independent of rollout.n)."""
-
-
-@dataclass
-class MultiTurnConfig:
-    enable: bool = False
-    """Multi-turn rollouts with tool calls (grpo_lib/episodes.py): the model calls the tools of tool_config_path during
-    its response, their outputs join the context with loss_mask 0. Off: single-turn generation, unchanged."""
-    format: Literal["hermes"] = "hermes"
-    """Tool-call format in the assistant's text. hermes (Qwen's, what a Qwen chat template with tools= asks for):
-    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
-    max_assistant_turns: int | None = None
-    """Most assistant turns (generations) per episode; the episode ends after that turn, a tool call in it unanswered.
-    None: no limit but data.max_response_length (verl's default)."""
-    max_user_turns: int | None = None
-    """Most tool-response turns per episode (one per assistant turn with tool calls, whatever the number of calls in it).
-    None: no limit but data.max_response_length (verl's default)."""
-    max_parallel_calls: int = 1
-    """Tool calls run per assistant turn: the first ones in the text (verl's key and default 1); later calls of the same
-    turn are not run and get no response (counted as tools/dropped_calls)."""
-    tool_config_path: str | None = None
-    """verl's tool config YAML (`tools: - class_name: pkg.module.Class, config: {...}, tool_schema: {type: function,
-    function: {name, description, parameters}}`); with enable, this or function_tool_path (or both). The classes are
-    imported and run as your code."""
-    function_tool_path: str | None = None
-    """verl's function tools: a Python file whose `@function_tool` functions (typed, Google-style docstrings) are tools,
-    their schemas inferred as verl infers them (grpo_lib/tools/functions.py); alongside tool_config_path, whose tool
-    names it may not repeat (refused at start naming both files, exit 2). Imported and run as your code."""
-    max_tool_response_length: int = 256
-    """Characters of one tool response the model sees (verl's unit and default); a longer one is cut on
-    tool_response_truncate_side with a "(truncated)" marker and counted (tools/truncated_responses)."""
-    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
-    """Which part of an over-long tool response is kept (verl's names): left keeps the start, right keeps the end,
-    middle keeps half of max_tool_response_length from each end (verl's default)."""
-    tool_timeout_s: float = 30.0
-    """Seconds one tool call (create, execute, calc_reward or release) may take; a slower call is answered with a timeout
-    message and counted (tools/timeouts). A synchronous execute of a tool that keeps no per-episode state runs in a
-    worker process, killed at this timeout (docs/TOOLS.md); any other synchronous call runs in a thread of its own
-    that cannot be killed: the episode moves on, the call is counted as abandoned (tools/abandoned) and its thread
-    finishes on its own; 64 abandoned calls of one tool still running, or a turn whose calls have not all returned
-    30 s past this timeout (an async tool blocking the event loop; calls waiting for a worker process add a timeout and
-    the worker's start-up bound, reward.import_timeout_s, per wave of them), stop the run after saving (exit 3)."""
-
-
-@dataclass
-class RolloutConfig:
-    name: str = "vllm"
-    """Generation engine: vllm (colocated vLLM) or hf (transformers, a hand-written sampling loop with a KV cache;
-    for machines without vLLM; no tensor parallelism)."""
-    n: int = 1
-    """Responses sampled per prompt (the GRPO group size); grpo needs >= 2."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer divides its logits by the same value."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
-    top_k: int = -1
-    """Top-k sampling (-1: off)."""
-    gpu_memory_utilization: float = may_change_on_resume(0.5)
-    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU."""
-    kv_cache_memory_bytes: int | None = may_change_on_resume(None)
-    """KV cache size in bytes; None: from gpu_memory_utilization on GPU; on CPU sized from the batch (rollout.n x
-    prompts per process x max model length x KV bytes per token, at most 1/4 of available RAM: grpo_lib/perf.py)."""
-    tensor_model_parallel_size: int = may_change_on_resume(1)
-    """vLLM tensor parallel size within each group of processes."""
-    free_cache_engine: bool = may_change_on_resume(True)
-    """Free the KV cache and offload weights between generations (vLLM sleep mode; no-op on CPU)."""
-    sleep_level: Literal[1, 2] = 1
-    """vLLM sleep level with free_cache_engine: 1 offloads weights to CPU memory, 2 discards them (less host memory;
-    safe because a full weight push always follows the wake)."""
-    enforce_eager: bool = may_change_on_resume(False)
-    """Run vLLM's model eagerly. False (verl's default): torch.compile (CPU) / CUDA graphs (GPU), compiled once and
-    cached on disk (~/.cache/vllm); faster decoding for a one-off compile at the first start."""
-    max_num_seqs: int = may_change_on_resume(256)
-    """Max concurrent sequences in the engine."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Engine dtype. auto: float32 on CPU (exact match with the trainer), bfloat16 on GPU."""
-    update_weights_bucket_megabytes: int = may_change_on_resume(512)
-    """Most MiB of gathered, engine-dtype weights held at once while pushing the actor's weights to the engine
-    (verl's key and default); the push never holds a second full copy of the model."""
-    val_kwargs: ValKwargsConfig = may_change_on_resume(default_factory=ValKwargsConfig)
-    log_prob_micro_batch_size_per_gpu: int | None = may_change_on_resume(None)
-    """Trajectories per no-grad old-logprob forward per process (verl's name for that pass). None:
-    actor.ppo_micro_batch_size_per_gpu (resolved at load; --print-plan shows it)."""
-    log_prob_micro_batch_size: int | None = may_change_on_resume(None)
-    """verl's older global spelling of the above (summed over processes; divided by the process count at load)."""
-    log_prob_use_dynamic_bsz: bool | None = may_change_on_resume(None)
-    """Old-logprob pass micro-batched by token budget. None: actor.use_dynamic_bsz (resolved at load)."""
-    log_prob_max_token_len_per_gpu: int | Literal["auto"] | None = may_change_on_resume(None)
-    """Token budget (prompt + response) of the old-logprob pass per process. None: actor.ppo_max_token_len_per_gpu
-    (resolved at load). `auto`: the largest no-grad budget that fits the device (memory plan, at setup)."""
-    lora_mode: Literal["merged", "adapter"] = "merged"
-    """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
-    like full weights (exact, any engine)."""
-    enable_chunked_prefill: bool = may_change_on_resume(True)
-    """vLLM chunked prefill (verl's key and default True): long prompts are prefilled in pieces of at most
-    max_num_batched_tokens, next to running decodes. Always off on CPU: a chunked prefill rewinds the request's seeded
-    generator, which CPU generators cannot do."""
-    max_num_batched_tokens: int = may_change_on_resume(8192)
-    """Tokens vLLM schedules per engine step (verl's key and default 8192). With enable_chunked_prefill false it must
-    be at least data.max_prompt_length + data.max_response_length; on CPU (no chunking) the engine takes the larger of
-    the two."""
-    engine_kwargs: dict = may_change_on_resume(default_factory=dict)
-    """Keyword arguments passed unchanged to vllm.LLM(...) (rollout.name=vllm), e.g. {kv_cache_dtype: fp8,
-    compilation_config: {cudagraph_capture_sizes: [1, 8, 32]}}; verl's actor_rollout_ref.rollout.engine_kwargs.vllm.*
-    lands here (its engine_kwargs.sglang.* is ignored). Each name is checked at start against the installed vLLM's
-    LLM(...) / EngineArgs arguments (exit 2 with the closest names). disable_custom_all_reduce defaults to true, as verl
-    always sets it; a key the trainer sets from one of its own keys (max_num_seqs: rollout.max_num_seqs, ...) or needs
-    (logprobs_mode, seed, ...) is refused naming both (engines/vllm_settings.py VLLM_OWN_KWARGS)."""
-    hf_use_torch_compile: bool = may_change_on_resume(False)
-    """rollout.name=hf only: torch.compile the engine model's forward (dynamic shapes: the batch shrinks as rows
-    finish and the KV cache grows every step), the same tokens as eager. Off by default: on CPU it measured 0.90x of
-    eager's time after a 52 s compile at the first call (bench/results_generate_hf_compile_cpu.md), worth it only for
-    long runs; on GPUs without vLLM, untried."""
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -510,7 +375,7 @@ class TrainerConfig:
     """Assign trajectories to processes by balanced token counts (whole groups stay together)."""
     tune_allocator: bool = may_change_on_resume(True)
     """Set glibc malloc's mmap threshold, trim threshold and top pad at start-up so freed activation memory is reused
-    instead of returned to the OS and page-faulted back every micro-batch (grpo_lib/perf.py; no-op without glibc)."""
+    instead of returned to the OS and page-faulted back every micro-batch (grpo_lib/core/perf.py; no-op without glibc)."""
     check_weight_sync: bool = may_change_on_resume(False)
     """After every push, compare the engine's logprobs of one trajectory with the actor's (temperature 1) and
     log the largest difference as `debug/weight_sync_max_abs_diff` (costs one tiny forward each)."""
@@ -519,7 +384,7 @@ class TrainerConfig:
     tokens of the first training prompt) inside each generation call, the actor scored it when the engine got its
     weights (setup, each push): `rollout/weight_probe_abs_diff` (mean over the probe), and a difference above the
     tolerance (3 x the largest difference of the run's first 3 probes, at least a floor tied to the compute dtype, within its bound) stops the run before the step's update, saving the last completed step (exit 3)
-    (grpo_lib/weight_probe.py). One actor forward of 32 tokens and one more request in the generation batch per step."""
+    (grpo_lib/rollout/weight_probe.py). One actor forward of 32 tokens and one more request in the generation batch per step."""
     project_name: str = may_change_on_resume("grpo")
     """Project of the run in wandb; with experiment_name, the run's name in TensorBoard (text `run/name`)."""
     experiment_name: str = may_change_on_resume("run")

@@ -6,7 +6,7 @@ GRPO loss (docs/ALGORITHMS.md, "On-policy distillation"). Defaults are those of 
 
 One teacher, `teacher_models.teacher_model`: verl's multi-teacher routing (more entries, `teacher_key`) is not
 implemented. verl serves the teacher from its own GPU pool; here it is sharded with FSDP2 over the trainer's
-processes like the KL reference (grpo_lib/teacher.py), so verl's pool and inference-server keys are accepted and
+processes like the KL reference (grpo_lib/model/teacher.py), so verl's pool and inference-server keys are accepted and
 ignored (grpo_lib/config/verl_keys.py says why).
 
 Field docstrings feed the config reference (docs/REFERENCE.md), as in `grpo_lib.config.schema` (which includes this section).

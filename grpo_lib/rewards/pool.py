@@ -16,7 +16,7 @@ the parent knows which call runs and since when (to 10 ms). Time limits:
    keep running in parallel. The first call that runs past `timeout_s / 2` sets the batch's deadline: every
    call must end by that call's start + `timeout_s` + `HARD_GRACE_S`; calls still running then are killed,
    calls not started are not run, both count as timeouts. So 56 hung responses cost about one `timeout_s`
-   (4 s with timeout_s=2), not 56 of them (tests/test_rewards.py). The price: a batch of legitimately slow
+   (4 s with timeout_s=2), not 56 of them (tests/rewards/test_rewards.py). The price: a batch of legitimately slow
    calls (over timeout_s / 2 each) is also cut at that deadline; raise reward.timeout_s for such rewards.
 A worker that dies (segfault, os._exit) costs only the call it was running (an error); a fresh one replaces it.
 
@@ -38,7 +38,7 @@ with the trainer) dies (`prctl(PR_SET_PDEATHSIG)`), and a thread also exits the 
 trainer's pid is gone (the fallback elsewhere). The trainer's `close()` kills them on a normal exit.
 Stop signals (SIGTERM, SIGINT) are the trainer's: torch elastic forwards them to the trainer's whole process group,
 so the forkserver and the workers start with them blocked (the workers also ignore them) and keep serving the
-trainer's last step (tests/test_rewards.py).
+trainer's last step (tests/rewards/test_rewards.py).
 
 Like every spawn/forkserver pool, each worker imports the entry script once as `__mp_main__`: keep its
 work under `if __name__ == "__main__":` (train_grpo.py does), or the workers would run the script.
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection, resource_tracker
 
 _SPAWNED: list = []  # every worker process this interpreter started
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # the trainer's to handle (grpo_lib/stopping.py), never the pool's
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # the trainer's to handle (grpo_lib/core/stopping.py), never the pool's
 
 
 @atexit.register

@@ -31,7 +31,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from grpo_lib import names
+from grpo_lib.core import names
 from grpo_lib.rewards.custom import load_custom_reward
 from grpo_lib.rewards.pool import TimeoutPool, WorkerStartError, call_safely
 from grpo_lib.rewards.registry import compute_score, format_score

@@ -47,7 +47,7 @@ What cannot stall or crash the loop: any BaseException a tool raises (SystemExit
 CancelledError of its own; sync or async) is that call's "error" outcome, never raised in the loop's thread. What
 aborts the step: a turn whose calls have not all returned `timeout_s + stall_grace_s` after it started (an async tool
 that blocks the loop without awaiting), or too many abandoned calls: ToolStallError, which train_grpo.py turns into
-a stop that saves the last step and exits 3 (on every process: grpo_lib/episodes.py agrees on it after generating).
+a stop that saves the last step and exits 3 (on every process: grpo_lib/rollout/episodes.py agrees on it after generating).
 """
 
 from __future__ import annotations

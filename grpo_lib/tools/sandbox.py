@@ -23,7 +23,7 @@ stage's status pipe, never from the code's exit code:
     sandbox_error the sandbox did not start, or a required layer was missing; no code ran (`detail` says why: for the
                  trainer's log, not for the model)
 
-Which layer stops which escape (tests/test_tools_python.py tries each; most are stopped by two):
+Which layer stops which escape (tests/tools/test_tools_python.py tries each; most are stopped by two):
 
     the trainer or any host process (kill,   the PID namespace (no host pid exists inside); seccomp (own pid only);
       prlimit, renice, ptrace, F_SETOWN)       Landlock signal scope (ABI 6)

@@ -1,4 +1,4 @@
-"""Worker of tests/test_advantages.py: `step.compute_advantages` on 2 processes (gloo), each holding half the groups,
+"""Worker of tests/algorithms/test_advantages.py: `step.compute_advantages` on 2 processes (gloo), each holding half the groups,
 for the estimators whose statistics span the batch (reinforce++'s whitening, GPG's alpha). Launched with
 `python -m torch.distributed.run --nproc_per_node 2 tests/scripts/advantages_worker.py OUT`; writes OUT/rank{r}.json
 (estimator -> this process's advantages)."""
@@ -14,8 +14,8 @@ sys.path.insert(0, str(REPO))
 
 import torch.distributed as dist  # noqa: E402
 
-from grpo_lib import distributed as D  # noqa: E402
-from tests.test_advantages import BATCH_ESTIMATORS, advantages_of_rows  # noqa: E402
+from grpo_lib.core import distributed as D  # noqa: E402
+from tests.algorithms.test_advantages import BATCH_ESTIMATORS, advantages_of_rows  # noqa: E402
 
 
 def main(out: str) -> None:

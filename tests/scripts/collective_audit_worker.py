@@ -1,4 +1,4 @@
-"""Worker of tests/test_gpu_collective_check.py, one per process: `python -m torch.distributed.run --nproc_per_node 2
+"""Worker of tests/repo/test_gpu_collective_check.py, one per process: `python -m torch.distributed.run --nproc_per_node 2
 tests/scripts/collective_audit_worker.py OUT`. Installs scripts/gpu_collective_check.py's audit on a "cpu:gloo" group,
 makes one broadcast both processes pass a CPU tensor to, then one where process 1 passes a tensor on another device
 type (meta, standing for process 0's CUDA buffer against a host one: the hang of issue 41 item 1), and writes

@@ -1,4 +1,4 @@
-"""Worker of tests/test_fsdp_collective_devices.py (issue 41, defect 1), one per process, launched by
+"""Worker of tests/model/test_fsdp_collective_devices.py (issue 41, defect 1), one per process, launched by
 `python -m torch.distributed.run --nproc_per_node 2 tests/scripts/collective_devices_worker.py MODEL OUT`.
 
 On GPUs with ref.fsdp_config.param_offload, process 0 reads the reference and `fully_shard` moves its buffers (Qwen3's
@@ -31,8 +31,8 @@ import torch._lazy.ts_backend  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402
 
-from grpo_lib.distributed import init_distributed  # noqa: E402
-from grpo_lib.reference import Reference  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
+from grpo_lib.model.reference import Reference  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 # torch.distributed's tensor collectives, as grpo_lib, torch.distributed.checkpoint and FSDP2 call them (dist.<name>)

@@ -1,4 +1,4 @@
-"""Worker of tests/test_distributed.py: every helper of grpo_lib.distributed on a group built by
+"""Worker of tests/core/test_distributed.py: every helper of grpo_lib.core.distributed on a group built by
 `init_distributed()` exactly as on GPU minus NCCL (backend "cpu:gloo"). Launched with
 `python -m torch.distributed.run --nproc_per_node 2 tests/scripts/dist_worker.py OUT`; writes OUT/rank{r}.json."""
 
@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO))
 
 import torch.distributed as dist  # noqa: E402
 
-from grpo_lib import distributed as D  # noqa: E402
+from grpo_lib.core import distributed as D  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -23,10 +23,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from grpo_lib.config import RolloutConfig  # noqa: E402
-from grpo_lib.distributed import init_distributed  # noqa: E402
-from grpo_lib.engines.base import RolloutEngine  # noqa: E402
-from grpo_lib.engines.vllm import VLLMEngine  # noqa: E402
-from grpo_lib.types import ScoreRequest  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
+from grpo_lib.rollout.engines.base import RolloutEngine  # noqa: E402
+from grpo_lib.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from grpo_lib.core.types import ScoreRequest  # noqa: E402
 
 
 def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
@@ -34,7 +34,7 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20, enforce_eager=True, tensor_model_parallel_size=tp, max_num_seqs=8)
     if engine_name == "hf":
-        from grpo_lib.engines.hf import HFEngine
+        from grpo_lib.rollout.engines.hf import HFEngine
 
         engine = HFEngine(model_path=model_dir, cfg=cfg, on_cpu=True)
     else:

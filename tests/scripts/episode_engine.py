@@ -4,7 +4,7 @@
 
 The random tiny model never writes a tool call, so the hermes parser is replaced here (a monkeypatch, in this test
 process only) by one that reads every turn as a call of the `echo` tool; rollout.multi_turn.max_assistant_turns=3
-ends each episode. The model folder given has its eos made likely (tests/test_episodes_engines.py), so turns end
+ends each episode. The model folder given has its eos made likely (tests/rollout/test_episodes_engines.py), so turns end
 with the model's own <|im_end|> after a few tokens. Written: every engine call (contexts, seeds, sampled ids and
 their logprobs, max_tokens), the episodes of prompts [A, B] (n=2), the episodes of [B] alone with B's seed, (vLLM) the
 episodes of [A, B] again by the per-episode loop on the running engine (open_session), and the trainer's logprobs (Actor.compute_logprobs, fp32, at the rollout temperature) of the episode batch.
@@ -22,9 +22,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
-import grpo_lib.episodes as episodes_module  # noqa: E402
+import grpo_lib.rollout.episodes as episodes_module  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.step import build_rollout_batch  # noqa: E402
+from grpo_lib.trainer.step import build_rollout_batch  # noqa: E402
 from grpo_lib.tools.hermes import ToolCall  # noqa: E402
 from tests.scripts.episode_case import EchoTool, make_prompts, make_runner, schema  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(engine_name: str, model_dir: str, out_dir: str) -> None:
                              f"rollout.name={engine_name}", "rollout.kv_cache_memory_bytes=33554432", "rollout.max_num_seqs=8",
                              "rollout.enforce_eager=true", "actor.ppo_micro_batch_size_per_gpu=4",
                              "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=unused.yaml"])
-    from grpo_lib.engines import build_engine
+    from grpo_lib.rollout.engines import build_engine
 
     engine = Recording(build_engine(cfg, on_cpu=True, world_size=1))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -73,7 +73,7 @@ def main(engine_name: str, model_dir: str, out_dir: str) -> None:
         assert sorted(heard) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     runner.toolbox.close()
     batch = build_rollout_batch(prompts, groups, pad_id=tokenizer.pad_token_id)
-    from grpo_lib.actor import Actor
+    from grpo_lib.model.actor import Actor
 
     actor = Actor(cfg, device=torch.device("cpu"))
     trainer_lp = actor.compute_logprobs(batch)  # [B, T]

@@ -1,7 +1,7 @@
 """A recording stand-in for `vllm.LLM`, and a runner of train_grpo.main with it (in-process or under a launcher).
 
 `FakeLLM` records every raw engine call (start, sleep, wake_up, reload_weights, reset_prefix_cache, generate with
-its requests and seeds) in `FakeLLM.events`; `grpo_lib.engines.base.empty_trainer_cache` is wrapped to record
+its requests and seeds) in `FakeLLM.events`; `grpo_lib.rollout.engines.base.empty_trainer_cache` is wrapped to record
 "empty_cache" in the same list, and the actor's `load_params` / `offload` / forward passes record "actor_on_device" /
 "actor_on_host" / "actor_forward", so a test sees the exact order the GPU would see. The engine's own state machine
 is NOT faked: `VLLMEngine` runs as is, only its `llm` is this fake, and its lifecycle is told that it frees memory
@@ -87,9 +87,9 @@ class FakeLLM:
 
 def install(monkeypatch=None):
     """Make train_grpo build a VLLMEngine over FakeLLM with real sleep, and record empty_cache; returns FakeLLM."""
-    from grpo_lib import engines
-    from grpo_lib.engines import base
-    from grpo_lib.engines.vllm import VLLMEngine
+    from grpo_lib.rollout import engines
+    from grpo_lib.rollout.engines import base
+    from grpo_lib.rollout.engines.vllm import VLLMEngine
 
     FakeLLM.events, FakeLLM.starts = [], 0
     real_build, real_empty = engines.build_engine, base.empty_trainer_cache
@@ -104,7 +104,7 @@ def install(monkeypatch=None):
         FakeLLM.events.append(("empty_cache",))
         real_empty()
 
-    from grpo_lib.actor import Actor
+    from grpo_lib.model.actor import Actor
 
     real_load, real_offload = Actor.load_params, Actor.offload
 
@@ -116,7 +116,7 @@ def install(monkeypatch=None):
         FakeLLM.events.append(("actor_on_host",))
         real_offload(actor)
 
-    from grpo_lib.fsdp import LogprobModel
+    from grpo_lib.model.fsdp import LogprobModel
 
     real_forward = LogprobModel.forward
 

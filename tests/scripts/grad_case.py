@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from grpo_lib import algorithms, names
-from grpo_lib.actor import policy_loss_kwargs
+from grpo_lib import algorithms
+from grpo_lib.core import names
+from grpo_lib.model.actor import policy_loss_kwargs
 from grpo_lib.config import Config, load_config
-from grpo_lib.types import RolloutBatch
+from grpo_lib.core.types import RolloutBatch
 from tests.conftest import merge_overrides
 
 VOCAB = 256
@@ -154,7 +155,7 @@ def reference_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
 
 def grads_of(model) -> dict[str, torch.Tensor]:
     """Full copies of every parameter's gradient (zeros where None; gathered from FSDP2 shards), then clears them."""
-    from grpo_lib.fsdp import full_tensor
+    from grpo_lib.model.fsdp import full_tensor
 
     out = {name: (full_tensor(p.grad.detach()).clone() if p.grad is not None else torch.zeros(p.shape))
            for name, p in model.named_parameters()}
@@ -190,7 +191,7 @@ def group_rows(batch: RolloutBatch, groups: list[str]) -> list[int]:
     return [i for i, g in enumerate(batch.group_ids) if g in wanted]
 
 
-# Every policy loss of grpo_lib/policy_losses.py but vanilla (swept with every loss_agg_mode) with the overrides it runs
+# Every policy loss of grpo_lib/algorithms/policy_losses.py but vanilla (swept with every loss_agg_mode) with the overrides it runs
 # under in the invariance suites. clip_cov and kl_cov pick tokens within each micro-batch (as verl), which no
 # micro-batching can leave unchanged: they run with their pick made empty (no candidate in the covariance band
 # (100, 200): |cov| < 10 on this batch) or weightless (ppo_kl_coef 0), so the suites check the rest of their loss.

@@ -1,4 +1,4 @@
-"""Worker of tests/test_multiprocess.py, one per process, launched by
+"""Worker of tests/model/test_multiprocess.py, one per process, launched by
 `python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/scripts/grad_worker.py MODEL BATCH OUT`.
 
 Every process loads the same model and the same saved mini-batch, keeps its share of the groups, runs
@@ -13,7 +13,7 @@ Cases (groups g0..g3 of the fixed batch; g1 and g3 hold the most tokens):
   micro-batches to match process 0's count, in the update and in the old-logprob pass;
 - balanced: process 0 starts with g1 and g3 (141 tokens), process 1 with g0 and g2 (86 tokens);
   `balance_across_ranks` moves groups, then the update runs under a token budget with packing;
-- distill-*: the distillation term (tests/test_distillation_invariance.py's DISTILL_CASES) on the lopsided share;
+- distill-*: the distillation term (tests/model/test_distillation_invariance.py's DISTILL_CASES) on the lopsided share;
 - collectives-*: the even share under each actor.fsdp_config choice of COLLECTIVE_CHOICES, with the bytes of every
   all-gather and reduce-scatter (`fsdp.count_collectives`); unit_bytes.pt: one all-gather of each unit alone.
 """
@@ -32,11 +32,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from grpo_lib import fsdp  # noqa: E402
-from grpo_lib.actor import Actor  # noqa: E402
+from grpo_lib.model import fsdp  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
 from grpo_lib.algorithms import LOSS_AGG_MODES  # noqa: E402
-from grpo_lib.batching import balance_across_ranks  # noqa: E402
-from grpo_lib.distributed import init_distributed  # noqa: E402
+from grpo_lib.model.batching import balance_across_ranks  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 SHARES = {  # case kind -> groups of each process
@@ -106,8 +106,8 @@ def main(model_dir: str, batch_path: str, out: str) -> None:
     torch.save(unit_bytes, out_dir / "unit_bytes.pt")
     run("lopsided", mine("lopsided"), micro_batch_size=1)
     run("balanced", balance_across_ranks(mine("balanced")), max_tokens=case.LONGEST, remove_padding=True)
-    # the distillation term (tests/test_distillation_invariance.py's teacher scores), lopsided: process 1 runs dummies
-    from tests.test_distillation_invariance import DISTILL_CASES, distill_extra, teacher_scores
+    # the distillation term (tests/model/test_distillation_invariance.py's teacher scores), lopsided: process 1 runs dummies
+    from tests.model.test_distillation_invariance import DISTILL_CASES, distill_extra, teacher_scores
 
     distilled = full.select(list(range(len(full))))
     teacher_scores(distilled)

@@ -1,4 +1,4 @@
-"""Worker of tests/test_fsdp_host_memory.py, one per process, launched by
+"""Worker of tests/model/test_fsdp_host_memory.py, one per process, launched by
 `python -m torch.distributed.run --nproc_per_node 2 tests/scripts/host_memory_worker.py MODEL TINY_MODEL OUT`.
 
 Builds the actor and then the reference of MODEL as the trainer does (after `perf.tune_allocator(loading=True)`,
@@ -24,11 +24,11 @@ import torch.distributed as dist  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from grpo_lib import fsdp  # noqa: E402
-from grpo_lib.actor import Actor  # noqa: E402
-from grpo_lib.reference import Reference  # noqa: E402
-from grpo_lib.distributed import init_distributed  # noqa: E402
-from grpo_lib.perf import tune_allocator  # noqa: E402
+from grpo_lib.model import fsdp  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
+from grpo_lib.model.reference import Reference  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
+from grpo_lib.core.perf import tune_allocator  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 

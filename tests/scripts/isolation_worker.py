@@ -1,4 +1,4 @@
-"""Worker of tests/test_attention.py's 2-process start-up check (issue 28 item 2), one per process, launched by
+"""Worker of tests/model/test_attention.py's 2-process start-up check (issue 28 item 2), one per process, launched by
 `python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/scripts/isolation_worker.py MODEL OUT`.
 
 Every process builds the actor of `grad_case.py`'s tiny model with packing on and bf16 compute (FSDP2 sharding with a
@@ -19,9 +19,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from grpo_lib import actor as actor_module  # noqa: E402
-from grpo_lib import attention, packing  # noqa: E402
-from grpo_lib.distributed import init_distributed  # noqa: E402
+from grpo_lib.model import actor as actor_module  # noqa: E402
+from grpo_lib.model import attention, packing  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 BF16 = ("actor.fsdp_config.param_dtype=bfloat16",)

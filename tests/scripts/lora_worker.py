@@ -1,4 +1,4 @@
-"""Worker of tests/test_lora.py's 2-process check, one per process, launched by
+"""Worker of tests/model/test_lora.py's 2-process check, one per process, launched by
 `python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/scripts/lora_worker.py MODEL BATCH OUT`.
 
 Every process builds the LoRA actor on the fixed tiny model of `grad_case.py` (sharded with FSDP2 when the actor
@@ -18,10 +18,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from grpo_lib import lora  # noqa: E402
-from grpo_lib.actor import Actor  # noqa: E402
-from grpo_lib.reference import AdapterDisabledReference  # noqa: E402
-from grpo_lib.distributed import init_distributed  # noqa: E402
+from grpo_lib.model import lora  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
+from grpo_lib.model.reference import AdapterDisabledReference  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 SHARES = [["g0", "g1"], ["g2", "g3"]]

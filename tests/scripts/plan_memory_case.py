@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.plan_memory import memory_plan, model_sizes  # noqa: E402
-from grpo_lib.types import RolloutBatch  # noqa: E402
+from grpo_lib.planning.memory import memory_plan, model_sizes  # noqa: E402
+from grpo_lib.core.types import RolloutBatch  # noqa: E402
 
 
 def rss_kib(field: str) -> int:
@@ -54,7 +54,7 @@ def main(out: Path) -> None:
                          extra_infos=[{} for _ in range(rows)], truncated=torch.zeros(rows, dtype=torch.bool),
                          scores=torch.zeros(rows), advantages=torch.randn(rows, 1) * response_mask)
 
-    from grpo_lib.actor import Actor
+    from grpo_lib.model.actor import Actor
 
     before = rss_kib("VmRSS") * 1024
     actor = Actor(cfg, device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Worker of tests/test_episodes.py's tool-stall agreement check (issue 30 item 6), one per process, launched by
+"""Worker of tests/rollout/test_episodes.py's tool-stall agreement check (issue 30 item 6), one per process, launched by
 `python -m torch.distributed.run --nproc_per_node 2 tests/scripts/stall_agreement_worker.py MODEL OUT`.
 
 Two data-parallel processes (no tensor parallelism) each generate their own episodes with the scripted engine. The tool
@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from grpo_lib import distributed as D  # noqa: E402
+from grpo_lib.core import distributed as D  # noqa: E402
 from grpo_lib.tools.base import BaseTool  # noqa: E402
 from grpo_lib.tools.calls import ToolStallError  # noqa: E402
 from tests.scripts.episode_case import ScriptedEngine, call, calls_then_answer, make_prompts, make_runner, schema  # noqa: E402

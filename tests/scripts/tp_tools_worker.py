@@ -1,4 +1,4 @@
-"""Worker of tests/test_episodes.py's tensor-parallel tools check (issue 28 item 7), one per process, launched by
+"""Worker of tests/rollout/test_episodes.py's tensor-parallel tools check (issue 28 item 7), one per process, launched by
 `python -m torch.distributed.run --nproc_per_node 2 tests/scripts/tp_tools_worker.py MODEL OUT`.
 
 Both processes form one tensor-parallel group of 2 and play the same scripted engine (a TP group's engines answer
@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from grpo_lib.distributed import group_leader_call, init_distributed  # noqa: E402
+from grpo_lib.core.distributed import group_leader_call, init_distributed  # noqa: E402
 from grpo_lib.tools.base import BaseTool  # noqa: E402
 from tests.scripts.episode_case import ScriptedEngine, call, calls_then_answer, make_prompts, make_runner, schema  # noqa: E402
 

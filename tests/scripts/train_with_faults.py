@@ -1,4 +1,4 @@
-"""train_grpo.py with faults injected, for the kill / resume / full-disk / NaN / stale-weights tests (tests/test_checkpoint.py, tests/test_trust.py):
+"""train_grpo.py with faults injected, for the kill / resume / full-disk / NaN / stale-weights tests (tests/checkpoints/test_checkpoint.py, tests/train/test_trust.py):
 
     python tests/scripts/train_with_faults.py [--signal "SIGNAL POINT STEP [RANK]"] [--nan-steps 2,4,5] [--push-skips NAME] -- RECIPE.yaml [key=value ...]
 
@@ -53,7 +53,7 @@ def fault_action(name: str) -> Callable[[str, int], None]:
 def fault_after_update(at_step: int, action: Callable[[str, int], None], *, setattr=setattr) -> None:
     """`action("update", at_step)` right after the actor update of step `at_step`: the `at_step`-th `Actor.update`
     call of the run (`steps_done`, which a resumed actor restores from its checkpoint)."""
-    from grpo_lib.actor import Actor
+    from grpo_lib.model.actor import Actor
 
     update = Actor.update
 
@@ -72,7 +72,7 @@ def fault_in_save(at_step: int, action: Callable[[str, int], None], *, setattr=s
     shard of the weights and optimizer state (checkpoint.save's first stage of local writes)."""
     import torch.distributed.checkpoint as dcp
 
-    from grpo_lib import checkpoint
+    from grpo_lib.checkpoints import checkpoint
 
     save, dcp_save = checkpoint.save, dcp.save
     saving: list[int] = []  # the step of the checkpoint being written, while checkpoint.save runs
@@ -126,7 +126,7 @@ def fault_in_metrics(sink: str, at_step: int, action: Callable[[str, int], None]
     its error surfaces at the logger's flush, as a full disk's does) or `generations` (val_generations.jsonl)."""
     from tensorboard.summary.writer import record_writer
 
-    from grpo_lib import metrics
+    from grpo_lib.core import metrics
 
     log, log_generations, record_write = metrics.MetricLogger.log, metrics.MetricLogger.log_generations, record_writer.RecordWriter.write
     writing: list[int] = []  # the step being written, while the logger writes it
@@ -166,7 +166,7 @@ def fault_in_metrics(sink: str, at_step: int, action: Callable[[str, int], None]
 
 def nan_loss_on_steps(steps: set[int], *, setattr=setattr) -> None:
     """Every micro-batch loss of the steps in `steps` (1-based, `Actor.steps_done + 1`) times NaN, its metrics as computed."""
-    from grpo_lib.actor import Actor
+    from grpo_lib.model.actor import Actor
 
     micro_batch_loss = Actor.micro_batch_loss
 
@@ -182,7 +182,7 @@ def nan_loss_on_steps(steps: set[int], *, setattr=setattr) -> None:
 
 def push_skips(name: str, *, setattr=setattr) -> None:
     """Every push (`Actor.named_weights`, which only the push reads) without the parameter `name`."""
-    from grpo_lib.actor import Actor
+    from grpo_lib.model.actor import Actor
 
     named_weights = Actor.named_weights
 
@@ -229,8 +229,8 @@ if __name__ == "__main__":
 
     train_argv = install(sys.argv[1:])
     code = train_grpo.main(train_argv)
-    if "grpo_lib.distributed" in sys.modules:  # as train_grpo's __main__ block: every process leaves the group
-        from grpo_lib.distributed import close_distributed
+    if "grpo_lib.core.distributed" in sys.modules:  # as train_grpo's __main__ block: every process leaves the group
+        from grpo_lib.core.distributed import close_distributed
 
         close_distributed()
     sys.exit(code)

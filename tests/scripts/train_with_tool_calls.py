@@ -1,5 +1,5 @@
 """train_grpo.py with a model that calls a tool in every turn, for the multi-turn end-to-end test
-(tests/test_train_tools_e2e.py):
+(tests/train/test_train_tools_e2e.py):
 
     python tests/scripts/train_with_tool_calls.py TOOL_NAME JSON_ARGUMENTS [FAULTS] -- RECIPE.yaml [key=value ...]
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
 
     import os
 
-    import grpo_lib.episodes as episodes
+    import grpo_lib.rollout.episodes as episodes
     import grpo_lib.tools.calls as calls
     from grpo_lib.tools.hermes import ToolCall
     from tests.scripts.train_with_faults import install
@@ -42,8 +42,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    if "grpo_lib.distributed" in sys.modules:
-        from grpo_lib.distributed import close_distributed
+    if "grpo_lib.core.distributed" in sys.modules:
+        from grpo_lib.core.distributed import close_distributed
 
         close_distributed()
     sys.exit(code)
