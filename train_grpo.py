@@ -45,16 +45,16 @@ if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, v
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from grpo_lib.model.actor import Actor
     from grpo_lib.checkpoints.checkpoint import ResumePlan
     from grpo_lib.config import Config
+    from grpo_lib.core.metrics import MetricLogger
+    from grpo_lib.model.actor import Actor
+    from grpo_lib.model.reference import AdapterDisabledReference, Reference
+    from grpo_lib.model.teacher import Teacher
+    from grpo_lib.rewards.scorer import RewardScorer
     from grpo_lib.rollout.data import PromptDataset, PromptSampler
     from grpo_lib.rollout.engines.base import RolloutEngine
     from grpo_lib.rollout.episodes import EpisodeRunner
-    from grpo_lib.core.metrics import MetricLogger
-    from grpo_lib.model.reference import AdapterDisabledReference, Reference
-    from grpo_lib.rewards.scorer import RewardScorer
-    from grpo_lib.model.teacher import Teacher
     from grpo_lib.rollout.weight_sync import WeightSync
 
 
@@ -104,19 +104,19 @@ class GRPOTrainer:
 
         from grpo_lib.checkpoints import checkpoint
         from grpo_lib.core import dtypes
+        from grpo_lib.core.metrics import MetricLogger
+        from grpo_lib.core.perf import freeze_static_heap
         from grpo_lib.model.actor import Actor
+        from grpo_lib.model.lora import check_lora_setup
+        from grpo_lib.model.reference import make_reference
+        from grpo_lib.planning.memory import auto_budget_notes
+        from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.rollout.data import PromptSampler, load_prompts
         from grpo_lib.rollout.engines import build_engine
         from grpo_lib.rollout.episodes import EpisodeRunner, TemplateError
-        from grpo_lib.model.lora import check_lora_setup
-        from grpo_lib.core.metrics import MetricLogger
-        from grpo_lib.core.perf import freeze_static_heap
-        from grpo_lib.planning.memory import auto_budget_notes
-        from grpo_lib.model.reference import make_reference
-        from grpo_lib.rewards import RewardScorer, registered_sources
-        from grpo_lib.tools.config import ToolConfigError
         from grpo_lib.rollout.weight_probe import WeightProbe
         from grpo_lib.rollout.weight_sync import WeightSync
+        from grpo_lib.tools.config import ToolConfigError
 
         import copy
 
@@ -233,9 +233,9 @@ class GRPOTrainer:
         Each step is logged; validation and checkpoints follow their frequencies; a stop signal ends the run after the
         step with a checkpoint; trainer.max_bad_steps consecutive non-finite updates end it with exit code 3."""
         from grpo_lib.checkpoints import checkpoint
-        from grpo_lib.trainer import step as S
         from grpo_lib.core.stopping import install_stop_handlers, stop_requested
         from grpo_lib.rollout.weight_probe import mismatch
+        from grpo_lib.trainer import step as S
 
         cfg, p = self.cfg, self.parts
         try:  # a validation that cannot finish (tools that never return: exit 3) saves nothing: no step ran yet
@@ -288,8 +288,8 @@ class GRPOTrainer:
         """One training step in docs/DESIGN.md's order; returns its metrics. Raises step.RunAborted (before any update)
         when the rollouts cannot be trusted (rewards, tools, the engine's weights) or DAPO finds no usable group; the
         step's generation metrics are logged then."""
-        from grpo_lib.trainer import step as S
         from grpo_lib.core.perf import PhaseMemory
+        from grpo_lib.trainer import step as S
 
         cfg, actor = self.cfg, self.parts.actor
         timings: dict[str, float] = {}
@@ -367,10 +367,10 @@ class GRPOTrainer:
         found no usable group), where the weights may be the cause: other weights than the pushed ones raise
         step.RunAborted (exit 3) before anything trains on the rollouts. A chat template that cannot extend an episode
         is RunAborted with exit code 2, tool calls that never returned with exit code 3."""
-        from grpo_lib.trainer import step as S
-        from grpo_lib.trainer import rounds
         from grpo_lib.rollout.episodes import TemplateError
         from grpo_lib.tools.calls import ToolStallError
+        from grpo_lib.trainer import rounds
+        from grpo_lib.trainer import step as S
 
         p, batch, gave_up = self.parts, None, None
         request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
@@ -397,10 +397,10 @@ class GRPOTrainer:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples. Tool calls
         that never return (agreed by every process) or a chat template that cannot extend an episode raise
         step.RunAborted (exit 3 / 2), as in a step."""
-        from grpo_lib.trainer import step as S
-        from grpo_lib.trainer import rounds
         from grpo_lib.rollout.episodes import TemplateError
         from grpo_lib.tools.calls import ToolStallError
+        from grpo_lib.trainer import rounds
+        from grpo_lib.trainer import step as S
 
         p = self.parts
         try:

@@ -116,10 +116,10 @@ def tool_episode_setup(model_dir: Path, tools_path: Path, *, prompts: int, n: in
 
     from data_prep.synthetic import GSM8K_INSTRUCTION
     from grpo_lib.config import load_config
+    from grpo_lib.core.types import PromptBatch
     from grpo_lib.rollout.data import render_prompt
     from grpo_lib.rollout.engines import build_engine
     from grpo_lib.rollout.episodes import EpisodeRunner
-    from grpo_lib.core.types import PromptBatch
 
     cfg = load_config(None, [f"model.path={model_dir}", "data.train_files=[unused.parquet]", "data.max_prompt_length=512",
                              "actor.ppo_micro_batch_size_per_gpu=8", f"data.max_response_length={budget}",

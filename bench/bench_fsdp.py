@@ -140,9 +140,9 @@ def collectives_worker(model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from grpo_lib.core.distributed import init_distributed
     from grpo_lib.model import fsdp
     from grpo_lib.model.actor import Actor
-    from grpo_lib.core.distributed import init_distributed
 
     init_distributed()
     rank = dist.get_rank()

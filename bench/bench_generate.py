@@ -169,11 +169,11 @@ def bench_reward(work: Path, rounds: int) -> list[dict]:
 
     import train_grpo
     from bench_step import overrides
-    from grpo_lib.trainer import rounds
     from grpo_lib.checkpoints.checkpoint import ResumePlan
     from grpo_lib.config import load_config
     from grpo_lib.core.perf import capture_torch_threads, tune_allocator
     from grpo_lib.rewards import RewardScorer
+    from grpo_lib.trainer import rounds
 
     model = eos_model(work)
     keys = {"model.path", "data.max_response_length", "reward.num_workers", "trainer.default_local_dir"}

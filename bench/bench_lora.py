@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 
 from bench_update import GROUP_SIZE, machine, make_batch, peak_rss_mib, reset_peak_rss, rss_mib, write_model  # noqa: E402
-from grpo_lib.model.actor import Actor  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
 
 MIB = 2**20
 SECTION = "# LoRA vs full fine-tuning (CPU)"

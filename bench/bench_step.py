@@ -153,11 +153,11 @@ def trainer_worker(work: Path, setting: str, shape: str = "none") -> None:
     import torch
 
     import train_grpo
-    from grpo_lib.trainer import step as S
-    from grpo_lib.trainer import rounds
     from grpo_lib.checkpoints.checkpoint import ResumePlan
     from grpo_lib.config import load_config
     from grpo_lib.core.perf import capture_torch_threads, trainer_threads, tune_allocator
+    from grpo_lib.trainer import rounds
+    from grpo_lib.trainer import step as S
 
     cfg = load_config(None, overrides(work, setting, shape))
     lengths = force_lengths(shape)

@@ -44,12 +44,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import grpo_lib.model.actor as actor_module  # noqa: E402
-from grpo_lib.model.actor import Actor  # noqa: E402
-from grpo_lib.model.passes import micro_batches  # noqa: E402
-from grpo_lib.model.packing import pack_sequences  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.model.logprobs import num_packed_rows, token_logprobs  # noqa: E402
 from grpo_lib.core.types import RolloutBatch  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
+from grpo_lib.model.logprobs import num_packed_rows, token_logprobs  # noqa: E402
+from grpo_lib.model.packing import pack_sequences  # noqa: E402
+from grpo_lib.model.passes import micro_batches  # noqa: E402
 
 GROUP_SIZE = 4  # rollout.n
 

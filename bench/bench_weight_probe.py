@@ -50,9 +50,9 @@ def generate_ab(model: Path, data: Path, pairs: int) -> tuple[float, float]:
     from transformers import AutoTokenizer
 
     from grpo_lib.config import load_config
+    from grpo_lib.core.types import ScoreRequest
     from grpo_lib.rollout.data import load_prompts
     from grpo_lib.rollout.engines.vllm import VLLMEngine
-    from grpo_lib.core.types import ScoreRequest
     from grpo_lib.rollout.weight_probe import PROBE_TOKENS
 
     cfg = load_config(REPO / "recipes" / "tiny_cpu.yaml", [f"model.path={model}", f"data.train_files=[{data / 'train.parquet'}]"])

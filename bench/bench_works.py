@@ -24,9 +24,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.bench_update import machine, write_model  # noqa: E402
-from grpo_lib.model.actor import Actor  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
 from grpo_lib.core.types import RolloutBatch  # noqa: E402
+from grpo_lib.model.actor import Actor  # noqa: E402
 
 WORK_PROMPTS, WORK_GROUP, WORK_MICRO_BATCH = 16, 8, 32  # bench_step's shape: 16 prompts x 8, micro-batches of 32 rows
 

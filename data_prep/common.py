@@ -140,6 +140,25 @@ def write_parquet(rows: list[dict], path: str) -> str:
     return path
 
 
+
+def checked_records(records, split: str, columns: tuple[str, ...], ground_truth: Callable[[dict], str]):
+    """(index, record, its ground truth) for each record, in order; a record without one of `columns`, or whose ground
+    truth `ground_truth(record)` cannot extract (ValueError), raises ValueError naming the split and the record's index.
+
+    Example: list(checked_records([{"q": "1+1?", "a": "#### 2"}], "train", ("q", "a"), lambda r: r["a"][5:]))
+             -> [(0, {"q": "1+1?", "a": "#### 2"}, "2")]
+    """
+    for index, record in enumerate(records):
+        missing = [column for column in columns if column not in record]
+        if missing:
+            raise ValueError(f"{split} record {index} lacks {missing}; keys found: {sorted(record)}")
+        try:
+            truth = ground_truth(record)
+        except ValueError as error:
+            raise ValueError(f"{split} record {index}: {error}") from error
+        yield index, record, truth
+
+
 def build_arg_parser(*, description: str, default_out: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
@@ -169,6 +188,19 @@ def prepare(*, args: argparse.Namespace, load_hub: Callable[[], dict[str, tuple[
         written[split] = path
     print("sample row:", json.dumps(rows[0], indent=2, ensure_ascii=False, default=str))
     return written
+
+
+
+def prepare_with_data_source(argv: list[str] | None, *, description: str, default_out: str, data_source: str,
+                             load_hub: Callable[[], dict[str, tuple[list[dict], str]]], required_columns: tuple[str, ...],
+                             make_rows: Callable[..., list[dict]]) -> dict[str, str]:
+    """A data-prep script's command line: `build_arg_parser`'s flags and `--data-source` (written in each row, default
+    `data_source`), then `prepare` with `make_rows(records, split, data_source=...)`. Returns the written paths."""
+    parser = build_arg_parser(description=description, default_out=default_out)
+    parser.add_argument("--data-source", default=data_source, help="data_source written in each row")
+    args = parser.parse_args(argv)
+    return prepare(args=args, load_hub=load_hub, required_columns=required_columns,
+                   make_rows=lambda records, split: make_rows(records, split, data_source=args.data_source))
 
 
 def run_cli(main: Callable[[], object]) -> None:

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # run by path: import from the repo root, and never 
 
 from typing import Iterable
 
-from data_prep.common import build_arg_parser, prepare, run_cli, write_parquet
+from data_prep.common import checked_records, prepare_with_data_source, run_cli, write_parquet
 
 __all__ = ["INSTRUCTION", "extract_answer", "make_rows", "write_parquet", "main"]
 
@@ -57,15 +57,8 @@ def make_rows(records: Iterable[dict], split: str, data_source: str = DATA_SOURC
              -> {"style": "rule", "ground_truth": "2"}
     """
     rows = []
-    for index, record in enumerate(records):
-        missing = [column for column in COLUMNS if column not in record]
-        if missing:
-            raise ValueError(f"{split} record {index} lacks {missing}; keys found: {sorted(record)}")
+    for index, record, ground_truth in checked_records(records, split, COLUMNS, lambda r: extract_answer(str(r["answer"]))):
         question, answer = str(record["question"]), str(record["answer"])
-        try:
-            ground_truth = extract_answer(answer)
-        except ValueError as error:
-            raise ValueError(f"{split} record {index}: {error}") from error
         rows.append({
             "data_source": data_source,
             "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
@@ -89,11 +82,8 @@ def _load_hub() -> dict[str, tuple[list[dict], str]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
-    parser = build_arg_parser(description=__doc__.split("\n")[0], default_out="~/data/gsm8k")
-    parser.add_argument("--data-source", default=DATA_SOURCE, help="data_source written in each row")
-    args = parser.parse_args(argv)
-    return prepare(args=args, load_hub=_load_hub, required_columns=COLUMNS,
-                   make_rows=lambda records, split: make_rows(records, split, data_source=args.data_source))
+    return prepare_with_data_source(argv, description=__doc__.split("\n")[0], default_out="~/data/gsm8k",
+                                    data_source=DATA_SOURCE, load_hub=_load_hub, required_columns=COLUMNS, make_rows=make_rows)
 
 
 if __name__ == "__main__":

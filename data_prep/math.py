@@ -58,15 +58,10 @@ def make_rows(records: Iterable[dict], split: str, data_source: str = DATA_SOURC
     Example: make_rows([{"problem": "1+1?", "solution": "$\\boxed{2}$"}], "test")[0]["reward_model"]
              -> {"style": "rule", "ground_truth": "2"}
     """
+    from data_prep.common import checked_records  # here, not at the top: see the path note above
+
     rows = []
-    for index, record in enumerate(records):
-        missing = [column for column in COLUMNS if column not in record]
-        if missing:
-            raise ValueError(f"{split} record {index} lacks {missing}; keys found: {sorted(record)}")
-        try:
-            ground_truth = extract_answer(record)
-        except ValueError as error:
-            raise ValueError(f"{split} record {index}: {error}") from error
+    for index, record, ground_truth in checked_records(records, split, COLUMNS, extract_answer):
         problem = str(record["problem"])
         rows.append({
             "data_source": data_source,
@@ -96,13 +91,10 @@ def _load_hub() -> dict[str, tuple[list[dict], str]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
-    from data_prep.common import build_arg_parser, prepare
+    from data_prep.common import prepare_with_data_source
 
-    parser = build_arg_parser(description=__doc__.split("\n")[0], default_out="~/data/math")
-    parser.add_argument("--data-source", default=DATA_SOURCE, help="data_source written in each row")
-    args = parser.parse_args(argv)
-    return prepare(args=args, load_hub=_load_hub, required_columns=COLUMNS,
-                   make_rows=lambda records, split: make_rows(records, split, data_source=args.data_source))
+    return prepare_with_data_source(argv, description=__doc__.split("\n")[0], default_out="~/data/math",
+                                    data_source=DATA_SOURCE, load_hub=_load_hub, required_columns=COLUMNS, make_rows=make_rows)
 
 
 if __name__ == "__main__":

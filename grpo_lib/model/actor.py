@@ -34,9 +34,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lib import algorithms
-from grpo_lib.model import attention, fsdp
 from grpo_lib.algorithms import distillation
 from grpo_lib.core import dtypes, perf
+from grpo_lib.model import attention, fsdp
 from grpo_lib.model.batching import (
     StepPlan,
     make_step_plan,
@@ -46,11 +46,11 @@ from grpo_lib.model.batching import (
 from grpo_lib.config.checks import engine_logprobs_needed, mini_batch_sizes
 from grpo_lib.core.devices import to_device
 from grpo_lib.core.distributed import Reduction, all_reduce_max, all_reduce_sum, rank as _rank, world_size as _world_size
-from grpo_lib.model.logprobs import PACK_BELOW_REAL_FRACTION, layout_kwargs
-from grpo_lib.model.passes import HEAD_CHECKPOINT_MIN_BYTES, logprobs_over_batch, micro_batches
-from grpo_lib.model.packing import check_packing_isolated
-from grpo_lib.model.score_plan import RowFacts, batch_facts, micro_batch_rows, plan_forward
 from grpo_lib.core.types import RolloutBatch
+from grpo_lib.model.logprobs import PACK_BELOW_REAL_FRACTION, layout_kwargs
+from grpo_lib.model.packing import check_packing_isolated
+from grpo_lib.model.passes import HEAD_CHECKPOINT_MIN_BYTES, logprobs_over_batch, micro_batches
+from grpo_lib.model.score_plan import RowFacts, batch_facts, micro_batch_rows, plan_forward
 from grpo_lib.model.update_metrics import SUMMED_LOSSES, MicroBatchSums
 from grpo_lib.model.weights import weights_for
 

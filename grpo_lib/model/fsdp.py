@@ -50,8 +50,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from grpo_lib.core.distributed import broadcast_object, has_group
-from grpo_lib.model.logprobs import TokenScores, token_logprobs, token_scores
 from grpo_lib.core.perf import vm_hwm_mb
+from grpo_lib.model.logprobs import TokenScores, token_logprobs, token_scores
 
 
 class LogprobModel(nn.Module):

@@ -34,8 +34,8 @@ from torch import Tensor
 
 from grpo_lib.model.attention import (CONTINUES_KWARG, HOST_CU_KWARG, SHARED_CU_K_KWARG, SHARED_CU_Q_KWARG, SHARED_KV_INDEX_KWARG,
                                 SHARED_MAX_K_KWARG, is_varlen, shared_prefix_kv_plan, shares_prefixes, torch_varlen_attn)
-from grpo_lib.model.batching import partition_balanced
 from grpo_lib.core.devices import to_device
+from grpo_lib.model.batching import partition_balanced
 
 
 @dataclass

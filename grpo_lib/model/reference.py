@@ -12,12 +12,12 @@ import sys
 
 import torch
 
-from grpo_lib.model import attention, fsdp, lora
 from grpo_lib.core import dtypes, perf
-from grpo_lib.model.actor import Actor, load_model
-from grpo_lib.model.passes import logprobs_over_batch
 from grpo_lib.core.distributed import rank as _rank
 from grpo_lib.core.types import RolloutBatch
+from grpo_lib.model import attention, fsdp, lora
+from grpo_lib.model.actor import Actor, load_model
+from grpo_lib.model.passes import logprobs_over_batch
 
 
 def ref_pass_budget(cfg) -> dict:

@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from grpo_lib.model.batching import dummy_micro_batch
 from grpo_lib.core.devices import to_device
-from grpo_lib.model.packing import PackedBatch, SharedPrefixPack, group_shared_prefixes, pack_rows, shared_prefix_layout
 from grpo_lib.core.types import RolloutBatch
+from grpo_lib.model.batching import dummy_micro_batch
+from grpo_lib.model.packing import PackedBatch, SharedPrefixPack, group_shared_prefixes, pack_rows, shared_prefix_layout
 
 # Pack a micro-batch only when its real tokens are under this fraction of its padded block: above it the padding
 # saved is smaller than what packing costs (the per-sequence attention calls, or a dense [row, row] mask).

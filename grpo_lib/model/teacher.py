@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lib.model import attention
 from grpo_lib.algorithms import distillation
 from grpo_lib.core import perf
-from grpo_lib.model.passes import HEAD_CHECKPOINT_MIN_BYTES, micro_batches, response_scores
+from grpo_lib.core.types import RolloutBatch
+from grpo_lib.model import attention
 from grpo_lib.model.batching import dummy_micro_batch, restore_order
 from grpo_lib.model.logprobs import choose_layout, layout_kwargs
+from grpo_lib.model.passes import HEAD_CHECKPOINT_MIN_BYTES, micro_batches, response_scores
 from grpo_lib.model.reference import FrozenModel, ref_pass_budget
-from grpo_lib.core.types import RolloutBatch
 
 TEACHER_TEMPERATURE = 1.0  # verl's teacher logprobs: its engine's prompt logprobs, of the raw logits
 

@@ -278,8 +278,8 @@ def _actor(cfg, model, device):
     the GPU's choices on the CPU: the GPU's compute dtype as FSDP2's gather dtype and no CPU autocast (on a GPU the
     MixedPrecisionPolicy casts), the GPU's AdamW (fused), no broadcast into the shards (fake tensors hold no values),
     and no packing isolation check (it compares values, which fake tensors do not have; the run makes it)."""
-    from grpo_lib.model.actor import Actor
     from grpo_lib.core.dtypes import torch_dtype
+    from grpo_lib.model.actor import Actor
 
     return Actor.from_model(cfg, model, device=device,
                             param_dtype=torch_dtype(cfg.actor.fsdp_config.param_dtype, torch.device("cuda")),

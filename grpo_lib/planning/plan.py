@@ -28,9 +28,9 @@ import os
 import sys
 from pathlib import Path
 
-from grpo_lib.core import names
 from grpo_lib.config import Config, ConfigError, launch_world_size, load_config, read_raw
 from grpo_lib.config.checks import environment_problems, greedy_baseline_needed, mini_batch_sizes, needs_old_logprobs
+from grpo_lib.core import names
 from grpo_lib.core.dtypes import DTYPE_BYTES
 from grpo_lib.rollout.engines.settings import library_problems as engine_library_problems
 from grpo_lib.planning.memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 from grpo_lib.core import names
 from grpo_lib.rewards.custom import load_custom_reward
+from grpo_lib.rewards.gsm8k import GSM8K_MODES
 from grpo_lib.rewards.pool import TimeoutPool, WorkerStartError, call_safely
 from grpo_lib.rewards.registry import compute_score, format_score
-from grpo_lib.rewards.gsm8k import GSM8K_MODES
 
 logger = logging.getLogger(__name__)
 

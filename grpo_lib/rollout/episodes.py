@@ -61,12 +61,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from grpo_lib.core.distributed import group_leader_call, raise_agreed
-from grpo_lib.rollout.engines.base import OnFinished
 from grpo_lib.core.seeds import turn_seed
+from grpo_lib.core.types import EpisodeStats, Generation, PromptBatch, ScoreRequest
+from grpo_lib.rollout.engines.base import OnFinished
 from grpo_lib.tools.calls import CallOutcome, ToolBox, escape_control_tokens
 from grpo_lib.tools.functions import load_all_tools
 from grpo_lib.tools.hermes import parse_tool_calls
-from grpo_lib.core.types import EpisodeStats, Generation, PromptBatch, ScoreRequest
 
 _PROBE = "grpo-probe-7f3a"  # assistant text whose rendering shows what the template writes after an assistant turn
 

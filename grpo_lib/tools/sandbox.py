@@ -58,6 +58,7 @@ from pathlib import Path
 CHILD = Path(__file__).with_name("sandbox_child.py")
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody / nogroup
 WORKDIR = "/work"  # sandbox_child.WORKDIR (not imported: the child module is a script)
+CPU_SAMPLING_SLACK = 0.05  # RLIMIT_CPU reads tick-sampled CPU time, wait4 the precise time: _result's tolerance
 # every layer `isolation: strict` requires (sandbox_child names them); landlock_net / landlock_scope are extras
 REQUIRED = ("bubblewrap", "namespaces", "identity", "no_new_privs", "tmpfs", "rlimits", "landlock", "seccomp")
 HOW_TO_ENABLE = {  # layer -> what would set it on this machine
@@ -398,7 +399,12 @@ def _result(records: list[dict], output: str, *, cut: bool, late: bool, limits: 
     if "signal" in merged:
         number = merged["signal"]
         # the kernel sends SIGXCPU at the soft limit and SIGKILL at the hard one (+1 s): the CPU limit only when the CPU
-        # time (wait4's, the same clock the limit reads, in microseconds) says so; a signal the code sent itself is its own
-        over = number in (signal.SIGXCPU, signal.SIGKILL) and merged.get("cpu_s", 0.0) >= limits.cpu_s - 0.01
+        # time says so; a signal the code sent itself early is its own. The limit is checked against tick-sampled CPU
+        # time, wait4 reports the scheduler's precise time, and the two differ by a few ticks (measured under load:
+        # 0.996 s at a 1 s limit; the suite saw less): CPU_SAMPLING_SLACK of the limit absorbs that. Code that burns 95%
+        # of its CPU time and then signals itself gets the CPU-limit message, which is true enough; the sandbox's own
+        # outcomes (could not start, timeout, output cap) never depend on the code
+        over = number in (signal.SIGXCPU, signal.SIGKILL) and \
+            merged.get("cpu_s", 0.0) >= limits.cpu_s * (1 - CPU_SAMPLING_SLACK)
         return RunResult(output, "cpu_limit" if over else "killed", None, 0.0, signal=number)
     return RunResult(output, "timeout" if late else "killed", None, 0.0)  # started, no end: we killed it

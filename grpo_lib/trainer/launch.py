@@ -97,10 +97,10 @@ def run_in_held_folder(cfg, resume, *, rank: int, world_size: int, trainer_class
     """The run, once process 0 holds the run folder's lock: the folder is one for every process, the checkpoint's files
     are checked (a damaged one set aside), then set-up and training; returns the exit code."""
     from grpo_lib.checkpoints import checkpoint
-    from grpo_lib.rollout.data import DataError
     from grpo_lib.core.distributed import barrier
     from grpo_lib.core.perf import tune_allocator
     from grpo_lib.core.preflight import run_folder_not_shared
+    from grpo_lib.rollout.data import DataError
 
     if problem := run_folder_not_shared(Path(cfg.trainer.default_local_dir), rank=rank, world_size=world_size):  # 2+ machines
         print(f"error: {problem}", file=sys.stderr)

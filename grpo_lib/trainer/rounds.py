@@ -14,9 +14,9 @@ import torch
 
 from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_needed
 from grpo_lib.core.distributed import Reduction, all_reduce_min
-from grpo_lib.rollout.episodes import episode_sums, reward_extra_info
 from grpo_lib.core.seeds import sample_seed, tp_group_share
 from grpo_lib.core.types import Generation, PromptBatch, RolloutBatch, ScoreRequest
+from grpo_lib.rollout.episodes import episode_sums, reward_extra_info
 from grpo_lib.trainer.step import RunAborted, build_rollout_batch, check_reward_errors, informative_groups, mask_truncated, open_reward_stream, reward_output, score
 
 

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from grpo_lib import algorithms
-from grpo_lib.model.batching import balance_across_ranks
 from grpo_lib.core.distributed import Reduction, is_on
-from grpo_lib.rollout.episodes import reward_extra_info
 from grpo_lib.core.types import Generation, PromptBatch, RolloutBatch
+from grpo_lib.model.batching import balance_across_ranks
+from grpo_lib.rollout.episodes import reward_extra_info
 
 
 

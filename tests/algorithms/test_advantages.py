@@ -15,13 +15,13 @@ import threading
 import pytest
 import torch
 
-from grpo_lib.core import distributed, names
-from grpo_lib.trainer import step
-from grpo_lib.trainer import rounds
 from grpo_lib.algorithms.advantages import ADV_ESTIMATORS, compute_advantages, discounted_returns, masked_whiten, token_advantages
 from grpo_lib.config import ConfigError, load_config
-from grpo_lib.planning.plan import print_plan
+from grpo_lib.core import distributed, names
 from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.planning.plan import print_plan
+from grpo_lib.trainer import rounds
+from grpo_lib.trainer import step
 
 F64 = torch.float64
 EPS = 1e-6

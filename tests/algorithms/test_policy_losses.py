@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from grpo_lib.core import names
 from grpo_lib.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, policy_loss
+from grpo_lib.core import names
 
 F64 = torch.float64
 # float64 arithmetic on O(1) values: a few ulps (2.2e-16 each) per operation; 1e-12 is far above and far below any

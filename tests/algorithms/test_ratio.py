@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import grpo_lib.model.fsdp as fsdp_module  # LogprobModel.forward calls token_logprobs from there
-from grpo_lib.trainer import step
-from grpo_lib.model.actor import Actor
 from grpo_lib.config import load_config
 from grpo_lib.config.checks import needs_old_logprobs
 from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.model.actor import Actor
+from grpo_lib.trainer import step
 from tests.conftest import merge_overrides
 
 NUM_PROMPTS, N = 3, 4  # 12 trajectories

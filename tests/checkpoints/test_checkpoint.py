@@ -172,7 +172,7 @@ def test_the_same_signal_twice_at_once_is_one_stop_request(capfd):
 def test_a_second_stop_request_aborts_at_once(second):
     """The same signal after REPEAT_WINDOW_S (shortened to 0.5 s here), or another stop signal at any time, aborts."""
     late = second.startswith("SIGTERM")
-    script = ("import os, signal, time\nfrom grpo_lib import stopping\nstopping.REPEAT_WINDOW_S = 0.5\n"
+    script = ("import os, signal, time\nfrom grpo_lib.core import stopping\nstopping.REPEAT_WINDOW_S = 0.5\n"
               "stopping.install_stop_handlers()\nos.kill(os.getpid(), signal.SIGTERM)\nassert stopping.stop_requested()\n"
               f"print('FIRST OK', flush=True)\ntime.sleep({0.6 if late else 0})\n"
               f"os.kill(os.getpid(), signal.{second.split()[0]})\ntime.sleep(5)\nprint('STILL ALIVE')\n")

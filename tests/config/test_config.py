@@ -130,8 +130,8 @@ def test_validation_names_match_the_code():
     import typing
 
     from grpo_lib import algorithms
-    from grpo_lib.core import names
     from grpo_lib.config import RolloutCorrectionConfig
+    from grpo_lib.core import names
 
     assert set(algorithms.POLICY_LOSSES) == set(names.POLICY_LOSS_MODES)  # (and the rest: the import asserts them)
     hint = typing.get_type_hints(RolloutCorrectionConfig)["mode"]

@@ -103,11 +103,11 @@ def test_a_steps_metrics_take_a_handful_of_all_reduces_whatever_their_number(tin
     import torch
     import torch.distributed as dist
 
-    from grpo_lib.trainer import step
-    from grpo_lib.trainer import rounds
-    from grpo_lib.model.actor import Actor
     from grpo_lib.config import load_config
     from grpo_lib.core.perf import PhaseMemory
+    from grpo_lib.model.actor import Actor
+    from grpo_lib.trainer import rounds
+    from grpo_lib.trainer import step
     from tests.train.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine, FakeScorer
 
     recorded: list[int] = []

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from grpo_lib.core import perf
 from grpo_lib.config import load_config
 from grpo_lib.config.checks import engine_logprobs_needed
+from grpo_lib.core import perf
 from grpo_lib.core.dtypes import torch_dtype
 from grpo_lib.model.logprobs import token_logprobs
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_lib.core.seeds import sample_seed, tp_group_share
-from grpo_lib.trainer.rounds import generate_share
 from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.trainer.rounds import generate_share
 
 
 # ------------------------------------------------------------------------------------------------ seeds

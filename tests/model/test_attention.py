@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from grpo_lib.model import attention
-from grpo_lib.model.packing import check_packing_isolated, pack_sequences
 from grpo_lib.model.logprobs import packing_pays, real_token_fraction, token_logprobs
+from grpo_lib.model.packing import check_packing_isolated, pack_sequences
 from tests.model.test_logprobs import make_batch, tiny_qwen3
 
 DEVICE = torch.device("cpu")

@@ -246,9 +246,9 @@ def test_mini_batches_follow_verls_split_and_each_process_holds_its_part():
     with prompts dealt out strided, each process's local mini-batch m is exactly its part of global mini-batch m."""
     from types import SimpleNamespace
 
-    from grpo_lib.model.actor import Actor
     from grpo_lib.config import Config
     from grpo_lib.config.checks import mini_batch_sizes
+    from grpo_lib.model.actor import Actor
 
     assert mini_batch_sizes(1024, 80) == [80] * 12 + [64] and mini_batch_sizes(512, 256) == [256, 256]
     cfg = Config()
@@ -269,8 +269,8 @@ def test_fewer_kept_groups_than_mini_batches_leave_no_empty_mini_batch():
     balancing AdamW stepped on all-zero gradients: weight decay and momentum still moved the weights)."""
     from types import SimpleNamespace
 
-    from grpo_lib.model.actor import Actor
     from grpo_lib.config import Config
+    from grpo_lib.model.actor import Actor
 
     cfg = Config()
     cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.shuffle = 8, 4, False

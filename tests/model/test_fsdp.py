@@ -310,8 +310,8 @@ def test_plan_prints_the_collectives_of_each_choice():
     import re
     from pathlib import Path
 
-    from grpo_lib.planning import plan, memory
     from grpo_lib.config import load_config
+    from grpo_lib.planning import plan, memory
 
     repo = Path(__file__).resolve().parents[2]
     sizes = memory.model_sizes(json.loads((repo / "tests" / "data" / "qwen3_4b_config.json").read_text()))

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lib.model import fsdp
 from grpo_lib.core import perf
+from grpo_lib.model import fsdp
 from tests.conftest import launch
 from tests.scripts import grad_case as case
 

@@ -15,9 +15,9 @@ import torch
 
 import grpo_lib.model.actor as actor_module
 import grpo_lib.model.passes as passes_module
-from grpo_lib.trainer import step
-from grpo_lib.model.actor import Actor
 from grpo_lib.algorithms import LOSS_AGG_MODES
+from grpo_lib.model.actor import Actor
+from grpo_lib.trainer import step
 from tests.scripts import grad_case as case
 
 MICRO_SETTINGS = [dict(micro_batch_size=s) for s in case.FIXED_SIZES] + [dict(max_tokens=t) for t in case.TOKEN_BUDGETS]

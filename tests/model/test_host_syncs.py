@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 
-from grpo_lib.model.actor import Actor
 from grpo_lib.core.devices import to_device
+from grpo_lib.model.actor import Actor
 from grpo_lib.model.packing import shared_prefix_rows
 from grpo_lib.model.score_plan import RowFacts, prefix_lengths, shared_groups
 from grpo_lib.model.update_metrics import MicroBatchSums

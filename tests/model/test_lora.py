@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpo_lib.config import ConfigError
 from grpo_lib.model import lora
-from grpo_lib.model.fsdp import LogprobModel
 from grpo_lib.model.actor import Actor
+from grpo_lib.model.fsdp import LogprobModel
 from grpo_lib.model.passes import logprobs_over_batch
 from grpo_lib.model.reference import AdapterDisabledReference
-from grpo_lib.config import ConfigError
 from tests.conftest import launch
 from tests.scripts import grad_case as case
 from tests.helpers.tolerances import adamw_flip_bound, assert_close_after_adamw

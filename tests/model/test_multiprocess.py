@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lib.model.actor import load_model
 from grpo_lib.algorithms import LOSS_AGG_MODES
+from grpo_lib.model.actor import load_model
 from grpo_lib.model.batching import plan_rank_balance
 from tests.conftest import launch
 from tests.scripts import grad_case as case

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo_lib.model import attention
-from grpo_lib.model.packing import check_packing_isolated, pack_shared_prefixes, shared_prefix_rows, shared_prefix_tokens
 from grpo_lib.model.logprobs import choose_layout, prefix_lengths, token_logprobs
+from grpo_lib.model.packing import check_packing_isolated, pack_shared_prefixes, shared_prefix_rows, shared_prefix_tokens
 from tests.model.test_logprobs import tiny_qwen3
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from grpo_lib.config import load_config
-from grpo_lib.planning.plan import print_plan
 from grpo_lib.planning.memory import memory_plan, model_sizes
+from grpo_lib.planning.plan import print_plan
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"

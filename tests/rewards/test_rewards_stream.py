@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from grpo_lib.trainer import rounds
 from grpo_lib.config import load_config
-from grpo_lib.rewards import RewardScorer
 from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.rewards import RewardScorer
+from grpo_lib.trainer import rounds
 
 REWARD = textwrap.dedent('''
     import time

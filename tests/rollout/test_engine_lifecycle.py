@@ -245,8 +245,8 @@ def test_setup_leaves_the_resolved_config_as_it_was(tiny_model_dir, arith_data, 
 
     fake = install(monkeypatch)
     import train_grpo
-    from grpo_lib.rollout import engines
     from grpo_lib.core import perf
+    from grpo_lib.rollout import engines
     from grpo_lib.rollout.engines.vllm import VLLMEngine
 
     built = []

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_lib.rollout.episodes import TemplateError, episode_sums
 from grpo_lib.core.seeds import turn_seed
-from grpo_lib.trainer.step import RunAborted, build_rollout_batch, check_tool_errors
+from grpo_lib.rollout.episodes import TemplateError, episode_sums
 from grpo_lib.trainer.rounds import reduce_episode_metrics
+from grpo_lib.trainer.step import RunAborted, build_rollout_batch, check_tool_errors
 from tests.scripts.episode_case import ScriptedEngine, all_tools, call, calls_then_answer, make_prompts, make_runner
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, logprobs=True)
@@ -285,9 +285,9 @@ def test_the_tiny_template_renders_chats_without_tools_as_it_always_has(tokenize
 def test_dapo_rounds_draw_new_episodes_and_count_them_all(runner):
     """algorithm.filter_groups with episodes: every round runs its own episodes (seeds of that round), the step's
     episode metrics cover every round, and the kept groups carry their loss-mask holes into the batch."""
-    from grpo_lib.trainer import rounds
     from grpo_lib.config import load_config
     from grpo_lib.rewards import RewardOutput
+    from grpo_lib.trainer import rounds
 
     class Data:
         def batch(self, idx):

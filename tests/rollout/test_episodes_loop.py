@@ -167,8 +167,8 @@ def test_the_reward_stream_gets_each_episode_as_it_ends_with_the_tool_rewards_in
     (prompt p's sample k: p * n + k) while others still generate, its extra_info what build_rollout_batch gives it
     (rollout_reward_scores: the tools' calc_reward; num_turns), so finish() finds the same texts."""
     from grpo_lib.rollout.episodes import reward_extra_info
-    from grpo_lib.trainer.step import build_rollout_batch
     from grpo_lib.trainer.rounds import stream_to
+    from grpo_lib.trainer.step import build_rollout_batch
 
     engine = SessionEngine(runner.tokenizer, mixed)
 

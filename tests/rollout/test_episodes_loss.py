@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_lib.model.actor import Actor
 from grpo_lib.algorithms import LOSS_AGG_MODES
 from grpo_lib.config import load_config
-from grpo_lib.trainer.step import build_rollout_batch
+from grpo_lib.model.actor import Actor
 from grpo_lib.tools.builtin import CalculatorTool
+from grpo_lib.trainer.step import build_rollout_batch
 from tests.scripts import grad_case as case
 from tests.scripts.episode_case import EchoTool, ScriptedEngine, call, calls_then_answer, make_prompts, make_runner, schema
 from tests.model.test_grad_invariance import dropped_positions_loss

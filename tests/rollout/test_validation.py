@@ -73,8 +73,8 @@ def test_validation_with_episodes_logs_episode_metrics_and_shapes_rewards(tokeni
     """step.validate over 3 prompts whose episodes call the calculator once, then answer: val/episode/* and val/tools/*
     are the training step's metrics over these episodes, and the overlong penalty is computed on the whole episode
     (tool tokens count, as verl's DAPO manager counts the response's attention mask)."""
-    from grpo_lib.trainer import rounds
     from grpo_lib.rollout.data import PromptDataset
+    from grpo_lib.trainer import rounds
 
     runner = make_runner(tokenizer)
     try:

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from grpo_lib.rollout.engines.base import EngineGlue
 from grpo_lib.core.types import Generation
+from grpo_lib.rollout.engines.base import EngineGlue
 from grpo_lib.rollout.weight_probe import calibrated_tolerance, PROBE_TOKENS, WeightMismatch, WeightProbe, mismatch, tolerance
 from grpo_lib.rollout.weight_sync import WeightSync
 

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_lib.trainer import step
-from grpo_lib.trainer import rounds
 from grpo_lib.config import load_config
-from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle
 from grpo_lib.core.types import Generation, PromptBatch, RolloutBatch, ScoreRequest
+from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle
 from grpo_lib.rollout.weight_probe import WeightMismatch, WeightProbe
 from grpo_lib.rollout.weight_sync import WeightSync
+from grpo_lib.trainer import rounds
+from grpo_lib.trainer import step
 from tests.train.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine, FakeScorer
 from tests.rollout.test_weight_probe import FakeActor
 

@@ -24,9 +24,9 @@ import torch  # noqa: E402
 
 from grpo_lib.config import RolloutConfig  # noqa: E402
 from grpo_lib.core.distributed import init_distributed  # noqa: E402
+from grpo_lib.core.types import ScoreRequest  # noqa: E402
 from grpo_lib.rollout.engines.base import RolloutEngine  # noqa: E402
 from grpo_lib.rollout.engines.vllm import VLLMEngine  # noqa: E402
-from grpo_lib.core.types import ScoreRequest  # noqa: E402
 
 
 def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:

@@ -13,12 +13,12 @@ import threading
 import time
 
 from grpo_lib.config.schema import MultiTurnConfig
+from grpo_lib.core.types import Generation, PromptBatch
 from grpo_lib.rollout.data import render_prompt
 from grpo_lib.rollout.episodes import EpisodeRunner
 from grpo_lib.tools.base import BaseTool, ToolSchema
 from grpo_lib.tools.builtin import CalculatorTool, Gsm8kTool
 from grpo_lib.tools.calls import ToolBox
-from grpo_lib.core.types import Generation, PromptBatch
 
 
 def schema(name: str, **properties: str) -> ToolSchema:

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 import grpo_lib.rollout.episodes as episodes_module  # noqa: E402
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.trainer.step import build_rollout_batch  # noqa: E402
 from grpo_lib.tools.hermes import ToolCall  # noqa: E402
+from grpo_lib.trainer.step import build_rollout_batch  # noqa: E402
 from tests.scripts.episode_case import EchoTool, make_prompts, make_runner, schema  # noqa: E402
 
 TEMPERATURE, MAX_RESPONSE = 0.9, 160  # a tool turn of the tiny template is ~40 tokens

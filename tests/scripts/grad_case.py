@@ -17,10 +17,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from grpo_lib import algorithms
-from grpo_lib.core import names
-from grpo_lib.model.actor import policy_loss_kwargs
 from grpo_lib.config import Config, load_config
+from grpo_lib.core import names
 from grpo_lib.core.types import RolloutBatch
+from grpo_lib.model.actor import policy_loss_kwargs
 from tests.conftest import merge_overrides
 
 VOCAB = 256

@@ -32,11 +32,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from grpo_lib.algorithms import LOSS_AGG_MODES  # noqa: E402
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from grpo_lib.model import fsdp  # noqa: E402
 from grpo_lib.model.actor import Actor  # noqa: E402
-from grpo_lib.algorithms import LOSS_AGG_MODES  # noqa: E402
 from grpo_lib.model.batching import balance_across_ranks  # noqa: E402
-from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 SHARES = {  # case kind -> groups of each process

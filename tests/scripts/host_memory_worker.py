@@ -24,11 +24,11 @@ import torch.distributed as dist  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
+from grpo_lib.core.perf import tune_allocator  # noqa: E402
 from grpo_lib.model import fsdp  # noqa: E402
 from grpo_lib.model.actor import Actor  # noqa: E402
 from grpo_lib.model.reference import Reference  # noqa: E402
-from grpo_lib.core.distributed import init_distributed  # noqa: E402
-from grpo_lib.core.perf import tune_allocator  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 

@@ -19,9 +19,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from grpo_lib.model import actor as actor_module  # noqa: E402
 from grpo_lib.model import attention, packing  # noqa: E402
-from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 BF16 = ("actor.fsdp_config.param_dtype=bfloat16",)

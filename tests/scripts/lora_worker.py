@@ -18,10 +18,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from grpo_lib.model import lora  # noqa: E402
 from grpo_lib.model.actor import Actor  # noqa: E402
 from grpo_lib.model.reference import AdapterDisabledReference  # noqa: E402
-from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
 
 SHARES = [["g0", "g1"], ["g2", "g3"]]

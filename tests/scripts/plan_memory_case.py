@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from grpo_lib.config import load_config  # noqa: E402
-from grpo_lib.planning.memory import memory_plan, model_sizes  # noqa: E402
 from grpo_lib.core.types import RolloutBatch  # noqa: E402
+from grpo_lib.planning.memory import memory_plan, model_sizes  # noqa: E402
 
 
 def rss_kib(field: str) -> int:

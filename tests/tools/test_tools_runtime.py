@@ -183,8 +183,8 @@ def test_a_calc_reward_of_no_finite_number_is_counted_as_a_reward_error(value):
         assert rewards == {"r": 0.0} and failure.kind == "error" and failure.method == "calc_reward", failure
     finally:
         box.close()
-    from grpo_lib.rollout.episodes import EpisodeRunner
     from grpo_lib.core.types import EpisodeStats
+    from grpo_lib.rollout.episodes import EpisodeRunner
 
     stats = EpisodeStats(assistant_turns=1, user_turns=0, stop="answer", calls={}, failures={})
     EpisodeRunner._count_failures(stats, [failure])
@@ -285,9 +285,9 @@ def test_a_tool_stall_in_validation_saves_the_completed_step_and_exits_3(tmp_pat
 
     import train_grpo
     from grpo_lib.checkpoints.checkpoint import ResumePlan
+    from grpo_lib.config import load_config
     from grpo_lib.core import stopping
     from grpo_lib.trainer import rounds
-    from grpo_lib.config import load_config
     from tests.conftest import REPO
 
     cfg = load_config(str(REPO / "recipes" / "tiny_cpu.yaml"), [

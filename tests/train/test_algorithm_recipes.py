@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lib.trainer import step
-from grpo_lib.trainer import rounds
-from grpo_lib.model.actor import Actor
 from grpo_lib.config import load_config
+from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.model.actor import Actor
 from grpo_lib.model.logprobs import token_logprobs
 from grpo_lib.rewards import RewardOutput
-from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.trainer import rounds
+from grpo_lib.trainer import step
 from tests.conftest import HF_ENGINE, REPO, read_metrics, run_train, tiny_overrides
 from tests.algorithms.test_ratio import fake_rollout
 

@@ -95,8 +95,8 @@ def test_checkpoint_adapter_and_merged_folder(lora_run, tiny_model_dir):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
-        from grpo_lib.model import lora
         from grpo_lib.config import RolloutConfig
+        from grpo_lib.model import lora
         from grpo_lib.model.logprobs import token_logprobs
         from grpo_lib.rollout.engines.vllm import VLLMEngine
         seq = [1, 20, 30, 40, 50, 60, 70, 80, 90, 100]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from grpo_lib import algorithms
-from grpo_lib.trainer import step
-from grpo_lib.trainer import rounds
 from grpo_lib.config import load_config
 from grpo_lib.config.schema import OverlongBufferConfig
-from grpo_lib.rewards import RewardOutput
 from grpo_lib.core.types import Generation, PromptBatch
+from grpo_lib.rewards import RewardOutput
+from grpo_lib.trainer import rounds
+from grpo_lib.trainer import step
 
 
 def prompts(*prompt_ids: list[int]) -> PromptBatch:

@@ -102,9 +102,9 @@ def test_checkpoint_loads_in_vllm(e2e_run):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from types import SimpleNamespace
         from transformers import AutoModelForCausalLM
-        from grpo_lib.rollout.engines.vllm import VLLMEngine
         from grpo_lib.config import RolloutConfig
         from grpo_lib.model.logprobs import token_logprobs
+        from grpo_lib.rollout.engines.vllm import VLLMEngine
         cfg = RolloutConfig(kv_cache_memory_bytes=32 * 2**20, enforce_eager=True)
         engine = VLLMEngine(model_path="{ckpt}", cfg=cfg, max_model_len=128, seed=0, on_cpu=True, world_size=1)
         seq = [1, 20, 30, 40, 50, 60, 70, 80]

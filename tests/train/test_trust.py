@@ -308,10 +308,10 @@ def test_no_reward_worker_survives_sigkill_of_the_trainer(tiny_model_dir, arith_
 def test_dynamic_sampling_with_a_failing_reward_stops_with_exit_3():
     """With DAPO's filter_groups, rewards that all fail make every group all-equal (zeros): the run stops as
     untrustworthy (RunAborted, exit 3) instead of 'no group with different scores'."""
-    from grpo_lib.trainer import step
-    from grpo_lib.trainer import rounds
     from grpo_lib.config import load_config
     from grpo_lib.rewards import RewardOutput
+    from grpo_lib.trainer import rounds
+    from grpo_lib.trainer import step
     from tests.train.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine
 
     class FailingScorer:
@@ -334,8 +334,8 @@ def test_dynamic_sampling_with_a_failing_reward_stops_with_exit_3():
 def test_preemptions_of_a_tensor_parallel_engine_are_counted_once():
     """Both processes of a TP-2 group see every preemption of their one engine (each runs the scheduler): only the
     group's first process counts them, so the summed rollout/preemptions is the engine's count, not twice it."""
-    from grpo_lib.trainer import rounds
     from grpo_lib.config import load_config
+    from grpo_lib.trainer import rounds
     from tests.train.test_algorithm_recipes import CyclingSampler, FakeData, FakeEngine, FakeScorer
 
     cfg = load_config(None, ["model.path=unused", "data.train_files=[unused.parquet]", "data.train_batch_size=4",
@@ -354,8 +354,8 @@ def test_preemptions_of_a_tensor_parallel_engine_are_counted_once():
 def test_a_process_without_validation_prompts_still_reports_the_metrics():
     """A validation set smaller than the process count leaves some processes without prompts: they take part in the
     metric reductions with empty batches (it raised on max() of nothing while the others waited in a reduction)."""
-    from grpo_lib.trainer import rounds
     from grpo_lib.config import load_config
+    from grpo_lib.trainer import rounds
     from tests.train.test_algorithm_recipes import FakeData, FakeEngine, FakeScorer
 
     class OnePrompt(FakeData):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from grpo_lib.rollout.engines import settings as engine_settings
 from grpo_lib.core.names import ENGINE_NAMES
+from grpo_lib.rollout.engines import settings as engine_settings
 
 if TYPE_CHECKING:
     from grpo_lib.rollout.engines.base import RolloutEngine

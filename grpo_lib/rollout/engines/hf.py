@@ -33,8 +33,8 @@ from collections.abc import Iterable
 import torch
 
 from grpo_lib.core.dtypes import torch_dtype
-from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.core.types import Generation, ScoreRequest
+from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle, OnFinished
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -120,7 +120,10 @@ class HFEngine(EngineGlue):
 
     def restore_weights(self) -> None:
         """released -> weights_only: the weights move back to the device."""
-        with self.lifecycle.transition("restore_weights"):
+        self._weights_back("restore_weights")
+
+    def _weights_back(self, transition: str) -> None:
+        with self.lifecycle.transition(transition):
             if self.lifecycle.frees_memory:
                 self.model.to(self.device)
 
@@ -131,9 +134,7 @@ class HFEngine(EngineGlue):
 
     def restore_all(self) -> None:
         """released -> ready in one call: the weights move back to the device."""
-        with self.lifecycle.transition("restore_all"):
-            if self.lifecycle.frees_memory:
-                self.model.to(self.device)
+        self._weights_back("restore_all")
 
     def reset_prefix_cache(self) -> None:
         with self.lifecycle.transition("reset_prefix_cache"):

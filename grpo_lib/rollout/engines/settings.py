@@ -13,8 +13,8 @@ the engine-independent ones (value ranges, the tensor-parallel size dividing the
 
 from __future__ import annotations
 
-from grpo_lib.rollout.engines import hf_settings, vllm_settings
 from grpo_lib.core.names import ENGINE_NAMES
+from grpo_lib.rollout.engines import hf_settings, vllm_settings
 
 ENGINE_SETTINGS = {"vllm": vllm_settings, "hf": hf_settings}
 assert tuple(ENGINE_SETTINGS) == ENGINE_NAMES, f"grpo_lib/core/names.py ENGINE_NAMES {ENGINE_NAMES} != {tuple(ENGINE_SETTINGS)}"

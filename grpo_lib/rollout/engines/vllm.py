@@ -51,9 +51,9 @@ import torch
 
 from grpo_lib.core.distributed import broadcast_object
 from grpo_lib.core.dtypes import resolve as resolve_dtype
+from grpo_lib.core.types import Generation, ScoreRequest
 from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.rollout.engines.vllm_settings import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS, set_environment
-from grpo_lib.core.types import Generation, ScoreRequest
 
 set_environment()  # vLLM's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0) before this module imports vllm (lazily, below)
 
