@@ -169,7 +169,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ``clip_cov_ub``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``; ``generator`` for clip_cov's random pick: see
     ``policy_losses.PolicyLossParams``). ``vanilla`` per token: L = max(-A*r, -A*clip(r, 1-low, 1+high)); where A < 0,
     L = min(L, -A*clip_ratio_c). ``is_weights`` (detached) multiply L before ``aggregate_loss``, which uses
-    ``loss_agg_mode`` except for the losses of ``names.FORCED_AGG`` (gspo, sapo, geo_mean: seq-mean-token-mean, as
+    ``loss_agg_mode`` except for the losses of ``names.FORCED_AGG`` (sapo, geo_mean: seq-mean-token-mean, as
     verl). Metrics (0-dim tensors without grad on the inputs' device, never read here: masked means over this call's
     valid tokens): ``pg_clipfrac`` (the loss's clip binding), ``pg_clipfrac_lower`` (dual clip / the lower side
     binding), ``ppo_kl`` (mean of old - lp).

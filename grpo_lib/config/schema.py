@@ -102,8 +102,9 @@ class ModelConfig:
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
     """vanilla (PPO clip, dual clip), gspo, cispo, sapo, geo_mean (GMPO), clip_cov, kl_cov, dppo_tv, dppo_kl, gpg, dro
-    (docs/ALGORITHMS.md). gspo, sapo and geo_mean aggregate their loss seq-mean-token-mean whatever loss_agg_mode says,
-    as verl. verl's bypass_mode is refused."""
+    (docs/ALGORITHMS.md). sapo and geo_mean aggregate their loss seq-mean-token-mean whatever loss_agg_mode says, as
+    verl; gspo aggregates with loss_agg_mode, as verl 0.9.1 (its recipes set seq-mean-token-mean). verl's bypass_mode is
+    refused."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of a micro-batch's loss tokens (at least 1) whose loss and gradient are dropped."""
     clip_cov_lb: float = 1.0

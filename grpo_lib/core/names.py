@@ -33,9 +33,11 @@ LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-su
 POLICY_LOSS_MODES: tuple[str, ...] = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv",
                                       "dppo_kl", "gpg", "dro")
 """actor.policy_loss.loss_mode (grpo_lib/algorithms/policy_losses.py)."""
-FORCED_AGG: dict[str, str] = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+# gspo follows verl 0.9.1, whose compute_policy_loss_gspo aggregates with the configured loss_agg_mode (seq-mean-token-mean
+# is only its default argument; verl before 0.9.1 forced it); sapo and geo_mean are forced there, and here
+FORCED_AGG: dict[str, str] = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 """Policy losses whose own aggregation verl fixes, whatever actor.loss_agg_mode says (which still aggregates the KL
-and entropy terms): GSPO and SAPO average per sequence; geo_mean's loss is per sequence."""
+and entropy terms): SAPO averages per sequence; geo_mean's loss is per sequence."""
 REFUSED_POLICY_LOSS_MODES: dict[str, str] = {
     "bypass_mode": ("verl's bypass_mode (old logprobs taken from the rollout engine, PPO-clip or REINFORCE on them, with "
                     "rollout-correction rejection) is not implemented: use another loss_mode (vanilla, cispo, ...) with "

@@ -172,7 +172,7 @@ LOSS_PARAMS: dict[str, tuple[str, ...]] = {
 
 
 def policy_loss_line(cfg: Config) -> str:
-    """The loss mode, the resolved values it reads and the aggregation of its loss (forced for gspo / sapo / geo_mean)."""
+    """The loss mode, the resolved values it reads and the aggregation of its loss (forced for sapo / geo_mean)."""
     a = cfg.actor
     mode = a.policy_loss.loss_mode
     values = " ".join(f"actor.{key}={getattr(a.policy_loss if key.startswith('policy_loss.') else a, key.split('.')[-1])}"

@@ -395,6 +395,24 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert metrics["pg_clipfrac"] == 0.0
 
 
+@pytest.mark.parametrize("agg, denominator", [("token-mean", 5.0), ("seq-mean-token-sum", 2.0)])
+def test_gspo_aggregates_with_the_configured_mode_as_verl_0_9_1(agg, denominator):
+    # verl 0.9.1's compute_policy_loss_gspo aggregates with loss_agg_mode (earlier verl forced seq-mean-token-mean).
+    # The rows of test_gspo_sequence_ratio_value_and_gradient: every loss token of row i has value -A_i s_i and, the
+    # sequence ratio being detached (exp(lp - sg(lp)) * sg(s_i)), gradient -A_i s_i w.r.t. its own lp_t only.
+    # token-mean over the 5 loss tokens: loss = (-2 s0 + 3 s1) / 5, grad -A_i s_i / 5;
+    # seq-mean-token-sum over the 2 rows:  loss = (-2 s0 + 3 s1) / 2, grad -A_i s_i / 2.
+    old = t([[0.0, 0.0, 0.0], [-1.0, -1.0, -1.0]])
+    lp = (old + t([[0.1, -0.3, 5.0], [0.2, 0.1, 0.0]])).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = t([[1.0] * 3, [-1.0] * 3])
+    loss, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode=agg)
+    (grad,) = torch.autograd.grad(loss, lp)
+    s0, s1 = math.exp(-0.1), math.exp(0.1)
+    assert loss.item() == pytest.approx((-2 * s0 + 3 * s1) / denominator, abs=1e-12)
+    torch.testing.assert_close(grad, t([[-s0, -s0, 0.0], [s1, s1, s1]]) / denominator)
+
+
 def test_gspo_clips_whole_sequence():
     # row mean log-ratio 0.5 -> s = e^0.5 = 1.65 > 1.2 with A = +1: every token clipped to -1.2, grad 0
     lp = t([[0.4, 0.6]], requires_grad=True)

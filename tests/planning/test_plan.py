@@ -288,7 +288,7 @@ def test_untied_head_terms_qwen3_8b():
 
 @pytest.mark.parametrize("loss_mode, lines, needles", [
     ("vanilla", [], ["actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.2 actor.clip_ratio_c=3.0; aggregated actor.loss_agg_mode="]),
-    ("gspo", [], ["its loss aggregated seq-mean-token-mean (fixed for gspo, as verl"]),
+    ("gspo", [], ["aggregated actor.loss_agg_mode="]),
     ("cispo", ["actor.clip_ratio_high=0.28", "actor.loss_agg_mode=token-sum"],
      ["loss_mode=cispo: actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.28; aggregated actor.loss_agg_mode=token-sum"]),
     ("sapo", [], ["loss_mode=sapo: actor.tau_pos=1.0 actor.tau_neg=1.05; its loss aggregated seq-mean-token-mean (fixed for sapo",
