@@ -362,7 +362,7 @@ class GRPOTrainer:
         return metrics
 
     def collect_rollouts(self, step: int, timings: dict[str, float], *, into: dict[str, float]):
-        """The step's rollouts (step.collect_rollouts; their metrics go `into`) with the weight probe riding in their
+        """The step's rollouts (rounds.collect_rollouts; their metrics go `into`) with the weight probe riding in their
         first generate call, then `WeightSync.check` (rollout/weight_probe_* `into`), also when collecting gives up (DAPO
         found no usable group), where the weights may be the cause: other weights than the pushed ones raise
         step.RunAborted (exit 3) before anything trains on the rollouts. A chat template that cannot extend an episode

@@ -85,7 +85,7 @@ def needs_old_logprobs(cfg: Config) -> bool:
 
 def greedy_baseline_needed(cfg: Config) -> bool:
     """algorithm.adv_estimator's baseline is the score of one more, greedy, response per prompt (remax): the step
-    generates it after the sampled responses (`step.attach_greedy_baselines`)."""
+    generates it after the sampled responses (`rounds.attach_greedy_baselines`)."""
     return cfg.algorithm.adv_estimator in names.GREEDY_BASELINE_ESTIMATORS
 
 

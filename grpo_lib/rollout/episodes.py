@@ -462,7 +462,7 @@ def _in_thread(fn, *args) -> Future:
 
 def episode_sums(generations: list[list[Generation]], tool_names: list[str]) -> dict[str, float]:
     """This process's sums of the episode/* and tools/* metrics over its episodes; the keys are the same on every
-    process (the tool names come from the config), so they reduce key by key. step.reduce_episode_metrics turns them
+    process (the tool names come from the config), so they reduce key by key. rounds.reduce_episode_metrics turns them
     into the logged values (docs in grpo_lib/core/metrics.py)."""
     episodes = [g.episode for group in generations for g in group if g.episode is not None]
     sums = {"episode/count": float(len(episodes)),

@@ -1,6 +1,6 @@
 """Validation metrics from scored responses: per data source reward, accuracy, mean@n and pass@n; logged samples.
 
-`step.validate` generates rollout.val_kwargs.n responses per validation prompt, then calls `val_metrics` and
+`rounds.validate` generates rollout.val_kwargs.n responses per validation prompt, then calls `val_metrics` and
 `generation_rows`. Metric names (every process gets the same values, reduced over processes):
 
 | name | meaning |
@@ -11,7 +11,7 @@
 | `val/<source>/pass@<n>` | fraction of prompts with at least one correct response among n (only n > 1) |
 | `val/<source>/overlong_penalty_mean` | with reward.overlong_buffer.enable: DAPO's overlong penalty per response (included in reward_mean) |
 | `val/reward_mean`, `val/reward_errors` | over all sources: reward per response; reward calls that failed or timed out |
-| `val/episode/*`, `val/tools/*` | multi-turn: the training step's episode/* and tools/* metrics over the validation episodes (step.validate) |
+| `val/episode/*`, `val/tools/*` | multi-turn: the training step's episode/* and tools/* metrics over the validation episodes (rounds.validate) |
 
 The overlong shaping applies to validation as verl applies it: verl builds its validation reward manager with the same
 reward kwargs as the training one, so DAPO's manager adds the penalty to every validation score (its `reward` metric),
@@ -33,7 +33,7 @@ def val_metrics(scorer, batch, *, sources: list[str], n: int, overlong_buffer=No
     or `max_response_length` (data.max_response_length), as for training rewards (step.score).
 
     `sources` must be the same list on every process (the validation set's sources), so the reductions match.
-    `rewards`: the batch's RewardOutput when it was scored already (while the engine generated, `step.validate`).
+    `rewards`: the batch's RewardOutput when it was scored already (while the engine generated, `rounds.validate`).
     Example: max_response_length 20, len 4, a correct response of 17 tokens -> reward 0.75, acc 1, penalty -0.25.
     """
     import torch

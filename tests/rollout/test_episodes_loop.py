@@ -163,7 +163,7 @@ def test_each_tool_turn_renders_and_tokenizes_a_window_of_constant_size(runner, 
 
 
 def test_the_reward_stream_gets_each_episode_as_it_ends_with_the_tool_rewards_in_its_extra_info(runner):
-    """step.stream_to (what generate_share hands the runner as on_finished): each episode is added at its batch row
+    """rounds.stream_to (what generate_share hands the runner as on_finished): each episode is added at its batch row
     (prompt p's sample k: p * n + k) while others still generate, its extra_info what build_rollout_batch gives it
     (rollout_reward_scores: the tools' calc_reward; num_turns), so finish() finds the same texts."""
     from grpo_lib.rollout.episodes import reward_extra_info

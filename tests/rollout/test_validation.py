@@ -1,7 +1,7 @@
-"""Validation (grpo_lib/rollout/validation.py, step.validate): DAPO's overlong shaping applies to validation rewards as in verl
+"""Validation (grpo_lib/rollout/validation.py, rounds.validate): DAPO's overlong shaping applies to validation rewards as in verl
 (its validation reward manager is built with the training one's reward kwargs: the penalty is in the reward, not in
 the accuracy), and a multi-turn run's validation logs the episode and tool metrics. In process: hand-built batches,
-and step.validate over the episode loop with a scripted engine (tests/scripts/episode_case.py)."""
+and rounds.validate over the episode loop with a scripted engine (tests/scripts/episode_case.py)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def tokenizer(tiny_model_dir):
 
 
 def test_validation_with_episodes_logs_episode_metrics_and_shapes_rewards(tokenizer):
-    """step.validate over 3 prompts whose episodes call the calculator once, then answer: val/episode/* and val/tools/*
+    """rounds.validate over 3 prompts whose episodes call the calculator once, then answer: val/episode/* and val/tools/*
     are the training step's metrics over these episodes, and the overlong penalty is computed on the whole episode
     (tool tokens count, as verl's DAPO manager counts the response's attention mask)."""
     from grpo_lib.rollout.data import PromptDataset
