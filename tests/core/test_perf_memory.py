@@ -4,6 +4,7 @@ that vLLM's sleep unmapped (faked here: no GPU)."""
 
 from __future__ import annotations
 
+import mmap
 import sys
 from types import SimpleNamespace
 
@@ -20,20 +21,27 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
+def touch_and_unmap(size: int) -> None:
+    """`size` bytes of a fresh anonymous mapping made resident (one write per 4 KiB page), then unmapped."""
+    block = mmap.mmap(-1, size)
+    for offset in range(0, size, 4096):
+        block[offset] = 1
+    block.close()
+
+
 @pytest.mark.skipif(not perf.reset_peak_memory(torch.device("cpu")), reason="/proc/self/clear_refs is not writable here")
 def test_cpu_phase_peaks_reset_between_phases():
-    """Phase a touches 300 MiB and frees it, phase b touches 10 MiB. 300 MiB is above glibc's mmap threshold even when
-    trainer.tune_allocator raised it to 256 MiB, so the block goes back to the OS when freed: without the reset phase b
-    would report phase a's peak."""
+    """Phase a touches 300 MiB and frees it, phase b touches 10 MiB: without the reset phase b would report phase a's
+    peak. The blocks are anonymous mappings of their own (mmap), touched page by page and unmapped: resident while
+    touched, returned to the OS when closed, whatever the allocator's state in this process (an earlier test in the same
+    worker may leave glibc's heap holding freed memory that a 300 MiB malloc would reuse without growing the RSS)."""
     memory = perf.PhaseMemory(torch.device("cpu"))
     memory.begin("a")
     start_a = rss_mb()
-    big = torch.ones(300 * MB, dtype=torch.uint8)  # touched: resident
-    del big
+    touch_and_unmap(300 * MB)
     memory.begin("b")
     start_b = rss_mb()
-    small = torch.ones(10 * MB, dtype=torch.uint8)
-    del small
+    touch_and_unmap(10 * MB)
     metrics = memory.metrics()
     assert set(metrics) == {"memory/a_peak_mb", "memory/b_peak_mb", "memory/peak_mb"}
     assert metrics["memory/a_peak_mb"] >= start_a + 300 * 0.95, metrics  # the freed block counted in its own phase
