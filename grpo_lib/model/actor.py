@@ -198,7 +198,7 @@ class Actor:
         FSDP2 root as a scored pass (`fsdp.in_root_forward`, every process at once), on the device, in the compute dtype,
         with the dtype's tolerance; so the kernels checked are the run's (on CUDA torch's varlen_attn and the
         shared-prompt call, flash-attn's). Every process stops when one finds a leak."""
-        def check(model):  # inside the root's forward: returns the problem (raising would skip FSDP2's post-forward)
+        def check(model):  # inside the root's forward: returns the problem (any other error is raised after the forward)
             try:
                 check_packing_isolated(model, dtype=self.compute_dtype)
             except RuntimeError as exc:

@@ -43,6 +43,8 @@ Run: `python -m pytest tests/model/test_attention.py`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
@@ -273,6 +275,42 @@ def register() -> None:
 
     AttentionInterface.register(VARLEN_NAME, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN_NAME, _varlen_mask)
+
+
+# transformers' mask preparation probes, once per forward given position ids and no 2-D mask, whether the positions
+# pack several sequences (`masking_utils.find_packed_sequence_indices`): an `.all()` read of the device, so a host sync
+# per micro-batch on a GPU. Its answer only shapes a dense mask. Inside `packing_known()` it answers None unread.
+_PACKING_KNOWN: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_packing_known", default=False)
+
+
+@contextlib.contextmanager
+def packing_known():
+    """Model calls inside need no packed-sequence probe from transformers: their mask function ignores its answer (the
+    varlen implementations, grpo_varlen and flash attention: no dense mask) or the answer is None anyway (right padding:
+    one arange of positions per row). The probe then answers None without reading the device (per context: another
+    thread's model calls still probe). Example: `with packing_known(): model(input_ids=..., position_ids=...)`."""
+    _install_probe_switch()
+    token = _PACKING_KNOWN.set(True)
+    try:
+        yield
+    finally:
+        _PACKING_KNOWN.reset(token)
+
+
+def _install_probe_switch() -> None:
+    """Wrap transformers' probe once (idempotent): outside `packing_known()` it runs as before."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    if getattr(original, "grpo_switch", False):
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        return None if _PACKING_KNOWN.get() else find_packed_sequence_indices.original(position_ids)
+
+    find_packed_sequence_indices.grpo_switch = True
+    find_packed_sequence_indices.original = original
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 FLASH_ATTN_EXTENSION = "flash_attn_2_cuda"  # flash-attn 2's compiled kernels (flash_attn_interface imports it)

@@ -68,8 +68,11 @@ class LogprobModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                 run_inside=None, **kwargs):
-        if run_inside is not None:  # in_root_forward
-            return run_inside(self.model)
+        if run_inside is not None:  # in_root_forward: an exception is returned, so FSDP2's post-forward still runs
+            try:
+                return run_inside(self.model)
+            except Exception as error:  # noqa: BLE001 - re-raised by in_root_forward once the root forward is done
+                return _Raised(error)
         if kwargs.get("extra_ids") is not None or kwargs.get("topk", 0) > 0:
             scores = token_scores(self.model, input_ids, attention_mask, **kwargs)
             return TokenScores(*(t.clone() if t is not None else None for t in scores))  # not views (below)
@@ -83,10 +86,21 @@ def in_root_forward(policy: LogprobModel, fn):
     """`fn(policy.model)` (the Hugging Face model) inside ONE no-grad forward of the root `policy`, through its
     `__call__`, so FSDP2 runs it as it runs a scored pass: the root's pre-forward (the all-gather streams wait for the
     current stream, the inputs move to the device), the root's parameters (embeddings, final norm, head) gathered for
-    all of `fn`, each decoder layer gathered for its own forward, everything resharded after. `fn` should return
-    rather than raise (an exception skips FSDP2's post-forward). Every process calls it (it all-gathers). Without a
-    process group it is `fn(policy.model)`. Example: `in_root_forward(policy, check_packing_isolated)` -> None."""
-    return policy(run_inside=fn)
+    all of `fn`, each decoder layer gathered for its own forward, everything resharded after. An exception of `fn` is
+    carried out of the forward and raised here, after FSDP2's post-forward ran (raised inside, it would leave the root
+    gathered and in its forward state). Every process calls it (it all-gathers). Without a process group it is
+    `fn(policy.model)`. Example: `in_root_forward(policy, check_packing_isolated)` -> None."""
+    result = policy(run_inside=fn)
+    if isinstance(result, _Raised):
+        raise result.error
+    return result
+
+
+class _Raised:
+    """An exception of `in_root_forward`'s function, returned through the root forward (FSDP2 passes it through)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -194,8 +208,8 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> No
         release_freed_host_memory()
     missing = sorted(set(model.state_dict()) - loaded)
     assert not missing, f"process 0's state dict lacks {missing[:5]} ({len(missing)} entries): those shards would stay unfilled"
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    for _, buffer in model.named_buffers(remove_duplicate=False):  # every module's own: the same count on every process
+        dist.broadcast(buffer, src=0)  # (a buffer shared by two modules on process 0 is two tensors after to_empty)
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -375,11 +389,17 @@ def move_params(model: nn.Module, device: torch.device) -> None:
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move AdamW's per-parameter state tensors (exp_avg, exp_avg_sq; step stays where torch keeps it)."""
+    """Move AdamW's per-parameter state tensors (exp_avg, exp_avg_sq; step stays where torch keeps it). Copies to the
+    host are non-blocking, so the stream is synchronised before they are handed back: a host tensor filled by a
+    non-blocking device-to-host copy is valid only after it."""
+    moved_to_host = False
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
+                moved_to_host |= value.device.type == "cuda" and device.type == "cpu"
                 state[key] = value.to(device, non_blocking=True)
+    if moved_to_host:
+        torch.cuda.current_stream().synchronize()
 
 
 def params_device(model: nn.Module) -> torch.device:

@@ -31,13 +31,14 @@ position 0 of every sequence and pad positions are 0. Entropy uses the same alig
 Run: `python -m pytest tests/model/test_logprobs.py`.
 """
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from grpo_lib.model.attention import is_varlen, shares_prefixes
+from grpo_lib.model.attention import is_varlen, packing_known, shares_prefixes
 from grpo_lib.model.packing import packed_forward_kwargs, shared_prefix_forward_kwargs
 from grpo_lib.model.score_plan import (PACK_BELOW_REAL_FRACTION, PACKED_ROW_TOKENS, RowFacts, ScorePlan,  # noqa: F401 (re-exported)
                                  choose_layout, layout_kwargs, num_packed_rows, packing_pays, plan_scores, prefix_lengths,
@@ -273,20 +274,24 @@ def token_scores(
     assert (plan.layout, plan.shape, plan.varlen) == (layout, (batch_size, seq_len), varlen), (
         f"plan {plan.layout} {plan.shape} varlen={plan.varlen} for a {layout} call on {tuple(input_ids.shape)}, varlen={varlen}")
     assert len(plan.targets) == (2 if score_mask is not None and score_unmasked else 1), "plan and score_unmasked disagree"
-    if plan.layout == "shared_prefix":
-        hidden = _decoder_hidden_states(model, **shared_prefix_forward_kwargs(plan.pack.with_tokens(input_ids)))  # [1, N, hidden]
-    elif plan.layout == "packed":
-        hidden = _decoder_hidden_states(model, **packed_forward_kwargs(plan.pack.with_tokens(input_ids), varlen=varlen))  # [k, width, hidden]
-    elif plan.right_padded:
-        # Right padding: a real token's causal past holds only real tokens, so plain causal attention (no mask, no
-        # [b, T, T] mask built) gives its exact values; the pads' outputs are never read.
-        position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)  # [b, T]
-        hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                                        use_cache=False)  # [b, T, hidden]
-    else:
-        position_ids = (attention_mask.to(torch.long).cumsum(dim=1) - 1).clamp(min=0)  # [b, T], left padding too
-        hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids,
-                                        attention_mask=attention_mask, use_cache=False)  # [b, T, hidden]
+    # transformers' packed-sequence probe reads the device once per forward; its answer is not needed where the
+    # attention is varlen (no dense mask) or the rows are right-padded (one arange of positions each): attention.packing_known
+    right_padded = plan.layout == "padded" and plan.right_padded
+    with packing_known() if varlen or right_padded else contextlib.nullcontext():
+        if plan.layout == "shared_prefix":
+            hidden = _decoder_hidden_states(model, **shared_prefix_forward_kwargs(plan.pack.with_tokens(input_ids)))  # [1, N, hidden]
+        elif plan.layout == "packed":
+            hidden = _decoder_hidden_states(model, **packed_forward_kwargs(plan.pack.with_tokens(input_ids), varlen=varlen))  # [k, width, hidden]
+        elif right_padded:
+            # Right padding: a real token's causal past holds only real tokens, so plain causal attention (no mask, no
+            # [b, T, T] mask built) gives its exact values; the pads' outputs are never read.
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)  # [b, T]
+            hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                            use_cache=False)  # [b, T, hidden]
+        else:
+            position_ids = (attention_mask.to(torch.long).cumsum(dim=1) - 1).clamp(min=0)  # [b, T], left padding too
+            hidden = _decoder_hidden_states(model, input_ids=input_ids, position_ids=position_ids,
+                                            attention_mask=attention_mask, use_cache=False)  # [b, T, hidden]
     # Each scored token's predicting hidden state by its index in the flattened rows (`plan.sources`): index_select's
     # backward is an index_add, several times faster on CPU than the index_put of a mask or gather index's backward.
     # (On CUDA that index_add adds a shared prompt's repeated last state with atomics: its gradient is reproducible to

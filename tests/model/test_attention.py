@@ -65,6 +65,30 @@ def test_packed_equals_padded_with_gradients_on_each_implementation(implementati
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
 
 
+@pytest.mark.parametrize("implementation", [i for i in ("sdpa", attention.VARLEN_NAME) if i in IMPLEMENTATIONS])
+def test_the_packed_sequence_probe_runs_only_where_a_dense_mask_needs_it(monkeypatch, implementation):
+    """Issue 41 defect 7: transformers probes position ids for packed sequences once per forward (an `.all()` read of
+    the device: a host sync per micro-batch on a GPU). Its answer shapes a dense mask only: a varlen attention
+    (grpo_varlen) and right-padded rows (one arange per row: the answer is None) skip it; sdpa's packed rows need it (the
+    block-diagonal mask; test_packed_equals_padded_with_gradients_on_each_implementation holds its values)."""
+    from transformers import masking_utils
+
+    model = model_with(implementation)
+    ids, mask = make_batch([3, 40, 17, 9])
+    with attention.packing_known():  # installs the switch (idempotent)
+        pass
+    switch = masking_utils.find_packed_sequence_indices
+    calls = []
+    monkeypatch.setattr(switch, "original", lambda position_ids, real=switch.original: calls.append(1) or real(position_ids))
+    with torch.no_grad():
+        token_logprobs(model, ids, mask)  # right-padded rows, no mask
+        padded_calls = len(calls)
+        token_logprobs(model, ids, mask, remove_padding=True)  # packed rows
+    assert padded_calls == 0, "right-padded rows need no probe"
+    assert len(calls) == (0 if implementation == attention.VARLEN_NAME else 1), (implementation, len(calls))
+    assert not attention._PACKING_KNOWN.get(), "the switch is off outside the logprob function"
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_start_up_isolation_check_passes_on_each_implementation(implementation):
     check_packing_isolated(model_with(implementation))

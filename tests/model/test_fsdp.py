@@ -220,6 +220,32 @@ def test_packing_check_runs_inside_one_forward_of_the_fsdp_root(tiny_model_dir):
     assert after is None, "FSDP2's root post-forward must run after the check (it resets the forward root)"
 
 
+def test_an_error_inside_the_root_forward_is_raised_after_fsdp2s_post_forward(tiny_model_dir):
+    """`fsdp.in_root_forward`: a function that raises inside the root forward has its exception carried out and raised
+    after FSDP2's post-forward ran (raised inside, the root would stay gathered and in its forward state, and the next
+    forward would skip the root pre-forward); the policy scores as before afterwards."""
+    from grpo_lib.model import fsdp
+
+    cfg = make_cfg(tiny_model_dir)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with one_process_group():
+        actor = Actor(cfg, device=torch.device("cpu"))
+        root = actor.policy._get_fsdp_state()  # torch 2.11-2.13: FSDPModule's state; _state_ctx.iter_forward_root
+        with torch.no_grad():
+            before, _ = actor.policy(ids, torch.ones_like(ids), temperature=1.0)
+
+        def broken(model):
+            model(input_ids=ids)  # the decoder ran (its layers gathered) before the error
+            raise ValueError("inside the root forward")
+
+        with pytest.raises(ValueError, match="inside the root forward"):
+            fsdp.in_root_forward(actor.policy, broken)
+        assert root._state_ctx.iter_forward_root is None, "FSDP2's root post-forward must have run"
+        with torch.no_grad():
+            after, _ = actor.policy(ids, torch.ones_like(ids), temperature=1.0)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
 class _FakeLLM:
     """Stands in for vllm.LLM: consumes the weights iterator like reload_weights and records what was alive."""
 

@@ -9,9 +9,9 @@ queue micro-batch i + 1 while the device computes micro-batch i, and CPU and GPU
   backward (the metrics and the gradient norm in one `.tolist()`), ONE per logprob pass (its rows to the host).
 - On the CPU the host's own reads (`.item()` / `.tolist()` of host tensors: row lengths, counts) are counted over an
   update: the same number for 2 and for 8 micro-batches per mini-batch (they are read once per mini-batch).
-transformers' mask preparation checks once per forward whether position ids pack several sequences
-(`find_packed_sequence_indices`, an `.all()` on the device); the tests answer it with None, its result for these
-calls under grpo_varlen (whose mask function returns None either way): that read is transformers', not ours.
+transformers' mask preparation would check once per forward whether position ids pack several sequences
+(`find_packed_sequence_indices`, an `.all()` on the device); the logprob function answers it unread where its answer
+is not needed (`attention.packing_known`: varlen attention, right padding), so no stub stands in for it here.
 Run: .venv/bin/python -m pytest tests/model/test_host_syncs.py
 """
 
@@ -36,14 +36,6 @@ from tests.model.test_distillation_invariance import DISTILL_CASES, distill_extr
 def model_dir(tmp_path_factory):
     torch.set_num_threads(1)  # the machine is shared; the model is tiny
     return case.write_tiny_model(tmp_path_factory.mktemp("syncs") / "model")
-
-
-@pytest.fixture
-def no_packing_probe(monkeypatch):
-    """transformers' per-forward packed-sequence probe answered without reading the device (module docstring)."""
-    import transformers.masking_utils as masking_utils
-
-    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 class DeviceReads:
@@ -105,7 +97,7 @@ def loss_overrides(name: str, model_dir) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_update_reads_the_device_once_per_mini_batch(model_dir, no_packing_probe, monkeypatch, layout, loss):
+def test_update_reads_the_device_once_per_mini_batch(model_dir, monkeypatch, layout, loss):
     """Two mini-batches (2 prompts x 2 rows each) of 2 micro-batches (a prompt's 2 rows: packed, sharing their prompt
     in the shared layout): 4 forwards and backwards on the meta device and two reads, each right after its
     mini-batch's last backward, each of every device metric and the gradient norm at once."""
@@ -126,7 +118,7 @@ def test_update_reads_the_device_once_per_mini_batch(model_dir, no_packing_probe
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_logprob_pass_copies_its_rows_to_the_host_once(model_dir, no_packing_probe, monkeypatch, layout):
+def test_logprob_pass_copies_its_rows_to_the_host_once(model_dir, monkeypatch, layout):
     """The old-logprob pass over 4 micro-batches of a prompt's 2 rows: one copy to the host for the whole
     mini-batch, no read in between; the rows come back in their order ([8, T])."""
     settings = LAYOUTS[layout]
@@ -162,7 +154,7 @@ class HostReads:
             yield self
 
 
-def test_host_reads_do_not_grow_with_the_micro_batch_count(model_dir, no_packing_probe, monkeypatch):
+def test_host_reads_do_not_grow_with_the_micro_batch_count(model_dir, monkeypatch):
     """An update of the padded layout (no attention kernel reading host boundaries per layer) and an old-logprob pass
     on the CPU: the same number of reads for 2 and for 8 micro-batches per mini-batch, the metrics read once."""
     counts = {}
@@ -181,7 +173,7 @@ def test_host_reads_do_not_grow_with_the_micro_batch_count(model_dir, no_packing
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: its sync debug mode watches the real device")
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_cuda_micro_batch_loop_makes_no_synchronizing_call(model_dir, no_packing_probe, remove_padding):
+def test_cuda_micro_batch_loop_makes_no_synchronizing_call(model_dir, remove_padding):
     """On a GPU: the update's micro-batch loop (forwards, losses, backwards, metric sums; the one read after it excluded)
     under `torch.cuda.set_sync_debug_mode("error")`, which raises at any call that makes the host wait for the device
     (a blocking copy, `.item()`, a boolean-mask index, a stream synchronisation). A first pass warms the caches up."""
@@ -201,24 +193,29 @@ def test_cuda_micro_batch_loop_makes_no_synchronizing_call(model_dir, no_packing
     assert metrics["actor/pg_loss"] != 0 and sums.perf["micro_batches"] == 4
 
 
-def test_to_device_pins_and_does_not_wait():
-    """A host tensor bound for a GPU goes through pinned memory with non_blocking=True (a plain `.to` synchronises the
-    stream); elsewhere `.to` as usual."""
-    calls = []
+def test_to_device_sends_a_contiguous_pinned_copy_without_waiting(monkeypatch):
+    """A host tensor bound for a GPU goes through a contiguous pinned buffer with non_blocking=True (a plain `.to`
+    synchronises the stream; so does a strided one, through a pageable temporary); elsewhere `.to` as usual. The view
+    sent is a column-trimmed one, as `RolloutBatch.select(width=)` makes them."""
+    from grpo_lib.core import devices
 
-    class HostTensor:
-        device = torch.device("cpu")
+    sent = []
 
-        def pin_memory(self):
-            calls.append("pin")
-            return self
-
+    class Pinned(torch.Tensor):
         def to(self, device, non_blocking=False):
-            calls.append((str(device), non_blocking))
+            sent.append((str(device), non_blocking, self.is_contiguous(), torch.Tensor(self).clone()))
             return "sent"
 
-    assert to_device(HostTensor(), torch.device("cuda", 0)) == "sent"
-    assert calls == ["pin", ("cuda:0", True)]
+    def pinned_like(tensor):  # CPU torch cannot pin: a plain contiguous buffer standing in for the pinned one
+        return torch.Tensor._make_subclass(Pinned, torch.zeros(tensor.shape, dtype=tensor.dtype))
+
+    monkeypatch.setattr(devices, "_pinned_like", pinned_like)
+    view = torch.arange(12.0).reshape(3, 4)[:, :2]  # [3, 2], strides (4, 1): not contiguous
+    assert not view.is_contiguous()
+    assert to_device(view, torch.device("cuda", 0)) == "sent"
+    ((device, non_blocking, contiguous, values),) = sent
+    assert (device, non_blocking, contiguous) == ("cuda:0", True, True)
+    torch.testing.assert_close(values, view, rtol=0, atol=0)
     host = torch.ones(2)
     assert to_device(host, torch.device("cpu")) is host
 
