@@ -30,3 +30,23 @@ def test_a_keyword_the_installed_torch_does_not_take_is_found(tmp_path, monkeypa
     assert check.bind_problem("torch.nn.functional.pad", 2, ("value",)) is None
     assert check.bind_problem("torch.nn.attention.varlen.varlen_attn", 4, ("scale",), True) is None  # *qkv: partial
     assert check.bind_problem("torch.nn.attention.varlen.varlen_attn", 4, ("scale",)) is not None  # too few without it
+
+
+def test_a_name_the_code_guards_at_run_time_is_reported_not_failed(monkeypatch, capsys):
+    """On the lent GPU's torch 2.11 `varlen_attn` may not take `enable_gqa`: grpo_varlen checks that itself and falls
+    back to sdpa per sequence, so the check says GUARDED and passes; an unguarded name that does not bind still fails."""
+    real = check.bind_problem
+
+    def older_torch(name, *args):
+        if name in ("torch.nn.attention.varlen.varlen_attn", "torch.nn.functional.pad"):
+            return "got an unexpected keyword argument (an older torch)"
+        return real(name, *args)
+
+    monkeypatch.setattr(check, "bind_problem", older_torch)
+    assert check.main([]) == 1  # F.pad is not guarded
+    out = capsys.readouterr().out
+    assert "GUARDED torch.nn.attention.varlen.varlen_attn" in out and "SIGNATURE torch.nn.functional.pad" in out
+    assert "SIGNATURE torch.nn.attention.varlen.varlen_attn" not in out
+    monkeypatch.setattr(check, "bind_problem", lambda name, *args: older_torch(name, *args) if "varlen" in name
+                        else real(name, *args))
+    assert check.main([]) == 0, capsys.readouterr().out
