@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one command for a lent GPU machine, run first thing; every stage under its own timeout, the whole
-# within BUDGET_S (570 s: under 10 minutes on one H200 with the start-up).
+# within BUDGET_S (570 s). BUDGET_S plus the last stage's kill grace (10 s) and the final table bound the command itself
+# (the lent machine allows 10 minutes a command); the machine's start-up is not in it (charged to the device budget).
 #
 #   scripts/gpu_wheels.sh           # beforehand, on a machine with network: the missing pure-Python wheels into .whl/
 #   scripts/gpu_check.sh            # on the GPU machine, from the checkout root (N = every visible GPU)
@@ -17,9 +18,11 @@
 # Verdict: one row per check (scripts/gpu_report.py): OK, FAIL (wrong, crashed or timed out), SKIP (could not run
 # here, with the reason: it proves nothing) or INFO (numbers shown, not judged). Each stage's rows are printed as it
 # ends and the table is rewritten under $OUT (when set: the lent machine's output folder) or the work dir, as
-# gpu_check_verdict.md / .tsv with each stage's log in gpu_check_logs/ (the path is printed first). The last line
-# counts them: `gpu_check: OK (...)`, `gpu_check: no failure, but K SKIPPED ...: names` or `gpu_check: FAILED: names
-# (...)`. Exit code: 1 when a row FAILED; SKIPs alone exit 0 (read their reasons: a SKIP checked nothing).
+# gpu_check_verdict.md / .tsv with each stage's log and each run's log in gpu_check_logs/ (written there as they run;
+# the path is printed first). The last line counts them: `gpu_check: OK (...)`, `gpu_check: no failure, but K SKIPPED
+# ...: names` or `gpu_check: FAILED: names (...)`; while a stage runs (or if the check was killed mid-way) it reads
+# `gpu_check: INCOMPLETE: NAME running, not started: ...`. Exit code: 1 when a row FAILED; SKIPs alone exit 0 (read
+# their reasons: a SKIP checked nothing).
 #
 # Stages (default timeout in seconds; lib: scripts/gpu_check_lib.sh):
 #   env (120)      python / torch / CUDA / GPU (an old driver is named as such: CUDA 13 builds need R580+), packages, the
@@ -68,21 +71,27 @@ sys.exit(0 if score == 1.0 else f'math reward scored {score} for 1/2 == 0.5')" >
     else
       row "env: math reward" FAIL "$(tail -1 "$WORK/math.log")"
     fi
-  fi
-  if $PY scripts/torch_api_check.py > "$WORK/torch_api.log" 2>&1; then
-    row "env: torch APIs" OK "$(tail -1 "$WORK/torch_api.log" | sed 's/^torch_api_check: //')"
   else
-    row "env: torch APIs" FAIL "$(grep -E "MISSING|SIGNATURE" "$WORK/torch_api.log" | head -5 | tr '\n' ';')"
+    row "env: math reward" SKIP "math_verify not importable ($($PY -c "import math_verify" 2>&1 | tail -1 | cut -c1-150)): no MATH answer scored (scripts/gpu_wheels.sh brings it in .whl/)"
+  fi
+  if $PY scripts/torch_api_check.py > "$LOGS/torch_api.log" 2>&1; then
+    row "env: torch APIs" OK "$(tail -1 "$LOGS/torch_api.log" | sed 's/^torch_api_check: //')"
+  else
+    row "env: torch APIs" FAIL "$(grep -E "MISSING|SIGNATURE" "$LOGS/torch_api.log" | head -5 | tr '\n' ';') ($LOGS/torch_api.log)"
   fi
 }
 
-stage_prep() {
+stage_prep() {  # the plain `prep` row gates the stages after it; without the warmed model only `packed` SKIPs
+  local warm=""
   prepare_inputs || return 1
   if has packed && [ -z "${WARM_MODEL:-}" ]; then  # responses that end at spread lengths (random weights never stop)
-    $PY data_prep/tiny_model.py --out "$WORK/model_warm" --warmup-steps 300 >> "$WORK/prep.log" 2>&1 \
-      || { row "prep: warmed model" FAIL "$(tail -2 "$WORK/prep.log" | tr '\n' ' ')"; return 1; }
+    if $PY data_prep/tiny_model.py --out "$WORK/model_warm" --warmup-steps 300 >> "$WORK/prep.log" 2>&1; then
+      warm=", warmed model"
+    else
+      row "prep: warmed model" FAIL "$(tail -2 "$WORK/prep.log" | tr '\n' ' ')"
+    fi
   fi
-  row "prep" OK "tiny model, data$(has packed && [ -z "${WARM_MODEL:-}" ] && echo ", warmed model") in $WORK"
+  row "prep" OK "tiny model, data$warm in $WORK"
 }
 
 stage_attention() {
@@ -94,20 +103,20 @@ stage_tiny() {
 }
 
 stage_collectives() {
-  local out="$WORK/collectives"
+  local out="$WORK/collectives" log="$LOGS/collectives.train.log"
   mkdir -p "$out"
+  ln -sfn "$log" "$out/train.log"
   $PY -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_collective_check.py recipes/tiny_cpu.yaml \
     model.path="$WORK/model" data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
     trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false trainer.total_training_steps=2 \
     trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=8 actor.ppo_mini_batch_size=8 \
-    rollout.n=4 rollout.name=hf ref.fsdp_config.param_offload=true > "$out/train.log" 2>&1
+    rollout.n=4 rollout.name=hf ref.fsdp_config.param_offload=true > "$log" 2>&1
   local status=$?
-  tail -n 300 "$out/train.log" > "$LOGS/collectives.train.log"
-  grep "gpu_collective_check:" "$out/train.log"
+  grep "gpu_collective_check:" "$log"
   local summary
-  summary=$(grep -m1 "gpu_collective_check: rank 0:" "$out/train.log" | sed 's/^gpu_collective_check: rank 0: //')
+  summary=$(grep -m1 "gpu_collective_check: rank 0:" "$log" | sed 's/^gpu_collective_check: rank 0: //')
   if [ "$status" -ne 0 ]; then
-    row collectives FAIL "2 processes exited $status: $(grep -E "FAILED|Error" "$out/train.log" | tail -2 | tr '\n' ' ' | cut -c1-400) ($LOGS/collectives.train.log)"
+    row collectives FAIL "2 processes exited $status ($log): $(grep -E "FAILED|Error" "$log" | tail -2 | tr '\n' ' ' | cut -c1-400)"
     return 1
   fi
   $PY scripts/gpu_report.py run "$out/run/metrics.jsonl" --name "collectives: run" --steps 1,2 --tol "$TOL" --verdict "$VERDICT" \
@@ -132,52 +141,54 @@ stage_resume() {  # DCP save at steps 1 and 2, then the same command to step 3: 
   mkdir -p "$WORK/resume_load" && cp -r "$WORK/resume_save/run" "$WORK/resume_load/run"
   train resume_load recipes/tiny_cpu.yaml 1,2,3 trainer.total_training_steps=3 trainer.save_freq=1 || return 0
   grep -q "resumed from .*global_step_2" "$WORK/resume_load/train.log" \
-    || row "resume_load: resumed" FAIL "no 'resumed from .../global_step_2' line in $WORK/resume_load/train.log"
+    || row "resume_load: resumed" FAIL "no 'resumed from .../global_step_2' line in $LOGS/resume_load.train.log"
 }
 
 stage_gputest() {
   $PY -c "import pytest" 2>/dev/null \
     || { row gputest SKIP "pytest not importable (scripts/gpu_wheels.sh brings it)"; return 0; }
-  $PY -m pytest -q -p no:cacheprovider tests/model/test_fsdp.py -k on_gpu > "$WORK/gputest.log" 2>&1
+  $PY -m pytest -q -p no:cacheprovider tests/model/test_fsdp.py -k on_gpu > "$LOGS/gputest.pytest.log" 2>&1
   local status=$? summary
-  summary=$(tail -1 "$WORK/gputest.log")
-  if [ "$status" -ne 0 ]; then row gputest FAIL "$summary ($WORK/gputest.log)"
+  summary=$(tail -1 "$LOGS/gputest.pytest.log")
+  if [ "$status" -ne 0 ]; then row gputest FAIL "$summary ($LOGS/gputest.pytest.log)"
   elif [[ "$summary" == *skipped* ]]; then row gputest SKIP "$summary (no CUDA)"; else row gputest OK "$summary"; fi
 }
 
-big_plan_args() {  # the 1-process plan of the big run's config (its overrides from scripts/gpu_big_run.py)
-  local gib
+big_plan_args() {  # STAGE: the 1-process plan of the big run's config (its overrides from scripts/gpu_big_run.py; when
+  local gib overrides  # that command fails, a FAIL row for STAGE and status 1: never a plan of the bare recipe)
   gib=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80)")
-  mapfile -t BIG_OVERRIDES < <($PY scripts/gpu_big_run.py --print-overrides --config "$BIG_CONFIG" --tokenizer "$WORK/model" \
-    --data "$WORK/data" --out "$WORK/big" --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" "${BIG_EXTRA[@]}")
+  overrides=$($PY scripts/gpu_big_run.py --print-overrides --config "$BIG_CONFIG" --tokenizer "$WORK/model" \
+    --data "$WORK/data" --out "$WORK/big" --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" \
+    "${BIG_EXTRA[@]}" 2> "$WORK/$1.overrides.log") \
+    || { row "$1" FAIL "scripts/gpu_big_run.py --print-overrides failed: $(error_lines "$WORK/$1.overrides.log")"; return 1; }
+  BIG_OVERRIDES=()
+  [ -n "$overrides" ] && mapfile -t BIG_OVERRIDES <<< "$overrides"
   PLAN_ARGS=(recipes/qwen3_4b_gsm8k.yaml "${BIG_OVERRIDES[@]}" --num-processes 1 --gpu-memory-gb "$gib"
              --model-config "${BIG_ARCH:-$BIG_CONFIG}")
 }
 
 stage_measure() {
   mkdir -p "$WORK/big"
-  big_plan_args
-  $PY -m grpo_lib.planning.measure "${PLAN_ARGS[@]}" > "$WORK/measure.txt" 2>&1
+  big_plan_args measure || return 1
+  $PY -m grpo_lib.planning.measure "${PLAN_ARGS[@]}" > "$LOGS/measure.txt" 2>&1
   local status=$?
-  cat "$WORK/measure.txt" | grep -A12 "measured training phase" || tail -5 "$WORK/measure.txt"
-  $PY scripts/gpu_report.py measure "$WORK/measure.txt" --exit-code "$status" --verdict "$VERDICT"
+  grep -A12 "measured training phase" "$LOGS/measure.txt" || tail -5 "$LOGS/measure.txt"
+  $PY scripts/gpu_report.py measure "$LOGS/measure.txt" --exit-code "$status" --verdict "$VERDICT"
 }
 
 stage_big() {
-  local big="$WORK/big" shrink=()
+  local big="$WORK/big" shrink=() log="$LOGS/big.run.log"
   [ "${BIG_SHRINK:-$((1 - ON_GPU))}" = 1 ] && shrink=(--shrink)
   echo "== big: $BIG_CONFIG ${shrink[*]}, ${BIG_STEPS:-2} steps, responses <= ${BIG_RESPONSE_TOKENS:-256} tokens ${BIG_EXTRA[*]}"
   if ! $PY scripts/gpu_big_run.py --config "$BIG_CONFIG" --tokenizer "$WORK/model" --data "$WORK/data" --out "$big" \
-       --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" "${shrink[@]}" "${BIG_EXTRA[@]}" > "$big.log" 2>&1; then
-    tail -n 300 "$big.log" > "$LOGS/big.run.log"
-    row big FAIL "scripts/gpu_big_run.py failed: $(grep -E "Error|error" "$big.log" | tail -2 | tr '\n' ' ' | cut -c1-300) ($LOGS/big.run.log)"
+       --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" "${shrink[@]}" "${BIG_EXTRA[@]}" > "$log" 2>&1; then
+    row big FAIL "scripts/gpu_big_run.py failed ($log): $(error_lines "$log")"
     return 1
   fi
-  tail -n 300 "$big.log" > "$LOGS/big.run.log"
-  BIG_ARCH="$big/model/architecture.json" big_plan_args  # the model as built (shrunk on CPU)
+  BIG_ARCH="$big/model/architecture.json" big_plan_args big || return 1  # the model as built (shrunk on CPU)
   $PY train_grpo.py "${PLAN_ARGS[@]}" --print-plan > "$big/plan.txt" 2>&1
   local measure=()
-  [ -s "$WORK/measure.txt" ] && [ "${BIG_SHRINK:-$((1 - ON_GPU))}" != 1 ] && measure=(--measure "$WORK/measure.txt")
+  [ -s "$LOGS/measure.txt" ] && [ "${BIG_SHRINK:-$((1 - ON_GPU))}" != 1 ] && measure=(--measure "$LOGS/measure.txt")
   $PY scripts/gpu_report.py big "$big" --plan "$big/plan.txt" "${measure[@]}" --verdict "$VERDICT"
 }
 
@@ -235,15 +246,21 @@ fi
 IDS=$(seq -s, 0 $((N - 1)))  # physical GPUs the runs use (nvidia-smi ignores CUDA_VISIBLE_DEVICES)
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && IDS=$(echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f1-"$N")
 export N ON_GPU ENGINE_ARGS IDS
+NEED_PREP=""  # the stages that read prep's model and data
+for stage in tiny collectives packed lora resume measure big; do has "$stage" && NEED_PREP+=" $stage"; done
+# the stages still to run, in the order below (run_stage takes each off; until none is left the table says INCOMPLETE)
+PLANNED=$(for s in env prep attention tiny collectives packed lora resume gputest measure big; do
+  if has "$s" || { [ "$s" = prep ] && [ -n "$NEED_PREP" ]; }; then echo "$s"; fi; done | tr '\n' ' ')
+unplan  # the names one space apart
 write_table
 
 has env && run_stage env 120
-NEED_PREP=""  # the stages that read prep's model and data
-for stage in tiny collectives packed lora resume measure big; do has "$stage" && NEED_PREP+=" $stage"; done
 if [ -n "$NEED_PREP" ]; then
   run_stage prep 150
-  if awk -F'\t' '$1 ~ /^prep/ && $2 != "OK" { bad = 1 } END { exit !bad }' "$VERDICT"; then
+  # the plain `prep` row (a failed `prep: warmed model` leaves `packed` alone without its model: it SKIPs by itself)
+  if awk -F'\t' '$1 == "prep" && $2 == "OK" { ok = 1 } END { exit ok }' "$VERDICT"; then
     for stage in $NEED_PREP; do row "$stage" SKIP "not run: prep did not end OK (its row above)"; done
+    unplan $NEED_PREP
     write_table
     STAGES=$(for s in $STAGES; do [[ "$NEED_PREP " == *" $s "* ]] || echo "$s"; done | tr '\n' ' ')
   fi

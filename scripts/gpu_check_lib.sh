@@ -3,10 +3,13 @@
 # stage_NAME functions; `run_stage NAME LIMIT_S` runs one.
 #
 # How a stage runs: `timeout LIMIT bash SCRIPT --stage NAME` (its own process group, SIGKILLed 10 s after the TERM),
-# within what is left of the check's BUDGET_S; its output goes to the terminal and to LOGS/NAME.log; the rows it adds are
-# printed as soon as it ends, and the verdict table is rewritten after every stage, so a check killed from outside
-# still leaves the table of the stages that ended. A stage that times out, or exits non-zero without a row, gets a FAIL
-# row; one that cannot start because the budget is spent gets a SKIP row.
+# within what is left of the check's BUDGET_S; its output goes to the terminal and to LOGS/NAME.log, and the runs it
+# starts write their logs straight into LOGS (NAME.train.log ...), so a stage stopped at its timeout still leaves them;
+# the rows it adds are printed as soon as it ends. The verdict table is rewritten before every stage (its last line
+# `LABEL: INCOMPLETE: NAME running, not started: ...`, from PLANNED: the stages still to run, set by the sourcing
+# script) and after it, so a check killed from outside leaves the rows of the stages that ended and a last line that
+# says it did not end. A stage that times out, or exits non-zero without a row, gets a FAIL row naming the newest log
+# it wrote with its last lines; one that cannot start because the budget is spent gets a SKIP row.
 #
 # Where the verdict goes: REPORT = $OUT when set (the lent machine's output folder, which comes back), else the work
 # dir; printed at the start. REPORT/gpu_check_verdict.tsv (rows), REPORT/gpu_check_verdict.md (the table),
@@ -27,25 +30,47 @@ report_init() {  # NAME: the file prefix (gpu_check, gpu_vllm_check)
   export REPORT VERDICT TABLE LOGS LABEL
 }
 
-write_table() { $PY scripts/gpu_report.py table "$VERDICT" --out "$TABLE" --label "$LABEL" --quiet || true; }
+# write_table [RUNNING]: the table so far; while stages run (RUNNING) or PLANNED names some not started, its last line
+# says INCOMPLETE (scripts/gpu_report.py table --pending)
+write_table() {
+  local pending=${1:+$1 running} args=()
+  [ -n "${PLANNED:-}" ] && pending+="${pending:+, }not started: $PLANNED"
+  [ -n "$pending" ] && args=(--pending "$pending")
+  $PY scripts/gpu_report.py table "$VERDICT" --out "$TABLE" --label "$LABEL" --quiet "${args[@]}" || true
+}
+unplan() { local s keep=(); for s in ${PLANNED:-}; do [[ " $* " == *" $s "* ]] || keep+=("$s"); done; PLANNED="${keep[*]}"; }
+# last_lines FILE [N]: a log's last N (3) lines on one line, for a row
+last_lines() { tail -n "${2:-3}" "$1" 2>/dev/null | cut -c1-200 | paste -sd ' ' -; }
+# error_lines FILE: its last 2 lines naming an error, else its last 2 lines, on one line
+error_lines() { { grep -E "Error|error" "$1" | tail -2 | grep . || tail -2 "$1"; } 2>/dev/null | cut -c1-200 | paste -sd ' ' -; }
 
 # run_stage NAME LIMIT_S: the stage's own timeout (TIMEOUT_NAME overrides LIMIT_S), cut to the budget left
 run_stage() {
-  local name=$1 var="TIMEOUT_$1" limit left before status
+  local name=$1 var="TIMEOUT_$1" limit left before status start log
   limit=${!var:-$2}
   left=$((DEADLINE - SECONDS))
   before=$(wc -l < "$VERDICT")
+  unplan "$name"
   if [ "$left" -lt "${MIN_STAGE_S:-20}" ]; then
     row "$name" SKIP "not started: $left s left of the check's BUDGET_S=${BUDGET_S:-570} s"
   else
     [ "$limit" -gt "$left" ] && limit=$left
+    write_table "$name"
     echo "== stage $name (timeout $limit s)"
+    touch "$WORK/.stage_start"
+    start=$SECONDS
     timeout -k 10 "$limit" bash "$SELF" --stage "$name" 2>&1 | tee "$LOGS/$name.log"
     status=${PIPESTATUS[0]}
-    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
-      row "$name" FAIL "TIMEOUT: no end within $limit s (TIMEOUT_$name=S sets it; the last lines: $(tail -3 "$LOGS/$name.log" | cut -c1-200 | tr '\n' ' '))"
+    # the newest log the stage wrote into LOGS (a run's), else its own output
+    log=$(find "$LOGS" -maxdepth 1 -type f -newer "$WORK/.stage_start" ! -name "$name.log" -printf '%T@ %p\n' 2>/dev/null \
+          | sort -n | tail -1 | cut -d' ' -f2-)
+    log=${log:-$LOGS/$name.log}
+    if [ "$status" -eq 124 ] || { [ "$status" -eq 137 ] && [ $((SECONDS - start)) -ge "$limit" ]; }; then
+      row "$name" FAIL "TIMEOUT: no end within $limit s (TIMEOUT_$name=S sets it); the last lines of $log: $(last_lines "$log")"
+    elif [ "$status" -eq 137 ]; then
+      row "$name" FAIL "killed (137: out of memory?) after $((SECONDS - start)) s of its $limit s; the last lines of $log: $(last_lines "$log")"
     elif [ "$status" -ne 0 ] && [ "$(wc -l < "$VERDICT")" -eq "$before" ]; then
-      row "$name" FAIL "the stage exited $status without a verdict row ($LOGS/$name.log)"
+      row "$name" FAIL "the stage exited $status without a verdict row; the last lines of $log: $(last_lines "$log")"
     fi
   fi
   tail -n +$((before + 1)) "$VERDICT" | while IFS=$'\t' read -r n s d; do
@@ -60,14 +85,15 @@ finish() {
   exit $?
 }
 
-# train NAME RECIPE STEPS_EXPECTED [key=value ...]: a run under accelerate launch into $WORK/NAME/run, then its report
-# row. Reads N, IDS, ON_GPU, TOL, ENGINE_ARGS (words), MODEL, ACCELERATE_CONFIG, WORK (with model/, data/,
-# accelerate.yaml).
+# train NAME RECIPE STEPS_EXPECTED [key=value ...]: a run under accelerate launch into $WORK/NAME/run, its log written
+# to LOGS/NAME.train.log ($WORK/NAME/train.log links to it), then its report row. Reads N, IDS, ON_GPU, TOL, ENGINE_ARGS
+# (words), MODEL, ACCELERATE_CONFIG, WORK (with model/, data/, accelerate.yaml).
 train() {
-  local name=$1 recipe=$2 steps=$3 out="$WORK/$1" status smi="" engine=()
+  local name=$1 recipe=$2 steps=$3 out="$WORK/$1" status smi="" engine=() log="$LOGS/$1.train.log"
   shift 3
   read -r -a engine <<< "${ENGINE_ARGS:-}"
   mkdir -p "$out"
+  ln -sfn "$log" "$out/train.log"
   echo "== $name: $recipe $*"
   if [ "$ON_GPU" = 1 ] && command -v nvidia-smi >/dev/null; then
     nvidia-smi --id="$IDS" --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi.csv" 2>/dev/null &
@@ -78,16 +104,15 @@ train() {
     trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false \
     trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=$((4 * N)) \
     actor.ppo_mini_batch_size=$((4 * N)) rollout.n=4 rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=null \
-    "${engine[@]}" "$@" > "$out/train.log" 2>&1
+    "${engine[@]}" "$@" > "$log" 2>&1
   status=$?
   [ -n "$smi" ] && kill "$smi" 2>/dev/null
-  tail -n 300 "$out/train.log" > "$LOGS/$name.train.log"
-  grep -E "\] (actor|reference):|resumed from" "$out/train.log" || true
+  grep -E "\] (actor|reference):|resumed from" "$log" || true
   if [ -s "$out/smi.csv" ]; then
     echo "  peak memory per GPU (nvidia-smi, whole process incl. the engine): $(awk -F', ' '{ if ($2 > p[$1]) p[$1] = $2 } END { for (g in p) printf "GPU %s %d MiB; ", g, p[g] }' "$out/smi.csv")"
   fi
   if [ "$status" -ne 0 ]; then
-    row "$name" FAIL "training exited $status: $(grep -E "Error|error" "$out/train.log" | tail -2 | tr '\n' ' ' | cut -c1-300) ($LOGS/$name.train.log)"
+    row "$name" FAIL "training exited $status ($log): $(error_lines "$log")"
     return 1
   fi
   $PY scripts/gpu_report.py run "$out/run/metrics.jsonl" --name "$name" --steps "$steps" --tol "$TOL" --verdict "$VERDICT"

@@ -14,6 +14,10 @@ KL reference's shards in host memory, `ref.fsdp_config.param_offload=true`, as t
   by name (AUDITED): before it runs, the processes exchange its name and its tensors' device types and dtypes over a
   side gloo group; when they differ it raises on every process, naming the collective, each process's devices and the
   caller, instead of hanging until the stage's timeout. Collectives of a subgroup are counted, not audited.
+- Each process dies with its parent (die_with_parent, first thing): torch elastic starts the workers in sessions of
+  their own, so the stage's timeout, which signals its process group, reaches only torchrun; when torchrun goes (its
+  SIGKILL 10 s after the TERM at the latest) the kernel SIGKILLs the workers, which would otherwise outlive the stage
+  (the trainer takes a first SIGTERM as "finish the step and save").
 Prints `gpu_collective_check: rank R: N collectives audited (...by name and device...)` per process and exits with the
 run's exit code (1 when the audit raised).
 """
@@ -22,10 +26,36 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import sys
 import threading
 import traceback
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> bool:
+    """Linux: ask the kernel to SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); exits at once when
+    the parent is already gone. Returns whether the request was made (False elsewhere or when prctl is unavailable)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent went between the two reads, before the request took hold
+        os._exit(1)
+    return True
+
+
+if __name__ == "__main__":
+    die_with_parent()  # before the imports below: torch takes seconds to import
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -14,9 +14,11 @@
         the output of `python -m grpo_lib.planning.measure` (the training phase measured on fake tensors): one row with the
         measured peak beside the plan's training phase (OK within PLAN_TOLERANCE above it; FAIL above that, or when its
         self-check on an unverified torch found fake and real runs apart; SKIP when this torch lacks its private APIs)
-    python scripts/gpu_report.py table FILE [--out TABLE_MD] [--quiet] [--label gpu_check]
+    python scripts/gpu_report.py table FILE [--out TABLE_MD] [--quiet] [--label gpu_check] [--pending TEXT]
         the verdict table (also written to TABLE_MD; --quiet: only written) and the verdict line; exit 1 when any row
-        FAILED (or no row is there)
+        FAILED (or no row is there). --pending "tiny running, not started: collectives big": the check is under way
+        (the table written before and between stages), and the verdict line says `gpu_check: INCOMPLETE: TEXT (...)`,
+        so a check killed from outside never leaves a line that reads as a verdict
 
 A verdict file holds one row per check: name <TAB> OK|FAIL|SKIP|INFO <TAB> detail. OK: checked and right. FAIL:
 checked and wrong, or it could not finish (a timeout, a crash). SKIP: could not run here (no CUDA, a torch whose kernel
@@ -220,15 +222,18 @@ def read_verdict(verdict: Path) -> list[tuple[str, str, str]]:
     return [tuple((line.split("\t", 2) + ["", ""])[:3]) for line in lines if line.strip()]
 
 
-def verdict_line(rows: list[tuple[str, str, str]], label: str = "gpu_check") -> str:
+def verdict_line(rows: list[tuple[str, str, str]], label: str = "gpu_check", pending: str | None = None) -> str:
     """`gpu_check: OK (9 OK, 3 INFO)`; with a SKIP `gpu_check: no failure, but 2 SKIPPED, not checked here (...): a, b`;
-    with a FAIL `gpu_check: FAILED: a, b (...)`. The counts leave zeros out: the word FAIL appears only for a failure."""
-    if not rows:
-        return f"{label}: FAILED: no check ran"
+    with a FAIL `gpu_check: FAILED: a, b (...)`. The counts leave zeros out: the word FAIL appears only for a failure.
+    With `pending` (stages still running or not started): `gpu_check: INCOMPLETE: PENDING (...)`, naming any failure."""
     counts = {s: sum(status == s for _, status, _ in rows) for s in STATUSES}
     tally = ", ".join(f"{counts[s]} {s}" for s in ("OK", "SKIP", "FAIL", "INFO") if counts[s])  # "FAIL" only when one did
     failed = [name for name, status, _ in rows if status == "FAIL"]
     skipped = [name for name, status, _ in rows if status == "SKIP"]
+    if pending:
+        return f"{label}: INCOMPLETE: {pending} ({tally or 'no row yet'})" + (f"; FAILED so far: {', '.join(failed)}" if failed else "")
+    if not rows:
+        return f"{label}: FAILED: no check ran"
     if failed:
         return f"{label}: FAILED: {', '.join(failed)} ({tally})"
     if skipped:
@@ -236,10 +241,11 @@ def verdict_line(rows: list[tuple[str, str, str]], label: str = "gpu_check") -> 
     return f"{label}: OK ({tally})"
 
 
-def table(verdict: Path, *, out: Path | None = None, quiet: bool = False, label: str = "gpu_check") -> int:
+def table(verdict: Path, *, out: Path | None = None, quiet: bool = False, label: str = "gpu_check",
+          pending: str | None = None) -> int:
     rows = read_verdict(verdict)
     text = "\n".join(["| check | verdict | detail |", "|---|---|---|", *(f"| {n} | {s} | {d} |" for n, s, d in rows),
-                      "", verdict_line(rows, label)]) + "\n"
+                      "", verdict_line(rows, label, pending)]) + "\n"
     if out is not None:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(text)
@@ -281,6 +287,7 @@ def main(argv: list[str]) -> int:
     tab.add_argument("--out", type=Path, help="also write the table here (markdown)")
     tab.add_argument("--quiet", action="store_true", help="only write --out")
     tab.add_argument("--label", default="gpu_check", help="the verdict line's first word")
+    tab.add_argument("--pending", help="the check is under way: what runs and what has not started (INCOMPLETE)")
     args = parser.parse_args(argv)
     if args.command == "layouts":
         return layouts_report(args.metrics, name=args.name, verdict=args.verdict)
@@ -294,7 +301,7 @@ def main(argv: list[str]) -> int:
     if args.command == "big":
         measure = args.measure.read_text() if args.measure and args.measure.is_file() else None
         return big_report(args.out, plan_text=args.plan.read_text(), measure_text=measure, verdict=args.verdict)
-    return table(args.verdict, out=args.out, quiet=args.quiet, label=args.label)
+    return table(args.verdict, out=args.out, quiet=args.quiet, label=args.label, pending=args.pending)
 
 
 if __name__ == "__main__":

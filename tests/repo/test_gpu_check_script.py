@@ -98,13 +98,16 @@ def test_gpu_check_names_an_old_driver(tmp_path):
 def test_a_stage_past_its_timeout_is_a_fail_row_and_the_check_goes_on(tmp_path):
     """Issue 41 item 4: a stage that hangs (here the `env` stage's torch API check sleeps) is stopped at its own timeout
     (TIMEOUT_env), gets a FAIL row saying so, the next stage still runs, and the table is printed and written under
-    $OUT; the exit status is 1. Before, one hang stopped the check and nothing came back."""
-    out_dir, wrapper = tmp_path / "device_out", tmp_path / "python"
-    wrapper.write_text(f'#!/bin/bash\ncase "$1" in scripts/torch_api_check.py) sleep 600;; esac\nexec {sys.executable} "$@"\n')
+    $OUT; the exit status is 1. Before, one hang stopped the check and nothing came back. Its review: the row names the
+    log the stage was writing under $OUT with its last line; while the stage ran, the table written said INCOMPLETE
+    (a check killed then leaves no line that reads as a verdict); math_verify missing is a SKIP row, not nothing."""
+    out_dir, wrapper, during = tmp_path / "device_out", tmp_path / "python", tmp_path / "during_env.md"
+    wrapper.write_text(f'#!/bin/bash\ncase "$1" in scripts/torch_api_check.py) cp "$OUT/gpu_check_verdict.md" {during}; '
+                       f'echo "torch_api_check: hanging here"; sleep 600;; esac\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     blocker = tmp_path / "no_vllm"
     blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\nsys.modules['math_verify'] = None\n")
     env = {**os.environ, "STAGES": "env attention", "TIMEOUT_env": "5", "ALLOW_CPU": "1", "PY": str(wrapper),
            "WORK": str(tmp_path / "work"), "WHEELS": str(tmp_path / "none"), "OUT": str(out_dir),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(blocker)}
@@ -115,6 +118,11 @@ def test_a_stage_past_its_timeout_is_a_fail_row_and_the_check_goes_on(tmp_path):
     assert "verdict row: | attention | SKIP | no CUDA device" in proc.stdout  # the stage after it ran
     written = (out_dir / "gpu_check_verdict.md").read_text()
     assert "| env | FAIL | TIMEOUT: no end within 5 s" in written and "| attention | SKIP |" in written
+    log = out_dir / "gpu_check_logs" / "torch_api.log"
+    assert f"the last lines of {log}: torch_api_check: hanging here" in written, written
+    assert "| env: math reward | SKIP | math_verify not importable" in written, written
+    assert during.read_text().strip().splitlines()[-1].startswith(
+        "gpu_check: INCOMPLETE: env running, not started: attention ("), during.read_text()
     assert written.strip().splitlines()[-1].startswith("gpu_check: FAILED: env (")
     assert proc.stdout.rstrip().endswith(written.strip().splitlines()[-1])
 

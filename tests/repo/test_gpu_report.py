@@ -185,3 +185,21 @@ def test_sleep_row(tmp_path):
         assert gpu_report.sleep_report(tmp_path / "bad.jsonl", name="bad", on_gpu=True, verdict=verdict) == 1
         assert gpu_report.sleep_report(tmp_path / "good.jsonl", name="cpu", on_gpu=False, verdict=verdict) == 0
     assert [r[1] for r in gpu_report.read_verdict(verdict)] == ["OK", "FAIL", "SKIP"]
+
+
+def test_table_while_stages_run_says_incomplete(tmp_path):
+    """Review of issue 41's check: the table is written before each stage with --pending, so a check killed from
+    outside mid-stage leaves a last line that says it did not end (never a plain OK), naming any failure so far."""
+    verdict, out = tmp_path / "v.tsv", tmp_path / "gpu_check_verdict.md"
+    gpu_report.add(verdict, "env: gpu", "OK", "1 x H200")
+    gpu_report.add(verdict, "env: engine", "INFO", "hf")
+    assert gpu_report.main(["table", str(verdict), "--out", str(out), "--quiet",
+                            "--pending", "tiny running, not started: collectives big"]) == 0
+    assert out.read_text().strip().splitlines()[-1] == (
+        "gpu_check: INCOMPLETE: tiny running, not started: collectives big (1 OK, 1 INFO)")
+    gpu_report.add(verdict, "attention", "FAIL", "TIMEOUT")
+    assert gpu_report.verdict_line(gpu_report.read_verdict(verdict), pending="big running") == (
+        "gpu_check: INCOMPLETE: big running (1 OK, 1 FAIL, 1 INFO); FAILED so far: attention")
+    assert gpu_report.verdict_line([], pending="env running") == "gpu_check: INCOMPLETE: env running (no row yet)"
+    assert gpu_report.table(verdict, out=out, quiet=True) == 1  # the end: the ordinary verdict
+    assert out.read_text().strip().endswith("gpu_check: FAILED: attention (1 OK, 1 FAIL, 1 INFO)")
