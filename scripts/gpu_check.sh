@@ -18,8 +18,9 @@
 # Verdict: one row per check (scripts/gpu_report.py): OK, FAIL (wrong, crashed or timed out), SKIP (could not run
 # here, with the reason: it proves nothing) or INFO (numbers shown, not judged). Each stage's rows are printed as it
 # ends and the table is rewritten under $OUT (when set: the lent machine's output folder) or the work dir, as
-# gpu_check_verdict.md / .tsv with each stage's log and each run's log in gpu_check_logs/ (written there as they run;
-# the path is printed first). The last line counts them: `gpu_check: OK (...)`, `gpu_check: no failure, but K SKIPPED
+# gpu_check_verdict.md / .tsv and gpu_check_logs.tar.gz (the work dir's gpu_check_logs/, each stage's log and each
+# run's log written there as they run, packed with every table: at most 8 files come back from the lent machine's
+# $OUT; the paths are printed first). The last line counts them: `gpu_check: OK (...)`, `gpu_check: no failure, but K SKIPPED
 # ...: names` or `gpu_check: FAILED: names (...)`; while a stage runs (or if the check was killed mid-way) it reads
 # `gpu_check: INCOMPLETE: NAME running, not started: ...`. Exit code: 1 when a row FAILED; SKIPs alone exit 0 (read
 # their reasons: a SKIP checked nothing).

@@ -12,8 +12,9 @@
 # it wrote with its last lines; one that cannot start because the budget is spent gets a SKIP row.
 #
 # Where the verdict goes: REPORT = $OUT when set (the lent machine's output folder, which comes back), else the work
-# dir; printed at the start. REPORT/gpu_check_verdict.tsv (rows), REPORT/gpu_check_verdict.md (the table),
-# REPORT/gpu_check_logs/ (each stage's output and the last lines of each training log).
+# dir; printed at the start. REPORT/gpu_check_verdict.tsv (rows), REPORT/gpu_check_verdict.md (the table) and
+# REPORT/gpu_check_logs.tar.gz (the logs folder, WORK/gpu_check_logs/: each stage's output and each run's log, packed
+# again with every table): three files, since at most 8 come back from the lent machine's $OUT.
 
 # Row statuses (scripts/gpu_report.py says what each means): OK, FAIL, SKIP, INFO.
 row() { printf '%s\t%s\t%s\n' "$1" "$2" "$(printf '%s' "$3" | tr '\t\n' '  ')" >> "$VERDICT"; }
@@ -21,13 +22,14 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 report_init() {  # NAME: the file prefix (gpu_check, gpu_vllm_check)
   REPORT=${OUT:-$WORK}
-  mkdir -p "$REPORT/${1}_logs"
-  VERDICT="$REPORT/${1}_verdict.tsv"; TABLE="$REPORT/${1}_verdict.md"; LOGS="$REPORT/${1}_logs"; LABEL=$1
+  mkdir -p "$REPORT" "$WORK/${1}_logs"
+  VERDICT="$REPORT/${1}_verdict.tsv"; TABLE="$REPORT/${1}_verdict.md"; LOGS="$WORK/${1}_logs"; LABEL=$1
+  LOGPACK="$REPORT/${1}_logs.tar.gz"
   : > "$VERDICT"
   START=$SECONDS
   DEADLINE=$((START + ${BUDGET_S:-570}))
-  echo "$1: verdict table -> $TABLE (rows $VERDICT, logs $LOGS; work dir $WORK; budget ${BUDGET_S:-570} s)"
-  export REPORT VERDICT TABLE LOGS LABEL
+  echo "$1: verdict table -> $TABLE (rows $VERDICT, logs $LOGS packed into $LOGPACK; work dir $WORK; budget ${BUDGET_S:-570} s)"
+  export REPORT VERDICT TABLE LOGS LABEL LOGPACK
 }
 
 # write_table [RUNNING]: the table so far; while stages run (RUNNING) or PLANNED names some not started, its last line
@@ -37,6 +39,12 @@ write_table() {
   [ -n "${PLANNED:-}" ] && pending+="${pending:+, }not started: $PLANNED"
   [ -n "$pending" ] && args=(--pending "$pending")
   $PY scripts/gpu_report.py table "$VERDICT" --out "$TABLE" --label "$LABEL" --quiet "${args[@]}" || true
+  pack_logs
+}
+# pack_logs: the logs folder as one file beside the table (written whole, then renamed: never half a file)
+pack_logs() {
+  tar -czf "$LOGPACK.part" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null && mv -f "$LOGPACK.part" "$LOGPACK"
+  rm -f "$LOGPACK.part"
 }
 unplan() { local s keep=(); for s in ${PLANNED:-}; do [[ " $* " == *" $s "* ]] || keep+=("$s"); done; PLANNED="${keep[*]}"; }
 # last_lines FILE [N]: a log's last N (3) lines on one line, for a row
@@ -82,7 +90,9 @@ run_stage() {
 finish() {
   row "total" INFO "$((SECONDS - START)) s wall, work dir $WORK"
   $PY scripts/gpu_report.py table "$VERDICT" --out "$TABLE" --label "$LABEL"
-  exit $?
+  local status=$?
+  pack_logs
+  exit $status
 }
 
 # train NAME RECIPE STEPS_EXPECTED [key=value ...]: a run under accelerate launch into $WORK/NAME/run, its log written

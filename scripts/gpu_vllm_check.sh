@@ -15,7 +15,8 @@
 #   sleep2 (240)  the same with sleep_level 2 (weights discarded, the push restores them before the KV cache wakes)
 #   tp2 (300)     2 steps with rollout.tensor_model_parallel_size=2 on 2 processes (2 GPUs; on CPU 2 processes)
 # Verdict and timeouts as scripts/gpu_check.sh's (scripts/gpu_check_lib.sh; TIMEOUT_sleep1=..., BUDGET_S=570): the
-# table in $OUT (else the work dir) as gpu_vllm_check_verdict.md, each stage's log in gpu_vllm_check_logs/.
+# table in $OUT (else the work dir) as gpu_vllm_check_verdict.md, each stage's log in the work dir's
+# gpu_vllm_check_logs/, packed beside the table as gpu_vllm_check_logs.tar.gz.
 #
 # Expected on one GPU with vLLM 0.32 (numbers vary; this is what each row must say):
 #   | env: gpu | OK | torch 2.x (CUDA 13.0), 1 x NVIDIA H200, ...

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -70,7 +71,11 @@ def test_gpu_check_env_tiny_and_collectives_stages_on_cpu(tmp_path):
     assert proc.stdout.index("verdict row: | tiny | OK") < proc.stdout.index("== stage collectives")  # printed as it ends
     assert proc.stdout.rstrip().endswith("gpu_check: OK (7 OK, 3 INFO)"), proc.stdout[-500:]
     written = (out_dir / "gpu_check_verdict.md").read_text()  # under $OUT, not only the work dir
-    assert written.strip() == table.strip() and (out_dir / "gpu_check_logs" / "collectives.train.log").is_file()
+    assert written.strip() == table.strip()
+    # the logs come back as one file beside the table (at most 8 files come back from the lent machine's $OUT)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["gpu_check_logs.tar.gz", "gpu_check_verdict.md", "gpu_check_verdict.tsv"]
+    with tarfile.open(out_dir / "gpu_check_logs.tar.gz") as pack:
+        assert "gpu_check_logs/collectives.train.log" in pack.getnames()
 
 
 def test_gpu_check_names_an_old_driver(tmp_path):
@@ -118,8 +123,10 @@ def test_a_stage_past_its_timeout_is_a_fail_row_and_the_check_goes_on(tmp_path):
     assert "verdict row: | attention | SKIP | no CUDA device" in proc.stdout  # the stage after it ran
     written = (out_dir / "gpu_check_verdict.md").read_text()
     assert "| env | FAIL | TIMEOUT: no end within 5 s" in written and "| attention | SKIP |" in written
-    log = out_dir / "gpu_check_logs" / "torch_api.log"
+    log = tmp_path / "work" / "gpu_check_logs" / "torch_api.log"  # packed into $OUT/gpu_check_logs.tar.gz
     assert f"the last lines of {log}: torch_api_check: hanging here" in written, written
+    with tarfile.open(out_dir / "gpu_check_logs.tar.gz") as pack:
+        assert b"torch_api_check: hanging here" in pack.extractfile("gpu_check_logs/torch_api.log").read()
     assert "| env: math reward | SKIP | math_verify not importable" in written, written
     assert during.read_text().strip().splitlines()[-1].startswith(
         "gpu_check: INCOMPLETE: env running, not started: attention ("), during.read_text()
