@@ -366,25 +366,20 @@ class GRPOTrainer:
         first generate call, then `WeightSync.check` (rollout/weight_probe_* `into`), also when collecting gives up (DAPO
         found no usable group), where the weights may be the cause: other weights than the pushed ones raise
         step.RunAborted (exit 3) before anything trains on the rollouts. A chat template that cannot extend an episode
-        is RunAborted with exit code 2, tool calls that never returned with exit code 3."""
-        from grpo_lib.rollout.episodes import TemplateError
-        from grpo_lib.tools.calls import ToolStallError
+        is RunAborted with exit code 2, tool calls that never returned with exit code 3 (`rounds.episode_errors_abort`)."""
         from grpo_lib.trainer import rounds
         from grpo_lib.trainer import step as S
 
         p, batch, gave_up = self.parts, None, None
         request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
-        try:
-            batch, metrics = rounds.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
-                                                world_size=self.world_size, rank=self.rank, timings=timings,
-                                                episodes=p.episodes, score_request=request)
-            into.update(metrics)
-        except S.RunAborted as error:
-            gave_up = error
-        except TemplateError as error:  # a conversation the chat template cannot extend by a delta: the model's problem
-            raise S.RunAborted(f"step {step}: {error}", exit_code=2) from error
-        except ToolStallError as error:  # tool calls that never returned: save the last step, exit 3
-            raise S.RunAborted(f"step {step}: {error}") from error
+        with rounds.episode_errors_abort(f"step {step}"):
+            try:
+                batch, metrics = rounds.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
+                                                         world_size=self.world_size, rank=self.rank, timings=timings,
+                                                         episodes=p.episodes, score_request=request)
+                into.update(metrics)
+            except S.RunAborted as error:
+                gave_up = error
         probe_metrics, error = p.sync.check(request, batch, step=step, timings=timings)
         into.update(probe_metrics)
         if error is not None:
@@ -396,20 +391,13 @@ class GRPOTrainer:
     def validate(self, step: int) -> None:
         """Validate (rollout.val_kwargs), log the metrics at `step` and the val_generations_to_log samples. Tool calls
         that never return (agreed by every process) or a chat template that cannot extend an episode raise
-        step.RunAborted (exit 3 / 2), as in a step."""
-        from grpo_lib.rollout.episodes import TemplateError
-        from grpo_lib.tools.calls import ToolStallError
+        step.RunAborted (exit 3 / 2), as in a step (`rounds.episode_errors_abort`)."""
         from grpo_lib.trainer import rounds
-        from grpo_lib.trainer import step as S
 
         p = self.parts
-        try:
+        with rounds.episode_errors_abort(f"validation at step {step}"):
             metrics, rows = rounds.validate(self.cfg, p.engine, p.scorer, p.val, world_size=self.world_size, rank=self.rank,
-                                       step=step, tokenizer=p.tokenizer, episodes=p.episodes)
-        except TemplateError as error:
-            raise S.RunAborted(f"validation at step {step}: {error}", exit_code=2) from error
-        except ToolStallError as error:
-            raise S.RunAborted(f"validation at step {step}: {error}") from error
+                                            step=step, tokenizer=p.tokenizer, episodes=p.episodes)
         p.logger.log(step, metrics)
         p.logger.log_generations(step, rows)
 

@@ -66,7 +66,7 @@ import torch.distributed as dist  # noqa: E402
 # torch.distributed's tensor collectives as callers name them (dist.<name>); those this torch lacks are left out
 AUDITED = ("broadcast", "_broadcast_coalesced", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
            "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "scatter",
-           "all_to_all_single")
+           "all_to_all", "all_to_all_single")
 
 
 class CollectiveMismatch(RuntimeError):

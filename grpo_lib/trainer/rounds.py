@@ -16,8 +16,23 @@ from grpo_lib.config.checks import engine_logprobs_needed, greedy_baseline_neede
 from grpo_lib.core.distributed import Reduction, all_reduce_min
 from grpo_lib.core.seeds import sample_seed, tp_group_share
 from grpo_lib.core.types import Generation, PromptBatch, RolloutBatch, ScoreRequest
-from grpo_lib.rollout.episodes import episode_sums, reward_extra_info
-from grpo_lib.trainer.step import RunAborted, build_rollout_batch, check_reward_errors, informative_groups, mask_truncated, open_reward_stream, reward_output, score
+from grpo_lib.rollout.episodes import TemplateError, episode_sums, reward_extra_info
+from grpo_lib.tools.calls import ToolStallError
+from grpo_lib.trainer.step import (RunAborted, build_rollout_batch, check_reward_errors, informative_groups, mask_truncated,
+                                   open_reward_stream, reward_output, score)
+
+
+@contextlib.contextmanager
+def episode_errors_abort(where: str):
+    """Inside (a step's rollouts, a validation): a chat template that cannot extend an episode by a delta (the model's
+    problem) is RunAborted with exit code 2, tool calls that never returned (agreed by every process) RunAborted with
+    exit code 3; each message starts with `where` ("step 7", "validation at step 10")."""
+    try:
+        yield
+    except TemplateError as error:
+        raise RunAborted(f"{where}: {error}", exit_code=2) from error
+    except ToolStallError as error:
+        raise RunAborted(f"{where}: {error}") from error
 
 
 def train_sampling(cfg) -> dict:

@@ -8,9 +8,9 @@ host memory; a broadcast of a buffer then gets a CUDA tensor on process 0 and a 
 - process 0's `fully_shard` puts the buffers it manages on torch's lazy device (another device type with storage, in
   every CPU build of torch), as FSDP2 puts them on the GPU, and halves them (a mark: every process must end up with
   process 0's values, not its own);
-- every tensor collective of torch.distributed (the names in CHECKED) first gathers the device types of its tensors
-  from every process over a side gloo group; when they differ it records them and raises on every process (where
-  the real collective would hang).
+- every tensor collective of torch.distributed goes through scripts/gpu_collective_check.py's `Audit` (the GPU check's
+  own): it first gathers the device types and dtypes of its tensors from every process over a side gloo group and
+  raises on every process when they differ (where the real collective would hang).
 Then it builds the reference of MODEL as the trainer does (`Reference`, shards in host memory) and scores one
 batch with it, and writes OUT/rank{r}.json: the mismatches (with the error that stopped the build, if any), the
 number of collectives checked, the buffers' devices and values after the build.
@@ -24,8 +24,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
+import gpu_collective_check as collectives  # noqa: E402
 import torch  # noqa: E402
 import torch._lazy.ts_backend  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -34,41 +35,6 @@ import torch.distributed.fsdp  # noqa: E402
 from grpo_lib.core.distributed import init_distributed  # noqa: E402
 from grpo_lib.model.reference import Reference  # noqa: E402
 from tests.scripts import grad_case as case  # noqa: E402
-
-# torch.distributed's tensor collectives, as grpo_lib, torch.distributed.checkpoint and FSDP2 call them (dist.<name>)
-CHECKED = ("broadcast", "_broadcast_coalesced", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-           "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "scatter",
-           "all_to_all", "all_to_all_single", "send", "recv")
-
-
-def tensors_in(args, kwargs) -> list[torch.Tensor]:
-    found = []
-    for value in (*args, *kwargs.values()):
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, torch.Tensor):
-                found.append(item)
-    return found
-
-
-def check_collectives(side, record: dict) -> None:
-    """Wrap every collective of CHECKED: every process must pass tensors of one and the same device type."""
-    for name in CHECKED:
-        real = getattr(dist, name, None)
-        if real is None:
-            continue
-
-        def checked(*args, _real=real, _name=name, **kwargs):
-            mine = sorted({t.device.type for t in tensors_in(args, kwargs)})
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine, group=side)  # over gloo, not through a wrapped collective
-            record["checked"] += 1
-            if len({tuple(types) for types in every}) > 1 or any(len(types) > 1 for types in every):
-                record["mismatches"].append({"collective": _name, "device_types": every})
-                raise RuntimeError(f"dist.{_name}: the processes pass tensors on {every} (a hang on GPUs)")
-            return _real(*args, **kwargs)
-
-        setattr(dist, name, checked)
-
 
 def buffers_on_another_device_on_process_0(rank: int) -> None:
     """Process 0's `fully_shard` leaves the buffers it manages on the lazy device (halved), as FSDP2 moves them to the
@@ -92,11 +58,11 @@ def main(model_dir: str, out: str) -> None:
     torch._lazy.ts_backend.init()
     init_distributed()
     rank = dist.get_rank()
-    side = dist.new_group(backend="gloo")
+    audit = collectives.Audit(dist.new_group(backend="gloo"))
     record = {"rank": rank, "checked": 0, "mismatches": [], "error": None}
     cfg = case.make_config(Path(model_dir), world_size=dist.get_world_size(), extra=("ref.fsdp_config.param_offload=true",))
     buffers_on_another_device_on_process_0(rank)
-    check_collectives(side, record)
+    audit.install()
     try:
         reference = Reference(cfg, device=torch.device("cpu"))
         ids = torch.randint(2, case.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))  # [2, 12], same everywhere
@@ -105,8 +71,11 @@ def main(model_dir: str, out: str) -> None:
         record["logprobs"] = logprobs.tolist()
         record["buffers"] = {name: {"device": b.device.type, "values": b.cpu().tolist()}
                              for name, b in reference.model.named_buffers()}
+    except collectives.CollectiveMismatch as mismatch:
+        record["mismatches"].append(str(mismatch))
     except RuntimeError:
         record["error"] = traceback.format_exc(limit=6)
+    record["checked"] = sum(audit.counts.values()) - audit.unaudited
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
