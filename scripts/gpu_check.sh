@@ -107,11 +107,9 @@ stage_collectives() {
   local out="$WORK/collectives" log="$LOGS/collectives.train.log"
   mkdir -p "$out"
   ln -sfn "$log" "$out/train.log"
+  run_args "$out" 2
   $PY -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_collective_check.py recipes/tiny_cpu.yaml \
-    model.path="$WORK/model" data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
-    trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false trainer.total_training_steps=2 \
-    trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=8 actor.ppo_mini_batch_size=8 \
-    rollout.n=4 rollout.name=hf ref.fsdp_config.param_offload=true > "$log" 2>&1
+    "${RUN_ARGS[@]}" trainer.total_training_steps=2 rollout.name=hf ref.fsdp_config.param_offload=true > "$log" 2>&1
   local status=$?
   grep "gpu_collective_check:" "$log"
   local summary
@@ -156,15 +154,14 @@ stage_gputest() {
 }
 
 big_plan_args() {  # STAGE: the 1-process plan of the big run's config (its overrides from scripts/gpu_big_run.py; when
-  local gib overrides  # that command fails, a FAIL row for STAGE and status 1: never a plan of the bare recipe)
-  gib=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80)")
+  local overrides  # that command fails, a FAIL row for STAGE and status 1: never a plan of the bare recipe)
   overrides=$($PY scripts/gpu_big_run.py --print-overrides --config "$BIG_CONFIG" --tokenizer "$WORK/model" \
     --data "$WORK/data" --out "$WORK/big" --steps "${BIG_STEPS:-2}" --response-tokens "${BIG_RESPONSE_TOKENS:-256}" \
     "${BIG_EXTRA[@]}" 2> "$WORK/$1.overrides.log") \
     || { row "$1" FAIL "scripts/gpu_big_run.py --print-overrides failed: $(error_lines "$WORK/$1.overrides.log")"; return 1; }
   BIG_OVERRIDES=()
   [ -n "$overrides" ] && mapfile -t BIG_OVERRIDES <<< "$overrides"
-  PLAN_ARGS=(recipes/qwen3_4b_gsm8k.yaml "${BIG_OVERRIDES[@]}" --num-processes 1 --gpu-memory-gb "$gib"
+  PLAN_ARGS=(recipes/qwen3_4b_gsm8k.yaml "${BIG_OVERRIDES[@]}" --num-processes 1 --gpu-memory-gb "$GPU_GIB"
              --model-config "${BIG_ARCH:-$BIG_CONFIG}")
 }
 
@@ -230,7 +227,7 @@ N=${N:-$GPUS}
 if [ -n "$PROBLEM" ]; then
   row "env: gpu" FAIL "$PROBLEM"; finish
 elif [ "$GPUS" -ge 1 ]; then
-  row "env: gpu" OK "torch $TORCH, $GPUS x $GPU_NAME, python $($PY -c 'import platform; print(platform.python_version())')"
+  row "env: gpu" OK "torch $TORCH, $GPUS x $GPU_NAME, python $PYTHON_VERSION"
   ON_GPU=1
 elif [ "${ALLOW_CPU:-0}" = 1 ]; then
   row "env: gpu" INFO "torch $TORCH, no CUDA device: the CPU path (ALLOW_CPU=1), as on the GPU image but without CUDA"
@@ -246,7 +243,7 @@ if ! timeout 120 $PY -c "import vllm" 2>/dev/null; then
 fi
 IDS=$(seq -s, 0 $((N - 1)))  # physical GPUs the runs use (nvidia-smi ignores CUDA_VISIBLE_DEVICES)
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && IDS=$(echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f1-"$N")
-export N ON_GPU ENGINE_ARGS IDS
+export N ON_GPU ENGINE_ARGS IDS GPU_GIB
 NEED_PREP=""  # the stages that read prep's model and data
 for stage in tiny collectives packed lora resume measure big; do has "$stage" && NEED_PREP+=" $stage"; done
 # the stages still to run, in the order below (run_stage takes each off; until none is left the table says INCOMPLETE)

@@ -95,6 +95,15 @@ finish() {
   exit $status
 }
 
+# run_args OUT PROCESSES: the overrides every check run shares into RUN_ARGS (the tiny model, MODEL when set, and data;
+# no validation; the weight-sync check after every push; 4 prompts x 4 responses per process)
+run_args() {
+  RUN_ARGS=(model.path="${MODEL:-$WORK/model}" data.train_files="[$WORK/data/train.parquet]"
+    data.val_files="[$WORK/data/test.parquet]" trainer.default_local_dir="$1/run" trainer.test_freq=-1
+    trainer.val_before_train=false trainer.check_weight_sync=true trainer.logger="[console,jsonl]"
+    data.train_batch_size=$((4 * $2)) actor.ppo_mini_batch_size=$((4 * $2)) rollout.n=4)
+}
+
 # train NAME RECIPE STEPS_EXPECTED [key=value ...]: a run under accelerate launch into $WORK/NAME/run, its log written
 # to LOGS/NAME.train.log ($WORK/NAME/train.log links to it), then its report row. Reads N, IDS, ON_GPU, TOL, ENGINE_ARGS
 # (words), MODEL, ACCELERATE_CONFIG, WORK (with model/, data/, accelerate.yaml).
@@ -109,12 +118,9 @@ train() {
     nvidia-smi --id="$IDS" --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi.csv" 2>/dev/null &
     smi=$!
   fi
-  $PY -m accelerate.commands.launch --config_file "${ACCELERATE_CONFIG:-$WORK/accelerate.yaml}" train_grpo.py "$recipe" model.path="${MODEL:-$WORK/model}" \
-    data.train_files="[$WORK/data/train.parquet]" data.val_files="[$WORK/data/test.parquet]" \
-    trainer.default_local_dir="$out/run" trainer.test_freq=-1 trainer.val_before_train=false \
-    trainer.check_weight_sync=true trainer.logger="[console,jsonl]" data.train_batch_size=$((4 * N)) \
-    actor.ppo_mini_batch_size=$((4 * N)) rollout.n=4 rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=null \
-    "${engine[@]}" "$@" > "$log" 2>&1
+  run_args "$out" "$N"
+  $PY -m accelerate.commands.launch --config_file "${ACCELERATE_CONFIG:-$WORK/accelerate.yaml}" train_grpo.py "$recipe" \
+    "${RUN_ARGS[@]}" rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=null "${engine[@]}" "$@" > "$log" 2>&1
   status=$?
   [ -n "$smi" ] && kill "$smi" 2>/dev/null
   grep -E "\] (actor|reference):|resumed from" "$log" || true
@@ -150,13 +156,16 @@ accelerate_config() {  # PROCESSES FILE: an accelerate config of its own (a defa
 detect_gpus() {
   local info
   info=$(timeout 120 $PY - <<'PYEOF'
+import platform
+
 import torch
 from grpo_lib.core.distributed import gpu_visibility_problem
 problem = gpu_visibility_problem()
 n = torch.cuda.device_count()
 name = torch.cuda.get_device_name(0) if n else "none"
-print(f"{n}\t{torch.__version__} (CUDA {torch.version.cuda})\t{name}\t{problem or ''}")
+gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if n else 80  # the plans' GPU size (80 GiB without one)
+print(f"{n}\t{torch.__version__} (CUDA {torch.version.cuda})\t{name}\t{gib}\t{platform.python_version()}\t{problem or ''}")
 PYEOF
 ) || { row "env: torch" FAIL "torch does not import or CUDA does not answer within 120 s: $info"; finish; }
-  IFS=$'\t' read -r GPUS TORCH GPU_NAME PROBLEM <<< "$info"
+  IFS=$'\t' read -r GPUS TORCH GPU_NAME GPU_GIB PYTHON_VERSION PROBLEM <<< "$info"
 }

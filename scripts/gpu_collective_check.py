@@ -26,39 +26,18 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import sys
 import threading
 import traceback
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-
-def die_with_parent() -> bool:
-    """Linux: ask the kernel to SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); exits at once when
-    the parent is already gone. Returns whether the request was made (False elsewhere or when prctl is unavailable)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent:  # the parent went between the two reads, before the request took hold
-        os._exit(1)
-    return True
-
+from grpo_lib.core.processes import die_with_parent  # noqa: E402 (standard library only)
 
 if __name__ == "__main__":
     die_with_parent()  # before the imports below: torch takes seconds to import
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -143,10 +143,10 @@ def loss_positions(mask: Tensor) -> Tensor:
 
 
 def _pick(values: Tensor, mask: Tensor, positions: Tensor | None) -> Tensor:
-    """values[mask.bool()] ([b, T, ...] -> [n, ...]): by `positions` when given (an index gather), else by the mask."""
-    if positions is None:
-        return values[mask.bool()]
-    return values.reshape(-1, *values.shape[2:]).index_select(0, positions)
+    """values[mask.bool()] ([b, T, ...] -> [n, ...]) as an index gather by `positions` (`loss_positions(mask)` when None:
+    the caller's mask then decides, read where it is)."""
+    positions = loss_positions(mask) if positions is None else positions  # [n]
+    return values.reshape(-1, *values.shape[mask.dim():]).index_select(0, positions.to(values.device))
 
 
 def topk_mass_metrics(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor, mask: Tensor,

@@ -198,15 +198,12 @@ class Actor:
         FSDP2 root as a scored pass (`fsdp.in_root_forward`, every process at once), on the device, in the compute dtype,
         with the dtype's tolerance; so the kernels checked are the run's (on CUDA torch's varlen_attn and the
         shared-prompt call, flash-attn's). Every process stops when one finds a leak."""
-        def check(model):  # inside the root's forward: returns the problem (any other error is raised after the forward)
-            try:
-                check_packing_isolated(model, dtype=self.compute_dtype)
-            except RuntimeError as exc:
-                return exc
-            return None
-
+        problem = None
         with self.autocast():
-            problem = fsdp.in_root_forward(self.policy, check)
+            try:  # in_root_forward raises the check's error after FSDP2's post-forward
+                fsdp.in_root_forward(self.policy, functools.partial(check_packing_isolated, dtype=self.compute_dtype))
+            except RuntimeError as exc:
+                problem = exc
         if all_reduce_max(1.0 if problem else 0.0) > 0:  # every process stops, not only the one that found it
             raise problem or RuntimeError("the packed-sequence isolation check failed on another process (its error says why)")
 

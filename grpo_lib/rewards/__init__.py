@@ -5,7 +5,7 @@
 
 Modules: `gsm8k` (`####` answers), `math` (`\\boxed{}` + math-verify), `registry` (dispatch by data_source),
 `custom` (verl-style reward files), `pool` (worker processes with timeouts), `scorer` (weights, metrics).
-May import: core (the registries' names).
+May import: core (the registries' names, a worker that dies with its parent).
 """
 
 from grpo_lib.rewards.custom import load_custom_reward

@@ -72,6 +72,8 @@ def _kill_workers_at_exit() -> None:
             process.join(timeout=5)
 from typing import Any, Callable
 
+from grpo_lib.core.processes import die_with_parent
+
 HARD_GRACE_S = 2.0  # seconds past timeout_s before the parent kills a worker stuck in C code
 STALL_S = 0.25  # a call running longer than this (or timeout_s / 4) gets its worker a helper
 MAX_HELPERS = 8  # extra worker processes at most, while calls hang
@@ -144,14 +146,7 @@ class _Watchdog:
 
 def _die_with_trainer(trainer_pid: int) -> None:
     """Make this worker exit when the trainer dies, however it dies (SIGKILL included)."""
-    try:  # Linux: the kernel SIGKILLs us when our parent (the forkserver; it exits with the trainer) dies
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()  # Linux: the kernel SIGKILLs us when our parent (the forkserver; it exits with the trainer) dies
 
     def alive(pid: int) -> bool:
         try:

@@ -10,6 +10,7 @@
                 what a tool raises, blocks on or leaves running, bounded
     workers.py  killable worker processes that run sync tools' execute (a call past its timeout is killed)
 
-The episode loop that uses them is grpo_lib/rollout/episodes.py. May import: rewards (the gsm8k answer check), the
+The episode loop that uses them is grpo_lib/rollout/episodes.py. May import: rewards (the gsm8k answer check), core
+(a worker that dies with its parent), the
 standard library; no torch.
 """

@@ -29,6 +29,8 @@ import struct
 import sys
 from pathlib import Path
 
+from grpo_lib.core.processes import die_with_parent
+
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding grpo_lib
 _HEADER = struct.Struct(">Q")  # the byte length of the pickle that follows
 
@@ -173,14 +175,7 @@ def _write(stream, obj) -> None:
 def _die_with_parent() -> None:
     """Linux: SIGKILL this worker when the trainer's thread that started it ends (the trainer killed, or it exits
     without ToolBox.close while a call runs); an idle worker exits anyway when its stdin closes."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the stdin EOF is the only signal
-        pass
-    if os.getppid() == 1:  # the trainer died before the call above
-        os._exit(0)
+    die_with_parent()  # not Linux: the stdin EOF is the only signal
 
 
 def serve() -> None:
