@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, v
     from grpo_lib.model.teacher import Teacher
     from grpo_lib.rewards.scorer import RewardScorer
     from grpo_lib.rollout.data import PromptDataset, PromptSampler
+    from grpo_lib.rollout.carry import CarryPool
     from grpo_lib.rollout.engines.base import RolloutEngine
     from grpo_lib.rollout.episodes import EpisodeRunner
     from grpo_lib.rollout.weight_sync import WeightSync
@@ -83,6 +84,7 @@ class RunParts:
     sync: WeightSync  # the engine's weights pushed with a version and proven (the weight probe: trainer.weight_probe)
     episodes: EpisodeRunner | None = None  # with rollout.multi_turn.enable
     teacher: Teacher | None = None  # with distillation.enabled
+    carry: CarryPool | None = None  # with rollout.partial_rollout.enable: the responses in flight across steps
 
 
 class GRPOTrainer:
@@ -112,6 +114,7 @@ class GRPOTrainer:
         from grpo_lib.planning.memory import auto_budget_notes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.rollout.data import PromptSampler, load_prompts
+        from grpo_lib.rollout.carry import CarryPool
         from grpo_lib.rollout.engines import build_engine
         from grpo_lib.rollout.episodes import EpisodeRunner, TemplateError
         from grpo_lib.rollout.weight_probe import WeightProbe
@@ -188,7 +191,8 @@ class GRPOTrainer:
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
                               actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
-                              sync=WeightSync(engine, probe, version=self.resume.step), teacher=teacher)
+                              sync=WeightSync(engine, probe, version=self.resume.step), teacher=teacher,
+                              carry=CarryPool(cfg, world_size=self.world_size, rank=rank) if cfg.rollout.partial_rollout.enable else None)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -203,6 +207,8 @@ class GRPOTrainer:
             engine.release()
         if self.resume.path is not None:
             checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
+            if self.parts.carry is not None:  # the responses in flight when it was saved
+                launch.load_carry(self.parts.carry, self.resume.path, rank=rank)
         self.parts.sync.expect(actor)  # the weights the engine serves from here on: step 1's generation proves it serves them
         actor.offload()  # with param/optimizer offload the actor rests on the host (the loaded AdamW state before a wake)
         if push:  # the resumed step's weights are its version (a fresh run's adapters: version 0, as model.path's)
@@ -221,12 +227,13 @@ class GRPOTrainer:
         the last completed step if the disk allows and returns exit code 3."""
         from grpo_lib.core.metrics import MetricWriteError
 
-        self.completed = (self.resume.step, self.parts.sampler.state_dict())  # (step, sampler position after it)
+        carry = self.parts.carry.state_dict() if self.parts.carry is not None else None
+        self.completed = (self.resume.step, self.parts.sampler.state_dict(), carry)  # (step, sampler position, pool after it)
         try:
             return self.run_steps()
         except MetricWriteError as error:
-            last_step, sampler_state = self.completed
-            return self.stop_run(error, last_step=last_step, sampler_state=sampler_state)
+            last_step, sampler_state, carry_state = self.completed
+            return self.stop_run(error, last_step=last_step, sampler_state=sampler_state, carry_state=carry_state)
 
     def run_steps(self) -> int:
         """Validation before training (if asked), then steps resume.step + 1 .. total_steps; returns the exit code.
@@ -250,12 +257,13 @@ class GRPOTrainer:
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
-            self.completed = (step - 1, sampler_before)  # what a stop on a failed metrics write saves (train)
+            self.carry_before = p.carry.state_dict() if p.carry is not None else None  # ... nor carried its responses
+            self.completed = (step - 1, sampler_before, self.carry_before)  # what a stop on a failed metrics write saves
             try:
                 metrics = self.step(step)
             except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
-                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before)
-            self.completed = (step, p.sampler.state_dict())
+                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before, carry_state=self.carry_before)
+            self.completed = (step, p.sampler.state_dict(), None)  # None: the pool as it is then
             # 8. log / validate / checkpoint / stop
             p.logger.log(step, metrics)
             p.logger.advance()
@@ -376,7 +384,8 @@ class GRPOTrainer:
             try:
                 batch, metrics = rounds.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
                                                          world_size=self.world_size, rank=self.rank, timings=timings,
-                                                         episodes=p.episodes, score_request=request)
+                                                         episodes=p.episodes, score_request=request, carry=p.carry,
+                                                         decode=lambda ids: p.tokenizer.decode(ids, skip_special_tokens=True))
                 into.update(metrics)
             except S.RunAborted as error:
                 gave_up = error
@@ -401,18 +410,22 @@ class GRPOTrainer:
         p.logger.log(step, metrics)
         p.logger.log_generations(step, rows)
 
-    def save(self, step: int, sampler_state: dict | None = None) -> Path:
+    def save(self, step: int, sampler_state: dict | None = None, carry_state: dict | None = None) -> Path:
         """A resumable checkpoint of `step` (grpo_lib/checkpoints/checkpoint.py; every process calls it); the actor rests on the host
-        afterwards (the export gathered the shards onto the device; the next generation needs that memory)."""
+        afterwards (the export gathered the shards onto the device; the next generation needs that memory). The sampler's
+        position and the carried responses are taken now unless given (a stop after an aborted step: from before it)."""
         from grpo_lib.checkpoints import checkpoint
 
         p = self.parts
+        if carry_state is None and p.carry is not None:
+            carry_state = p.carry.state_dict()
         path = checkpoint.save(self.cfg, step=step, actor=p.actor, sampler_state=sampler_state or p.sampler.state_dict(),
-                               rank=self.rank, world_size=self.world_size, export_hf=lambda path: p.actor.save_hf(path, p.tokenizer))
+                               rank=self.rank, world_size=self.world_size, export_hf=lambda path: p.actor.save_hf(path, p.tokenizer),
+                               carry_state=carry_state)
         p.actor.offload()
         return path
 
-    def stop_run(self, error, *, last_step: int, sampler_state: dict) -> int:
+    def stop_run(self, error, *, last_step: int, sampler_state: dict, carry_state: dict | None = None) -> int:
         """Stop a run whose results cannot be trusted: report, checkpoint the last completed step, return the exit code.
 
         Saves step `last_step` unless it is saved already (trainer.save_freq, or the resumed step); nothing is saved
@@ -426,7 +439,7 @@ class GRPOTrainer:
         saved_already = (Path(self.cfg.trainer.default_local_dir) / f"global_step_{last_step}" / MARKER).is_file()
         if last_step >= 1 and not saved_already:
             try:
-                print(f"saved the last completed step to {self.save(last_step, sampler_state)}", file=sys.stderr)
+                print(f"saved the last completed step to {self.save(last_step, sampler_state, carry_state)}", file=sys.stderr)
             except SaveError as save_error:
                 print(f"error: {save_error}", file=sys.stderr)
         return error.exit_code

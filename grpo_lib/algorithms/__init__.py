@@ -24,4 +24,5 @@ from grpo_lib.algorithms.losses import (  # noqa: F401
     overlong_penalty,
     policy_loss,
     rollout_is_weights,
+    decoupled_weights,
 )

@@ -239,6 +239,20 @@ def rollout_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
         return torch.where(valid, weights, ones)  # [batch, seq_len]
 
 
+def decoupled_weights(is_weights: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor, stale: Tensor, *,
+                      cap: float) -> Tensor:
+    """Decoupled PPO's behaviour weight (AReaL) on the tokens of older weights, detached, [batch, seq_len]: where `stale`,
+    min(exp(proximal - behaviour), cap) (the log-ratio clamped to [-20, 20]); elsewhere `is_weights` unchanged (the
+    token's sampling and proximal policies are the same weights: only the rollout correction's engine/trainer mismatch
+    is left, handled by `rollout_is_weights`). No stale token: `is_weights` itself, bit for bit.
+    Example (cap 2): is_weights [1, 1], proximal - behaviour [log 3, log 3], stale [False, True] -> [1, 2]."""
+    if cap <= 0:
+        raise ValueError(f"behaviour weight cap must be > 0, got {cap}")
+    with torch.no_grad():
+        log_ratio = (proximal_logprobs - behaviour_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [batch, seq_len]
+        return torch.where(stale, log_ratio.exp().clamp(max=cap), is_weights)  # [batch, seq_len]
+
+
 # The config checks names against grpo_lib/core/names.py without importing torch: the registries must hold exactly those.
 assert KL_TYPES == names.KL_TYPES, f"KL_TYPES {KL_TYPES} != names.KL_TYPES {names.KL_TYPES}"
 assert LOSS_AGG_MODES == names.LOSS_AGG_MODES, f"LOSS_AGG_MODES {LOSS_AGG_MODES} != names.LOSS_AGG_MODES"

@@ -7,6 +7,7 @@ A run folder (`trainer.default_local_dir`) holds one run:
         dcp/                               actor weights + optimizer state, torch.distributed.checkpoint
                                            (every process writes its own shard; FSDP2 DTensors stay sharded)
         rng/rank_R.pt                      each process's RNG states (torch, CUDA, python, numpy)
+        carry/rank_R.json                  rollout.partial_rollout: each process's responses in flight (the pool)
         trainer_state.json                 step, Actor.steps_done, LR scheduler, prompt sampler position,
                                            the process count and the resolved config (DAPO's generation
                                            rounds live inside one step; the sampler position covers
@@ -357,10 +358,12 @@ class SaveError(RuntimeError):
     exit_code = 3
 
 
-def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, world_size: int) -> Path:
+def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, world_size: int,
+         carry_state: dict | None = None) -> Path:
     """Write the checkpoint of `step` atomically (call on every process); returns its folder.
 
-    `sampler_state` is the prompt sampler's position after step `step` (`PromptSampler.state_dict()`).
+    `sampler_state` is the prompt sampler's position after step `step` (`PromptSampler.state_dict()`); `carry_state`
+    this process's carried responses after it (`CarryPool.state_dict()`, rollout.partial_rollout; None: none kept).
     `export_hf(folder)` writes the Hugging Face export (called on every process: the shards are gathered with
     it; process 0 writes). A write that fails on any process (OSError: no space left, permissions) raises
     SaveError on every process: the processes agree after each stage whose writes are local, so none of them is
@@ -398,6 +401,9 @@ def save(cfg, *, step: int, actor, sampler_state: dict, export_hf, rank: int, wo
         model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+        if carry_state is not None:
+            (tmp / "carry").mkdir(exist_ok=True)
+            (tmp / "carry" / f"rank_{rank}.json").write_text(json.dumps(carry_state))
 
     def trainer_state() -> None:
         state = {"step": step, "actor_steps_done": actor.steps_done, "scheduler": actor.scheduler.state_dict(),
@@ -473,6 +479,13 @@ def _save_failure_message(run_dir: Path, step: int, exc: BaseException | None) -
 
 
 # ------------------------------------------------------------------------------------------ load
+def read_carry_state(path: Path, rank: int) -> dict | None:
+    """This process's carried responses in the checkpoint `path` (`save`'s carry_state), or None when it holds none
+    (saved without rollout.partial_rollout, or by fewer processes)."""
+    file = path / "carry" / f"rank_{rank}.json"
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
 def read_trainer_state(path: Path) -> dict:
     if not (path / MARKER).is_file():
         raise ResumeError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was cut short; resume from an earlier one")

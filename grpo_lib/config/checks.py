@@ -92,7 +92,8 @@ def greedy_baseline_needed(cfg: Config) -> bool:
 def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
     """The engine's sampling logprobs are requested only when something reads them.
 
-    algorithm.rollout_correction (its importance weights), and the rollout/logprob_abs_diff_mean gap metric when the
+    algorithm.rollout_correction (its importance weights), rollout.partial_rollout (the decoupled loss's behaviour
+    logprobs of carried tokens), and the rollout/logprob_abs_diff_mean gap metric when the
     engine or the actor computes below float32 (the gap is then no longer ~1e-6 and worth watching). Skipping them
     saves the engine a log-softmax over the vocabulary per sampled token. "auto" is bfloat16 for both on a GPU
     (`gpu`: default, whether CUDA is present, as the trainer decides its device), float32 on CPU (grpo_lib/core/dtypes.py).
@@ -102,7 +103,8 @@ def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
 
         gpu = torch.cuda.is_available()
     low = ("bfloat16", "float16")
-    return (cfg.algorithm.rollout_correction.mode != "none" or dtypes.resolve(cfg.rollout.dtype, on_gpu=gpu) in low
+    return (cfg.algorithm.rollout_correction.mode != "none" or cfg.rollout.partial_rollout.enable  # behaviour logprobs
+            or dtypes.resolve(cfg.rollout.dtype, on_gpu=gpu) in low
             or dtypes.resolve(cfg.actor.fsdp_config.param_dtype, on_gpu=gpu) in low)
 
 
@@ -287,10 +289,53 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
         p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
                  f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")
     p += value_range_problems(cfg)
+    p += partial_rollout_problems(cfg, world_size=world_size)
     p += _multi_turn_problems(cfg)
     p += _engine_problems(cfg)
     p += distillation_problems(cfg)
     return p
+
+
+def partial_rollout_problems(cfg: Config, *, world_size: int = 1) -> list[str]:
+    """rollout.partial_rollout (carry-over, grpo_lib/rollout/carry.py): K >= 0, the pool a multiple of the batch, an
+    engine that can stop a call midway, and none of the rollout kinds it does not carry yet (each named with its key).
+
+    Example: max_staleness -1 -> ["rollout.partial_rollout.max_staleness=-1: ..."]; enable false -> [] (its keys unread)."""
+    pr, d, p = cfg.rollout.partial_rollout, cfg.data, []
+    if pr.max_staleness < 0:
+        p.append(f"rollout.partial_rollout.max_staleness={pr.max_staleness}: must be >= 0 (the most weight versions a "
+                 "trained token may lag; 0 drops every carried response, 1 is the usual bound)")
+    if not pr.enable:
+        return p
+    if pr.active_batch_size is not None and (pr.active_batch_size < d.train_batch_size or pr.active_batch_size % d.train_batch_size):
+        p.append(f"rollout.partial_rollout.active_batch_size={pr.active_batch_size}: must be a multiple of "
+                 f"data.train_batch_size={d.train_batch_size} (the groups kept in flight: one sampler batch refills what a "
+                 f"step trains), e.g. {2 * d.train_batch_size}; or null for twice the batch")
+    if not engine_settings.can_abort(cfg.rollout.name):
+        p.append(f"rollout.partial_rollout.enable=true with rollout.name={cfg.rollout.name!r}: that engine cannot stop a "
+                 "generation midway and return its unfinished responses; use rollout.name=vllm or hf, or turn "
+                 "rollout.partial_rollout.enable off")
+    unsupported = (("rollout.multi_turn.enable=true", cfg.rollout.multi_turn.enable, "episodes are not carried across steps yet"),
+                   ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
+                    "DAPO's extra rounds and the pool would both decide which groups train"),
+                   (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}", greedy_baseline_needed(cfg),
+                    "its greedy baseline would be generated with other weights than a carried response's"))
+    for key, on, why in unsupported:
+        if on:
+            p.append(f"rollout.partial_rollout.enable=true with {key}: not supported ({why}); turn one of them off")
+    if cfg.actor.behav_imp_weight_cap <= 0:
+        p.append(f"actor.behav_imp_weight_cap={cfg.actor.behav_imp_weight_cap}: must be > 0 (the decoupled loss's weight cap, e.g. 5)")
+    return p
+
+
+def partial_rollout_warnings(cfg: Config) -> list[str]:
+    """Valid carry-over settings that train what a user may not expect (printed at start)."""
+    pr = cfg.rollout.partial_rollout
+    if pr.enable and pr.max_staleness > 0 and not cfg.actor.use_decoupled_loss:
+        return [f"rollout.partial_rollout with max_staleness={pr.max_staleness} and actor.use_decoupled_loss=false: tokens "
+                "of older weights are trained as if this step's policy sampled them (no behaviour weight); set "
+                "actor.use_decoupled_loss=true unless that is what you want"]
+    return []
 
 
 def multi_turn_warnings(cfg: Config) -> list[str]:

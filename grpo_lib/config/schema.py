@@ -213,6 +213,15 @@ class ActorConfig:
     """Leave responses cut at data.max_response_length (finish reason `length`) out of the loss: their loss_mask is all 0,
     so they add no token and no sequence to any loss count (TRL's mask_truncated_completions). Their score stays in their
     group's advantage baseline. Off (verl, TRL's default): truncated responses train like the others."""
+    use_decoupled_loss: bool = True
+    """Decoupled PPO (AReaL) where the batch holds tokens of older weights (rollout.partial_rollout's carried responses):
+    the ratio is taken against the proximal policy (the old-logprob pass: this step's weights before the update) and
+    each such token is weighted by min(exp(proximal - behaviour), behav_imp_weight_cap), behaviour being the engine's
+    logprob from the weights that sampled it (docs/ALGORITHMS.md). Tokens of the current weights keep today's loss
+    exactly (rollout correction included), so without stale tokens nothing changes. false: stale tokens are trained
+    as if on-policy (a warning at start)."""
+    behav_imp_weight_cap: float = 5.0
+    """Cap of the decoupled loss's behaviour weight (AReaL's name; > 0)."""
     use_torch_compile: bool = may_change_on_resume(False)
     """torch.compile each decoder layer of the actor (dynamic shapes) for the update and logprob passes. Off by default:
     a one-off compile of tens of seconds on CPU for about 10% of the update (bench/results_cpu.md)."""

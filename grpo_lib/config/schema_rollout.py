@@ -67,6 +67,24 @@ class MultiTurnConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    enable: bool = False
+    """Carry-over rollouts on the same GPUs (grpo_lib/rollout/carry.py, docs/TRAINING.md): a step's generation stops as
+    soon as train_batch_size groups are complete; the unfinished responses keep their tokens, behaviour logprobs and
+    weight versions and are resumed first in the next step's round, re-prefilled under the new weights. The loss then
+    reweights their older tokens (actor.use_decoupled_loss). Single-turn rollouts only (no multi-turn, DAPO filter or
+    remax baseline yet); both engines (vllm at any TP size, hf)."""
+    active_batch_size: int | None = None
+    """Prompt groups kept in flight, a multiple of data.train_batch_size (None: twice it). The round stops when
+    train_batch_size of them are complete, i.e. at the share train_batch_size / active_batch_size; equal to
+    train_batch_size nothing is carried and the step is the synchronous one."""
+    max_staleness: int = 1
+    """K: a response holding a token more than K weight versions older than the weights being trained is dropped
+    (rollout/dropped_stale_responses) and generated again from its prompt: no trained token is older than K versions.
+    0: every carried response is dropped (no off-policy token is ever trained)."""
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     """Generation engine: vllm (colocated vLLM) or hf (transformers, a hand-written sampling loop with a KV cache;
@@ -136,3 +154,4 @@ class RolloutConfig:
     eager's time after a 52 s compile at the first call (bench/results_generate_hf_compile_cpu.md), worth it only for
     long runs; on GPUs without vLLM, untried."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)

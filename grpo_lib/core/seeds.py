@@ -56,6 +56,15 @@ def turn_seed(sample_seed: int, turn: int) -> int:
     return int.from_bytes(digest, "little") % _SEED_MODULUS
 
 
+def carry_seed(sample_seed: int, request: int) -> int:
+    """Seed of request `request` (>= 1) of a carried response (grpo_lib/rollout/carry.py: resumed, or started again
+    after a staleness drop) whose first request used `sample_seed`: fixed by the sample and the request count alone,
+    hashed into [0, 2**62) apart from the turn seeds. Example: carry_seed(s, 1) != carry_seed(s, 2) != turn_seed(s, 1)."""
+    assert request >= 1, f"request {request} < 1: the first request uses the sample seed itself"
+    digest = hashlib.blake2b(f"{sample_seed}:carry:{request}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _SEED_MODULUS
+
+
 def tp_group_share(num_prompts: int, *, world_size: int, rank: int, tp_size: int) -> tuple[list[int], list[int]]:
     """(positions the TP group of `rank` submits, indices into that list this rank keeps).
 

@@ -73,6 +73,7 @@ class Generation:
     finish_reason: str  # "stop" or "length"
     loss_mask: list[int] | None = None  # [response_len] 1 on tokens the loss trains on, 0 on holes; None: all 1
     episode: EpisodeStats | None = None  # a multi-turn episode's facts; None for a single-turn response
+    versions: list[int] | None = None  # [response_len] weight version that sampled each token (carry-over); None: the batch's
 
 
 @dataclass
@@ -119,6 +120,8 @@ class RolloutBatch:
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, T, k] float, the teacher's k most likely tokens (forward_kl_topk)
     teacher_topk_ids: torch.Tensor | None = None  # [B, T, k] long, their ids (0 off the loss mask)
     weight_version: int | None = None  # the engine's weight version the rows were generated with (`engine.weight_version`)
+    token_versions: torch.Tensor | None = None  # [B, T] long, weight version that sampled each response token (carry-over:
+    # rollout.partial_rollout; a carried response's older tokens hold older versions); None: every token is weight_version's
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -298,6 +298,11 @@ class Actor:
         rollout = dev(mb.rollout_logprobs)  # [b, T]
         is_weights = algorithms.rollout_is_weights(old, rollout, mask,  # ones for mode "none"
                                                    mode=alg.rollout_correction.mode, cap=alg.rollout_correction.cap)  # [b, T]
+        stale = None
+        if mb.token_versions is not None:  # carried responses: tokens of older weights (rollout.partial_rollout)
+            stale = (dev(mb.token_versions) < mb.weight_version) & mask.bool()  # [b, T]
+            if a.use_decoupled_loss:  # old = the proximal policy; behaviour = the engine's logprob when it sampled
+                is_weights = algorithms.decoupled_weights(is_weights, old, rollout, stale, cap=a.behav_imp_weight_cap)
         counts = dict(num_tokens=num_tokens, num_seqs=num_seqs,
                       loss_scale_factor=a.loss_scale_factor)
         pg_loss, metrics = algorithms.policy_loss(lp, old, dev(mb.advantages), mask, is_weights=is_weights,
@@ -307,8 +312,13 @@ class Actor:
         metrics["actor/pg_loss"] = pg_loss.detach()
         metrics.update({"perf/packed": float(layout != "padded"), "perf/shared_prefix": float(layout == "shared_prefix"),
                         "perf/real_tokens": float(sum(facts.lens)), "perf/computed_tokens": float(computed)})
+        if stale is not None:  # the share of off-policy tokens and their behaviour weight
+            stale_f = stale.float()
+            metrics["actor/stale_token_fraction"] = (stale_f.sum() / mask.sum().clamp(min=1)).detach()
+            metrics["actor/behav_imp_weight_mean"] = ((is_weights * stale_f).sum() / stale_f.sum().clamp(min=1)).detach()
         if engine_logprobs_needed(self.cfg):  # engine vs trainer logprobs of the sampled tokens (both pre-update)
-            gap = ((old - rollout).abs() * mask).sum() / mask.sum().clamp(min=1)
+            fresh = mask if stale is None else mask * ~stale  # older weights' tokens differ by the policy's drift too
+            gap = ((old - rollout).abs() * fresh).sum() / fresh.sum().clamp(min=1)
             metrics["rollout/logprob_abs_diff_mean"] = gap.detach()
         if a.use_kl_loss:
             kl = algorithms.kl_penalty(lp, dev(mb.ref_logprobs), a.kl_loss_type)  # [b, T]

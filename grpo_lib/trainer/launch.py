@@ -13,11 +13,27 @@ import sys
 from pathlib import Path
 
 from grpo_lib.config import ConfigError, load_config
-from grpo_lib.config.checks import environment_problems, multi_turn_warnings
+from grpo_lib.config.checks import environment_problems, multi_turn_warnings, partial_rollout_warnings
 
 
 class SetupError(RuntimeError):
     """A model folder or reward function that cannot be loaded (reported with exit code 2, before the engine starts)."""
+
+
+def load_carry(pool, path, *, rank: int) -> None:
+    """The carried responses of the checkpoint `path` into `pool` (rollout.partial_rollout); a checkpoint without them
+    (saved with carry-over off) leaves the pool empty: the next step fills it. Saved on another layout: SetupError
+    (exit 2) on every process (a process past the saved count finds no file of its own)."""
+    from grpo_lib.checkpoints.checkpoint import read_carry_state
+
+    state = read_carry_state(path, rank)
+    if state is None and (path / "carry").is_dir():
+        state = read_carry_state(path, 0)  # process 0's file names the layout it was saved on
+    if state is not None:
+        try:
+            pool.load_state_dict(state, where=str(path / "carry"))
+        except ValueError as error:
+            raise SetupError(str(error)) from error
 
 
 def main(argv: list[str], *, trainer_class, usage: str) -> int:
@@ -55,7 +71,7 @@ def main(argv: list[str], *, trainer_class, usage: str) -> int:
     if rank == 0 and (warning := launcher_timeout_warning()):  # accelerate launch would kill us before a stop saves
         print(warning, file=sys.stderr, flush=True)
     if rank == 0:
-        for warning in multi_turn_warnings(cfg):
+        for warning in multi_turn_warnings(cfg) + partial_rollout_warnings(cfg):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
     if cfg.ignored and rank == 0:  # once, at start
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),

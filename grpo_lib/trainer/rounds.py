@@ -251,8 +251,59 @@ class GroupFilter:
         return batch
 
 
+def carry_round(cfg, engine, scorer, dataset, sampler, pool, *, step: int, rank: int, timings: dict,
+                score_request: ScoreRequest | None = None, decode=None) -> tuple[RolloutBatch, RoundStats]:
+    """rollout.partial_rollout's round (grpo_lib/rollout/carry.py): the pool refilled from the sampler, its unfinished
+    responses resumed until the step's groups are complete (the rest carried), this process's complete groups as the
+    scored batch (each token's weight version in batch.token_versions) -> (batch, its counts, as `rollout_round`'s).
+    `decode` (the tokenizer's, special tokens skipped): the text of a response written by several requests."""
+    tp_leader = rank % cfg.rollout.tensor_model_parallel_size == 0
+    stats = RoundStats()
+    start = time.perf_counter()
+    pool.fill(sampler, dataset, step=step)
+    sampling = {k: v for k, v in train_sampling(cfg).items() if k != "max_tokens"} | {"n": 1}
+    pool.run_round(engine, dataset, sampling=sampling,
+                   generate_kwargs={} if score_request is None else {"score": score_request})
+    prompts, generations = pool.take(dataset, decode=decode)
+    timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
+    preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]
+    stats.sums["rollout/preemptions"] = preempted if tp_leader else 0.0
+    batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
+    batch.weight_version = engine.weight_version
+    if cfg.actor.mask_truncated_responses:
+        mask_truncated(batch)
+    start = time.perf_counter()
+    stats.sums.update(score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
+                            max_response_length=cfg.data.max_response_length, timings=timings))
+    stats.sums["count"] = float(len(batch))
+    stats.sums["reward/sum"] = float(batch.scores.sum())
+    stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
+    stats.sums["response/length_max"] = float(batch.response_lengths.max())
+    stats.sums["response/clipped"] = float(batch.truncated.sum())
+    timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+    return batch, stats
+
+
+def carry_metrics(pool, batch: RolloutBatch) -> dict[str, float]:
+    """The pool's counters summed over processes (rollout/carried_responses: unfinished at the round's end,
+    resumed_responses, dropped_stale_responses / _tokens, pool_groups) and the staleness of the trained loss tokens:
+    rollout/staleness_{s} the share s versions old for s = 0 .. max_staleness, rollout/staleness_max; one all-reduce
+    per kind. Example: 90 loss tokens of this step's weights and 10 of the previous -> staleness_0 0.9, staleness_1 0.1."""
+    reduction = Reduction()
+    for k, v in pool.pop_counts().items():
+        reduction.sum(k, v)
+    mask = batch.loss_mask > 0  # [B, T]
+    age = (batch.weight_version - batch.token_versions)[mask]  # [loss tokens]
+    reduction.count("trained_tokens", float(age.numel()))
+    for s in range(pool.max_staleness + 1):
+        reduction.mean(f"rollout/staleness_{s}", float((age == s).sum()), over="trained_tokens")
+    reduction.max("rollout/staleness_max", float(age.max()) if age.numel() else 0.0)
+    return reduction.reduce()
+
+
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
-                     episodes=None, stream_rewards: bool = True, score_request: ScoreRequest | None = None):
+                     episodes=None, stream_rewards: bool = True, score_request: ScoreRequest | None = None,
+                     carry=None, decode=None):
     """Rollout rounds (`rollout_round`: prompts -> generation, the engine ready, the caller releases it afterwards ->
     rewards) through the `GroupFilter` until the step has its batch; `score_request` (the weight probe's) rides in
     round 1's first generate call.
@@ -265,9 +316,18 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     batch/kept_groups (trained on); reward/* and response/* cover every response generated, dropped ones too.
     With `episodes` (multi-turn) each sample is an episode and episode/* and tools/* are logged over all of them
     (`reduce_episode_metrics`).
+    With `carry` (a `carry.CarryPool`, rollout.partial_rollout) the step is one `carry_round` and its metrics add
+    `carry_metrics`.
     """
     groups, stats = GroupFilter(cfg, world_size=world_size), RoundStats(sums={"rollout/preemptions": 0.0})
     engine.pop_metrics("rollout/")  # only the training rollouts count: drop what validation's generation preempted
+    if carry is not None:
+        batch, round_stats = carry_round(cfg, engine, scorer, dataset, sampler, carry, step=step, rank=rank, timings=timings,
+                                         score_request=score_request, decode=decode)
+        stats.add(round_stats)
+        groups.add(batch)
+        batch = groups.finish(cfg, step=step, stats=stats, scorer=scorer)
+        return batch, {**rollout_metrics(stats, groups, step=step), **carry_metrics(carry, batch)}
     while True:
         batch, round_stats = rollout_round(cfg, engine, scorer, dataset, sampler.next_batch(), step=step, round=groups.rounds + 1,
                                            world_size=world_size, rank=rank, timings=timings, episodes=episodes,

@@ -44,6 +44,8 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
     response_mask = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
     loss_mask = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
     rollout_logprobs = torch.zeros((B, width), dtype=torch.float32)  # [B, T]
+    versioned = any(g.versions is not None for _, g in rows)  # carried responses: each token's weight version
+    token_versions = torch.zeros((B, width), dtype=torch.long) if versioned else None  # [B, T]
     for i, (pids, g) in enumerate(rows):
         P, R = len(pids), len(g.token_ids)
         input_ids[i, :P + R] = torch.tensor(list(pids) + g.token_ids)
@@ -56,6 +58,9 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
                 f"a generation's loss_mask must hold one 0 or 1 per response token: {R} tokens, loss_mask {g.loss_mask}")
             loss_mask[i, P:P + R] = torch.tensor(g.loss_mask, dtype=torch.float32)
         rollout_logprobs[i, P:P + R] = torch.tensor(g.logprobs, dtype=torch.float32)
+        if versioned:
+            assert g.versions is not None and len(g.versions) == R, "every generation of a versioned batch has one version per token"
+            token_versions[i, P:P + R] = torch.tensor(g.versions, dtype=torch.long)
     return RolloutBatch(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, loss_mask=loss_mask,
         rollout_logprobs=rollout_logprobs,
@@ -64,6 +69,7 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
         extra_infos=[reward_extra_info(prompts.extra_infos[p], g.episode)
                      for p, (_, g) in zip(meta, rows)],
         truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
+        token_versions=token_versions,
     )
 
 

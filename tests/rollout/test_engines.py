@@ -162,3 +162,21 @@ def test_a_score_request_comes_back_from_the_generate_call_that_carried_it_and_c
 def test_the_engine_reports_the_version_of_its_last_push(outputs, name):
     (out,) = outputs[name]
     assert (out["version_before_push"], out["version_after_push"]) == (0, 7)
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf", "vllm_tp2"])
+def test_a_stopped_call_returns_each_unfinished_response_as_far_as_it_got(outputs, name):
+    """generate(stop=...) (carry-over): a response that finished before the stop is the full call's; an unfinished one
+    is a prefix of the full call's response, with the same logprobs, finish reason "abort"."""
+    for out in outputs[name]:
+        assert out["stop_asked"] == 5, "stop is asked after every engine step until it says True"
+        aborted = 0
+        for group, full_group in zip(out["stopped"], out["stopped_full"]):
+            for (ids, lps, reason, _text), (full_ids, full_lps, full_reason, full_text) in zip(group, full_group):
+                if reason == "abort":
+                    aborted += 1
+                    assert 0 < len(ids) < len(full_ids) and ids == full_ids[:len(ids)]
+                    assert lps == pytest.approx(full_lps[:len(ids)], abs=1e-6)
+                else:
+                    assert (ids, reason) == (full_ids, full_reason)
+        assert 0 < aborted < 6, f"{aborted} of 6 responses aborted: the stop must land mid-call"

@@ -80,6 +80,16 @@ def main(engine_name: str, model_dir: str, out_dir: str, tp: int) -> None:
         out[f"carried_{path}_scores"] = request.scores
         out[f"carried_{path}_version"] = request.weight_version
         out[f"carried_{path}_sampled"] = [[s.token_ids for s in group] for group in again]
+    # stop (carry-over): after the 5th engine step the unfinished responses come back as far as they got; the
+    # limits 3 / 12 / 8 let one finish first. The full call's responses are what the stopped one continued.
+    steps = []
+    limits = [3, 12, 8]
+    stopped = engine.generate(prompts[:3], n=2, temperature=1.0, max_tokens=limits, seeds=[11, 22, 33],
+                              stop=lambda: steps.append(1) or len(steps) >= 5)
+    full = engine.generate(prompts[:3], n=2, temperature=1.0, max_tokens=limits, seeds=[11, 22, 33])
+    out["stopped"] = [[[s.token_ids, s.logprobs, s.finish_reason, s.text] for s in group] for group in stopped]
+    out["stopped_full"] = [[[s.token_ids, s.logprobs, s.finish_reason, s.text] for s in group] for group in full]
+    out["stop_asked"] = len(steps)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -78,7 +78,9 @@ class Generator(Protocol):
     stream scores it while the rest generate); what generate returns is the same with or without it. `score`
     (`types.ScoreRequest`, optional: the weight probe) is scored inside the call, from the weights it generates with,
     and changes nothing it generates. score_logprobs: every token's logprob given its prefix (entry 0 is 0),
-    temperature 1. An engine may also offer `open_session` (`GenerationSession`: requests added while it generates;
+    temperature 1. `stop` (optional, carry-over: grpo_lib/rollout/carry.py) is asked after every engine step, after
+    `on_finished`; once it says True the call returns, each unfinished response as far as it got (its tokens and
+    logprobs so far, finish reason "abort"). An engine may also offer `open_session` (`GenerationSession`: requests added while it generates;
     vLLM). Legal in the lifecycle state ready only.
     """
 
@@ -86,7 +88,8 @@ class Generator(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int], top_p: float = 1.0,
                  top_k: int = -1, seeds: list[int] | None = None, logprobs: bool = True,
-                 on_finished: OnFinished | None = None, score: ScoreRequest | None = None) -> list[list[Generation]]: ...
+                 on_finished: OnFinished | None = None, score: ScoreRequest | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[list[Generation]]: ...
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
 

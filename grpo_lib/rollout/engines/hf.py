@@ -28,7 +28,7 @@ and no tensor parallelism (its settings, engines/hf_settings.py, refuse rollout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -159,31 +159,37 @@ class HFEngine(EngineGlue):
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
                  logprobs: bool = True, on_finished: OnFinished | None = None,
-                 score: ScoreRequest | None = None) -> list[list[Generation]]:
+                 score: ScoreRequest | None = None, stop: Callable[[], bool] | None = None) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations. Sample k of prompt i uses seeds[i] + k.
         `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
         The sampled tokens' logprobs come out of the sampling step itself, so `logprobs` (the vLLM engine's switch) costs
         nothing here. `on_finished` (`grpo_lib.rollout.engines.base.OnFinished`) hears after every decode step of the rows
         that finished in it. `score` (the weight probe) is scored by `score_logprobs` after the responses, in the same
-        call (no batching to share here)."""
+        call (no batching to share here). `stop` (carry-over): asked after every decode step; True ends the call, each
+        unfinished row returned as far as it got (finish reason "abort"; rows of batches not started yet: no tokens)."""
         with self.lifecycle.transition("generate"):
             limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
             rows = [(list(ids), None if seeds is None else seeds[i] + k, limits[i])
                     for i, ids in enumerate(prompt_ids) for k in range(n)]
             done: list[Generation] = []
             for start in range(0, len(rows), self.cfg.max_num_seqs):
+                chunk = rows[start:start + self.cfg.max_num_seqs]
+                if stop is not None and start > 0 and stop():  # stopped in an earlier batch: these never started
+                    done += [Generation(token_ids=[], logprobs=[], text="", finish_reason="abort") for _ in chunk]
+                    continue
                 report = None if on_finished is None else (
                     lambda finished, start=start: on_finished([divmod(start + r, n) + (g,) for r, g in finished]))
-                done += self._generate_rows(rows[start:start + self.cfg.max_num_seqs], temperature=temperature,
-                                            top_p=top_p, top_k=top_k, on_finished=report)
+                done += self._generate_rows(chunk, temperature=temperature, top_p=top_p, top_k=top_k, on_finished=report,
+                                            should_stop=stop)
         if score is not None:
             score.fill(self.score_logprobs(score.sequences), weight_version=self.weight_version)
         return [done[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     def _generate_rows(self, rows: list[tuple[list[int], int | None, int]], *, temperature: float, top_p: float,
-                       top_k: int, on_finished=None) -> list[Generation]:
+                       top_k: int, on_finished=None, should_stop: Callable[[], bool] | None = None) -> list[Generation]:
         """Rows of (prompt ids, seed, max tokens) in one left-padded batch; a row leaves the batch (its KV cache rows
-        too) at eos or its own max tokens. `on_finished([(row, Generation), ...])` after every decode step."""
+        too) at eos or its own max tokens. `on_finished([(row, Generation), ...])` after every decode step; `should_stop()`
+        after it: True returns the unfinished rows as far as they got (finish reason "abort")."""
         b, width = len(rows), max(len(ids) for ids, _, _ in rows)
         limits = torch.tensor([limit for _, _, limit in rows])  # [b]
         steps = int(limits.max())
@@ -235,6 +241,11 @@ class HFEngine(EngineGlue):
                 next_ids, mask, positions = next_ids[keep], mask[keep], positions[keep]
             elif on_finished is not None:
                 on_finished([])
+            if should_stop is not None and should_stop():
+                for r in active.tolist():
+                    done[r] = self._generation(tokens[r, :t + 1].tolist(), token_lps[r, :t + 1].tolist())
+                    done[r].finish_reason = "abort"
+                break
             step_ids = next_ids[:, None]  # [a, 1]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)  # [a, P + t + 1]
             positions = positions[:, -1:] + 1  # [a, 1]

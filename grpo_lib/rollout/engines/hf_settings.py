@@ -9,6 +9,8 @@ itself, `grpo_lib/rollout/engines/hf.py`, imports torch and transformers; transf
 
 from __future__ import annotations
 
+CAN_ABORT = True  # generate(stop=...) returns unfinished responses as far as they got (its own decode loop stops between steps)
+
 
 def key_problems(cfg) -> list[str]:
     """The hf engine's rules, with rollout.name=hf: each process generates alone, so no tensor parallelism.

@@ -34,6 +34,13 @@ def key_problems(cfg) -> list[str]:
     return p
 
 
+def can_abort(name: str) -> bool:
+    """Whether the engine `name` can stop a generate call midway and return its unfinished responses as far as they got
+    (`generate(stop=...)`, which rollout.partial_rollout needs): each settings module's CAN_ABORT."""
+    module = ENGINE_SETTINGS.get(name)
+    return bool(getattr(module, "CAN_ABORT", False))
+
+
 def library_problems(cfg) -> list[str]:
     """The run's engine's settings against its installed library, one problem per line (exit 2 at start)."""
     module = ENGINE_SETTINGS.get(cfg.rollout.name)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -266,7 +266,7 @@ class VLLMEngine(EngineGlue):
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, max_tokens: int | list[int],
                  top_p: float = 1.0, top_k: int = -1, seeds: list[int] | None = None,
                  logprobs: bool = True, on_finished: OnFinished | None = None,
-                 score: ScoreRequest | None = None) -> list[list[Generation]]:
+                 score: ScoreRequest | None = None, stop: Callable[[], bool] | None = None) -> list[list[Generation]]:
         """`n` responses for each prompt; returns [num_prompts][n] Generations (token ids in, token ids out).
         `max_tokens`: one limit for all, or one per prompt (an episode's remaining response budget).
         `score` (the weight probe): its sequences go into the same batch as prompt-logprob requests (score_logprobs'
@@ -281,6 +281,10 @@ class VLLMEngine(EngineGlue):
         request (n=1, seed + k): exactly the child requests vLLM makes of an n-request (`ParentRequest`: child k is
         seeded seed + k, added in order), so the tokens are the same as one n-request's; an n-request would only
         report when its last child finishes.
+
+        `stop` (carry-over, grpo_lib/rollout/carry.py): asked after every engine step (after `on_finished`); when it
+        says True the unfinished requests are aborted and come back as what they generated so far, finish reason
+        "abort" (their tokens and logprobs streamed step by step: vLLM's DELTA outputs). Stepwise, like on_finished.
         """
         from vllm import SamplingParams
 
@@ -295,12 +299,13 @@ class VLLMEngine(EngineGlue):
                     seed=None if seeds is None else seeds[i]))
             preemptions_before = self.preemptions_total()
             score_requests = [{"prompt_token_ids": list(s)} for s in scored]
-            if on_finished is None:
+            if on_finished is None and stop is None:
                 outputs = self.llm.generate(requests + score_requests, params + [score_params() for _ in scored], use_tqdm=False)
                 outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
-                result, score_outputs = self._generate_stepwise(prompt_ids, params, on_finished, scored, sampling)
+                result, score_outputs = self._generate_stepwise(prompt_ids, params, on_finished or (lambda finished: None),
+                                                                scored, sampling, stop=stop)
             if score is not None:
                 score.fill([_prompt_logprobs(out, seq) for out, seq in zip(score_outputs, scored)],
                            weight_version=self.weight_version)
@@ -308,12 +313,14 @@ class VLLMEngine(EngineGlue):
         return result
 
     def _generate_stepwise(self, prompt_ids: list[list[int]], params: list, on_finished: OnFinished,
-                           scored: list[list[int]], sampling: dict) -> tuple[list[list[Generation]], list]:
+                           scored: list[list[int]], sampling: dict,
+                           stop: Callable[[], bool] | None = None) -> tuple[list[list[Generation]], list]:
         """One request per sample through a `_Session` (the `scored` sequences added first, then each prompt's samples
         in order, each with its prompt's max_tokens and seed + k), the engine stepped here, `on_finished` after every
         step; the scored sequences (generate's `score`) ride along: their outputs come back second, in order, and never
-        reach on_finished."""
-        session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling)
+        reach on_finished. `stop` (generate's): after a step that makes it True the unfinished samples are aborted and
+        returned as far as they got (finish reason "abort"); the scored sequences still finish."""
+        session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling, partial=stop is not None)
         result: list[list[Generation | None]] = [[None] * p.n for p in params]
         try:
             for sequence in scored:
@@ -326,6 +333,9 @@ class VLLMEngine(EngineGlue):
                 for (i, k), generation in finished:
                     result[i][k] = generation
                 on_finished([(i, k, generation) for (i, k), generation in finished])
+                if stop is not None and session.unfinished and stop():
+                    for (i, k), generation in session.abort_partial():
+                        result[i][k] = generation
         finally:
             session.abort()  # the callback or a step raised: leave no request behind in the engine
         return result, session.score_outputs
@@ -403,9 +413,12 @@ def _generation(completion) -> Generation:
 class _Session:
     """VLLMEngine.open_session's GenerationSession over one LLMEngine (the requests of one generation phase)."""
 
-    def __init__(self, engine, counter, *, sampling: dict):
+    def __init__(self, engine, counter, *, sampling: dict, partial: bool = False):
         self.engine, self.counter = engine, counter
         self.sampling = sampling  # SamplingParams' keyword arguments but n, max_tokens and seed (`sampling_kwargs`)
+        # partial: every sample request streams its tokens (DELTA outputs), so an aborted one keeps what it generated
+        self.partial = partial
+        self.sofar: dict[str, tuple[list[int], list[float], list[str]]] = {}  # request id -> tokens, logprobs, text parts
         self.keys: dict[str, object] = {}  # request id -> the caller's key; unfinished sample requests
         self.score_ids: dict[str, int] = {}  # request id -> index in score_outputs; unfinished score requests
         self.score_outputs: list = []
@@ -423,9 +436,12 @@ class _Session:
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(**self.sampling, n=1, max_tokens=max_tokens, seed=seed)  # as generate's, for n=1
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when it finishes
+        # one output when it finishes; partial: each step's new tokens (what an abort keeps)
+        params.output_kind = RequestOutputKind.DELTA if self.partial else RequestOutputKind.FINAL_ONLY
         request_id = f"grpo-{next(self.counter)}"
         self.keys[request_id] = key
+        if self.partial:
+            self.sofar[request_id] = ([], [], [])
         self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
 
     def add_score(self, sequence: list[int]) -> None:
@@ -445,11 +461,34 @@ class _Session:
                                "session has not seen finish (one left the engine without a final output)")
         finished = []
         for out in self.engine.step():
-            if out.finished and out.request_id in self.keys:
+            if self.partial and out.request_id in self.keys:
+                tokens, logprobs, texts = self.sofar[out.request_id]
+                delta = _generation(out.outputs[0])
+                tokens += delta.token_ids
+                logprobs += delta.logprobs
+                texts.append(delta.text)
+                if out.finished:
+                    del self.sofar[out.request_id]
+                    finished.append((self.keys.pop(out.request_id), Generation(
+                        token_ids=tokens, logprobs=logprobs, text="".join(texts), finish_reason=delta.finish_reason)))
+            elif out.finished and out.request_id in self.keys:
                 finished.append((self.keys.pop(out.request_id), _generation(out.outputs[0])))
             elif out.finished and out.request_id in self.score_ids:
                 self.score_outputs[self.score_ids.pop(out.request_id)] = out
         return finished
+
+    def abort_partial(self) -> list[tuple[object, Generation]]:
+        """Abort the unfinished sample requests (a partial session's); each one's (key, Generation) as far as it got,
+        finish reason "abort". The score requests go on."""
+        left = list(self.keys)
+        if left:
+            self.engine.abort_request(left)
+        out = []
+        for request_id in left:
+            tokens, logprobs, texts = self.sofar.pop(request_id)
+            out.append((self.keys.pop(request_id), Generation(token_ids=tokens, logprobs=logprobs, text="".join(texts),
+                                                              finish_reason="abort")))
+        return out
 
     def abort(self) -> None:
         left = list(self.keys) + list(self.score_ids)

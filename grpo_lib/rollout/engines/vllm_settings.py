@@ -14,6 +14,8 @@ milliseconds. This module owns:
 
 from __future__ import annotations
 
+CAN_ABORT = True  # generate(stop=...) returns unfinished responses as far as they got (vLLM's engine steps with DELTA outputs; abort_request)
+
 import functools
 import os
 from pathlib import Path
