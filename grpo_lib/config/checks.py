@@ -311,6 +311,11 @@ def partial_rollout_problems(cfg: Config, *, world_size: int = 1) -> list[str]:
         p.append(f"rollout.partial_rollout.active_batch_size={pr.active_batch_size}: must be a multiple of "
                  f"data.train_batch_size={d.train_batch_size} (the groups kept in flight: one sampler batch refills what a "
                  f"step trains), e.g. {2 * d.train_batch_size}; or null for twice the batch")
+    if pr.max_staleness == 0 and (pr.active_batch_size or 2 * d.train_batch_size) != d.train_batch_size:
+        p.append(f"rollout.partial_rollout.max_staleness=0 with active_batch_size="
+                 f"{pr.active_batch_size or 2 * d.train_batch_size} above data.train_batch_size={d.train_batch_size}: every "
+                 "response carried to the next step would be dropped (its tokens one version old), work thrown away; set "
+                 "active_batch_size to the batch (the synchronous step) or max_staleness >= 1")
     if not engine_settings.can_abort(cfg.rollout.name):
         p.append(f"rollout.partial_rollout.enable=true with rollout.name={cfg.rollout.name!r}: that engine cannot stop a "
                  "generation midway and return its unfinished responses; use rollout.name=vllm or hf, or turn "

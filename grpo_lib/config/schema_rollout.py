@@ -79,9 +79,10 @@ class PartialRolloutConfig:
     train_batch_size of them are complete, i.e. at the share train_batch_size / active_batch_size; equal to
     train_batch_size nothing is carried and the step is the synchronous one."""
     max_staleness: int = 1
-    """K: a response holding a token more than K weight versions older than the weights being trained is dropped
-    (rollout/dropped_stale_responses) and generated again from its prompt: no trained token is older than K versions.
-    0: every carried response is dropped (no off-policy token is ever trained)."""
+    """K: no trained token is more than K weight versions older than the weights being trained. A group that would
+    break it if carried once more finishes in its round; one that still would (more complete groups than a step
+    trains) is dropped (rollout/dropped_stale_responses) and generated again from its prompt. 0 only with
+    active_batch_size equal to train_batch_size (otherwise every carried response would be thrown away)."""
 
 
 @dataclass

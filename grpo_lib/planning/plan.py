@@ -112,6 +112,14 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
         rounds = fg.max_num_gen_batches or "unlimited"
         lines.append(f"dynamic sampling (DAPO): up to {rounds} generate rounds of {d.train_batch_size} prompts per step until "
                      f"{d.train_batch_size} groups have differing scores")
+    pr = cfg.rollout.partial_rollout
+    if pr.enable:
+        active = pr.active_batch_size or 2 * d.train_batch_size
+        lines.append(f"carry-over (rollout.partial_rollout): {active} groups in flight; a step's generation stops when "
+                     f"{d.train_batch_size} are complete ({d.train_batch_size / active:.0%}), the rest resume next step; no "
+                     f"trained token older than {pr.max_staleness} weight version(s); decoupled loss "
+                     f"{'on' if a.use_decoupled_loss else 'OFF'} (cap {a.behav_imp_weight_cap}); the first step draws "
+                     f"{active // d.train_batch_size} batches of prompts, each later step one")
     lines += advantage_lines(cfg)
     rows = count_rows(d.train_files)
     if rows is None:

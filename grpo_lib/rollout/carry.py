@@ -4,7 +4,9 @@ the long tail goes on in the next round under newer weights instead of holding t
 The pool. Each process keeps `active_batch_size / world_size` prompt groups in flight (a TP group: the union of its
 members' shares, every member holding the same pool). A step's round resumes every unfinished response of the pool
 (carried ones first, oldest group first) and stops the engine (`generate(stop=...)`) as soon as every member owns
-`train_batch_size / world_size` complete groups; the unfinished responses come back as far as they got (tokens,
+`train_batch_size / world_size` complete groups and every due group is complete (a group is due when, carried once
+more, its oldest tokens would be more than `max_staleness` versions old when trained: it finishes now rather than be
+dropped, so no generated work is thrown away for staleness); the unfinished responses come back as far as they got (tokens,
 behaviour logprobs, the weight version of each token) and stay in the pool. The complete groups a process owns,
 oldest first, are its batch; then one sampler batch of fresh prompts refills the pool (the first step draws
 active_batch_size / train_batch_size of them). Example: train_batch_size 4, active_batch_size 8, one process: step 1
@@ -13,9 +15,11 @@ draws 4 fresh prompts; step 2 resumes the carried responses first.
 
 A carried response is resumed as a new request: its prompt followed by what it generated so far (re-prefilled under the
 new weights: every push resets the engine's prefix cache, `EngineGlue.prepare_for_generation`), the remaining token
-budget, and a seed of its own (`seeds.carry_seed`). Staleness: a response whose oldest token is more than
-`max_staleness` versions behind the engine's weights is dropped before the round (counted) and generated again from
-its prompt, so no trained token is older than that and no prompt is lost or trained twice. With active_batch_size ==
+budget, and a seed of its own (`seeds.carry_seed`). Staleness: due groups finish in their round (above); a response
+whose oldest token is still more than `max_staleness` versions behind the engine's weights at a round's start (more
+complete groups than a step trains, with active_batch_size above twice the batch) is dropped (counted) and generated
+again from its prompt, so no trained token is older than that and no prompt is lost or trained twice. With
+max_staleness 0 every group that started is due: the round runs until all are complete and nothing is carried. With active_batch_size ==
 train_batch_size nothing is ever carried: the round runs to the last response and the step is today's synchronous one
 (the same seeds, responses and batch order).
 
@@ -145,6 +149,11 @@ class CarryPool:
                         self._count("rollout/dropped_stale_tokens", len(sample.token_ids))
                     sample.restart()
 
+    @staticmethod
+    def oldest(group: Group) -> int | None:
+        """The oldest weight version among the group's tokens (None: nothing generated yet)."""
+        return min((min(s.versions) for s in group.samples if s.versions), default=None)
+
     def complete_by_owner(self) -> dict[int, int]:
         counts = dict.fromkeys(self.members, 0)
         for group in self.groups:
@@ -168,6 +177,11 @@ class CarryPool:
         requests = [s.request(dataset.prompt_ids[g.row], self.max_response_length) for g, s in pending]
         left = {id(g): sum(s.finish_reason is None for s in g.samples) for g in self.groups}
         complete = self.complete_by_owner()
+        # Due groups finish in this round: carried once more, their oldest tokens would be more than K versions old
+        # when trained, and dropped (their work lost). The round goes on until they are complete.
+        due = {id(g) for g in self.groups if not g.complete and self.oldest(g) is not None
+               and version - self.oldest(g) >= self.max_staleness}
+        due_left = [len(due)]
         for g, s in pending:
             if g.owner == self.rank and s.token_ids:
                 self._count("rollout/resumed_responses", 1)
@@ -178,9 +192,10 @@ class CarryPool:
                 left[id(group)] -= 1
                 if left[id(group)] == 0:
                     complete[group.owner] += 1
+                    due_left[0] -= id(group) in due
 
         def stop() -> bool:
-            return all(c >= self.per_rank for c in complete.values())
+            return due_left[0] == 0 and all(c >= self.per_rank for c in complete.values())
 
         generations = engine.generate([r[0] for r in requests], max_tokens=[r[1] for r in requests],
                                       seeds=[r[2] for r in requests], on_finished=on_finished, stop=stop,

@@ -28,10 +28,12 @@ def carry(**keys) -> Config:
 def test_a_valid_carry_over_config_has_no_problem():
     assert validate(carry(active_batch_size=16, max_staleness=2)) == []
     assert validate(carry()) == []  # null: twice the batch
+    assert validate(carry(active_batch_size=8, max_staleness=0)) == []  # the synchronous step
 
 
 @pytest.mark.parametrize("keys, words", [
     ({"max_staleness": -1}, "rollout.partial_rollout.max_staleness=-1: must be >= 0"),
+    ({"max_staleness": 0}, "rollout.partial_rollout.max_staleness=0 with active_batch_size=16 above data.train_batch_size=8"),
     ({"active_batch_size": 12}, "rollout.partial_rollout.active_batch_size=12: must be a multiple of data.train_batch_size=8"),
     ({"active_batch_size": 4}, "rollout.partial_rollout.active_batch_size=4: must be a multiple"),
     ({"rollout.multi_turn__enable": True}, "rollout.partial_rollout.enable=true with rollout.multi_turn.enable=true: not supported"),

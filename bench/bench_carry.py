@@ -1,0 +1,186 @@
+"""Carry-over against the synchronous step on the long-tail work (issue 43): whole trainer steps, A/B alternated.
+
+Not a test: `python bench/bench_carry.py` prints a table and writes bench/results_carry_cpu.md (machine, date, load).
+
+Shape: bench_step.py's random 3.4M-parameter Qwen3, 16 prompts x 8 per step, micro-batches of 32 rows, one update per
+step, a 512-token cap, packing on (bench_step's fast_pack: there generation is about half the synchronous step), vLLM
+(compiled) in the trainer process. Lengths are forced per sample (ignore_eos; vLLM's
+max_tokens): sample s gets `length(s)` tokens, lognormal (median 64, sigma 0.9) cut to [8, 480]: mean ~90, the longest
+of a step's 128 near 480 (issue 43's long tail). A sample's length is fixed by its first seed, so a carried response
+ends where the synchronous step's copy of it would: each mode generates the same responses' lengths; carry-over only
+changes when their tokens are generated (a resumed request asks for what its sample still lacks).
+
+Two trainer processes (train_grpo.GRPOTrainer.setup, then GRPOTrainer.step: rollouts -> reward -> update -> push),
+`sync` (rollout.partial_rollout off) and `carry` (on; active_batch_size 32 = twice the batch; max_staleness 1), each
+a whole run of --steps steps; the coordinator alternates one step of each, waiting for an idle CPU before each
+(bench_step.wait_for_idle) and recording the CPU share other processes took. The first --warmup steps (compiles, the
+pool filling) are not reported. Reported per mode: median step, generation (timing_s/gen), update and push seconds,
+the tokens generated per step (sum of response lengths trained), carried / resumed / dropped responses, the staleness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_step import Worker, build_fixtures, machine, median, overrides, reply, wait_for_idle  # noqa: E402
+
+CAP = 512
+MODES = {"sync": [], "carry": ["rollout.partial_rollout.enable=true", "rollout.partial_rollout.active_batch_size=32",
+                               "rollout.partial_rollout.max_staleness=1"]}
+
+
+def length(seed: int) -> int:
+    """A sample's forced response length: lognormal (median 64, sigma 0.9) from its first seed, cut to [8, 480]."""
+    u1, u2 = (int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") / 2**64 for i in (1, 2))
+    normal = math.sqrt(-2 * math.log(max(u1, 1e-12))) * math.cos(2 * math.pi * u2)
+    return int(min(480, max(8, round(math.exp(math.log(64) + 0.9 * normal)))))
+
+
+def force_lengths() -> None:
+    """Every request ignores EOS and stops at its sample's remaining length (`length` of the sample's first seed minus
+    what it generated already): vLLM's requests are one per sample on both paths (the reward stream's and carry-over's)."""
+    import vllm
+    from vllm import LLM  # noqa: F401  (vLLM type-annotates with SamplingParams at import: import it first)
+
+    from grpo_lib.rollout import carry
+    from grpo_lib.rollout.engines import vllm as engine
+
+    params_class = vllm.SamplingParams
+    vllm.SamplingParams = lambda **kwargs: params_class(**{**kwargs, "ignore_eos": True})
+    remaining: dict[int, int] = {}  # request seed -> tokens its sample still lacks (carried requests)
+    request = carry.Sample.request
+
+    def carried_request(self, prompt_ids, max_response_length):
+        ids, max_tokens, seed = request(self, prompt_ids, max_response_length)
+        remaining[seed] = length(self.seed) - len(self.token_ids)
+        return ids, max_tokens, seed
+
+    carry.Sample.request = carried_request
+    add = engine._Session.add
+
+    def forced_add(self, key, prompt_ids, *, max_tokens, seed):
+        return add(self, key, prompt_ids, max_tokens=min(max_tokens, remaining.get(seed, length(seed))), seed=seed)
+
+    engine._Session.add = forced_add
+
+
+def trainer_worker(work: Path, mode: str) -> None:
+    import train_grpo
+    from grpo_lib.checkpoints.checkpoint import ResumePlan
+    from grpo_lib.config import load_config
+    from grpo_lib.core.perf import capture_torch_threads, tune_allocator
+
+    args = [a for a in overrides(work, "fast_pack", "long_tail") if not a.startswith(("trainer.default_local_dir", "reward.num_workers"))]
+    cfg = load_config(None, [*args, f"trainer.default_local_dir={work / ('out_' + mode)}", "reward.num_workers=1",
+                             "trainer.weight_probe=false", *MODES[mode]])
+    force_lengths()
+    tune_allocator()
+    capture_torch_threads()
+    trainer = train_grpo.GRPOTrainer(cfg, world_size=1, rank=0, resume=ResumePlan())
+    trainer.setup()
+    step = 0
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        step += 1
+        c0 = time.process_time()
+        metrics = trainer.step(step)
+        reply({**{k: v for k, v in metrics.items() if k.startswith(("timing_s/", "rollout/", "response/"))},
+               "cpu_s": time.process_time() - c0})
+    trainer.close()
+
+
+class ModeWorker(Worker):
+    def __init__(self, mode: str, work: Path, log: Path):
+        import subprocess
+
+        self.name = mode
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", mode, "--work-dir", str(work)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        self.ready = self.read()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per mode (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per mode not reported (compiles; the pool fills)")
+    parser.add_argument("--idle", type=float, default=0.85)
+    parser.add_argument("--max-wait-s", type=float, default=30.0)
+    parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results_carry_cpu.md"))
+    parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_carry_"))
+    if args.worker:
+        trainer_worker(work, args.worker)
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    build_fixtures(work)
+    info = machine()
+    print(info, flush=True)
+    workers = {m: ModeWorker(m, work, work / f"{m}.log") for m in MODES}
+    rows: dict[str, list[dict]] = {m: [] for m in MODES}
+    try:
+        for step in range(1, args.warmup + args.steps + 1):
+            for m, w in workers.items():
+                idle = wait_for_idle(args.idle, args.max_wait_s)
+                out = w.ask({"cmd": "step"})
+                out["idle_before"] = idle
+                print(f"step {step} {m}: step {out['timing_s/step']:.2f}s gen {out['timing_s/gen']:.2f}s "
+                      f"update {out.get('timing_s/update', 0):.2f}s carried {out.get('rollout/carried_responses', 0):.0f} "
+                      f"others' CPU {out['others_cpu_share']:.0%}", flush=True)
+                if step > args.warmup:
+                    rows[m].append(out)
+    finally:
+        for w in workers.values():
+            w.close()
+    report(Path(args.out), info, args, rows)
+
+
+def report(path: Path, info: str, args, rows: dict[str, list[dict]]) -> None:
+    def col(m, k, default=0.0):
+        return [r.get(k, default) for r in rows[m]]
+
+    lines = ["# Carry-over vs the synchronous step, long-tail work (CPU)", "",
+             f"Produced by `python bench/bench_carry.py --steps {args.steps} --warmup {args.warmup}` (shape and method: its docstring).", "",
+             "## Machine", "", "```", info, f"load average at end: {os.getloadavg()}", "```", "",
+             "## Results (median over the measured steps; best in brackets)", "",
+             "| mode | step s | gen s | update s | push s | tokens / step | carried | resumed | dropped stale | staleness_1 | others' CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in MODES:
+        step, gen = col(m, "timing_s/step"), col(m, "timing_s/gen")
+        tokens = [r["response/length_mean"] * 128 for r in rows[m]]
+        lines.append(f"| {m} | {median(step):.2f} ({min(step):.2f}) | {median(gen):.2f} ({min(gen):.2f}) | "
+                     f"{median(col(m, 'timing_s/update')):.2f} | {median(col(m, 'timing_s/push')):.2f} | {median(tokens):.0f} | "
+                     f"{median(col(m, 'rollout/carried_responses')):.0f} | {median(col(m, 'rollout/resumed_responses')):.0f} | "
+                     f"{median(col(m, 'rollout/dropped_stale_responses')):.0f} | {median(col(m, 'rollout/staleness_1')):.2f} | "
+                     f"{median(col(m, 'others_cpu_share')):.0%} |")
+    ratio = median(col("carry", "timing_s/step")) / median(col("sync", "timing_s/step"))
+    gen_ratio = median(col("carry", "timing_s/gen")) / median(col("sync", "timing_s/gen"))
+    lines += ["", f"carry / sync: step {ratio:.2f}x, generation {gen_ratio:.2f}x; target step <= 0.8x: "
+              f"**{'met' if ratio <= 0.8 else 'not met'}**.", "", "Raw rows:", "", "```"]
+    for m in MODES:
+        for r in rows[m]:
+            lines.append(json.dumps({"mode": m, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}}))
+    lines += ["```", ""]
+    path.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
