@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, v
     from grpo_lib.rollout.engines.base import RolloutEngine
     from grpo_lib.rollout.episodes import EpisodeRunner
     from grpo_lib.rollout.weight_sync import WeightSync
+    from grpo_lib.trainer.split import OneStepOff
 
 
 @contextmanager
@@ -85,6 +86,7 @@ class RunParts:
     episodes: EpisodeRunner | None = None  # with rollout.multi_turn.enable
     teacher: Teacher | None = None  # with distillation.enabled
     carry: CarryPool | None = None  # with rollout.partial_rollout.enable: the responses in flight across steps
+    remote: OneStepOff | None = None  # with rollout.n_gpus_per_node > 0: the engine on its own processes, one step ahead
 
 
 class GRPOTrainer:
@@ -94,6 +96,7 @@ class GRPOTrainer:
     def __init__(self, cfg: Config, *, world_size: int, rank: int, resume: ResumePlan):
         self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume
         self.parts: RunParts | None = None
+        self.bridge = None  # split roles (rollout.n_gpus_per_node): process 0's line to the engine processes (launch sets it)
 
     # -- setup ----------------------------------------------------------------------------------------
 
@@ -174,7 +177,14 @@ class GRPOTrainer:
                                                                                        gpu_bytes=gpu_bytes):
                     raise SetupError(problem)
             # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
-            engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)
+            if cfg.rollout.n_gpus_per_node > 0:  # the engine runs on its own processes (grpo_lib/trainer/split.py)
+                from grpo_lib.trainer.split import RemoteEngine
+
+                cfg.rollout.tensor_model_parallel_size = 1  # the engine's TP is its own; the trainer's shares are plain
+                engine = RemoteEngine(cfg, self.bridge, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                      else (tokenizer.eos_token_id or 0), world_size=self.world_size, rank=rank)
+            else:
+                engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = make_reference(actor) if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
@@ -213,6 +223,13 @@ class GRPOTrainer:
         actor.offload()  # with param/optimizer offload the actor rests on the host (the loaded AdamW state before a wake)
         if push:  # the resumed step's weights are its version (a fresh run's adapters: version 0, as model.path's)
             self.parts.sync.push(actor, version=self.resume.step)
+        if cfg.rollout.n_gpus_per_node > 0:  # one-step-off: the batch in hand (from the checkpoint) and the first go
+            from grpo_lib.trainer.split import OneStepOff
+
+            saved = checkpoint.read_carry_state(self.resume.path, 0) if self.resume.path is not None else None
+            self.parts.remote = OneStepOff(cfg, engine, train, sampler, world_size=self.world_size, rank=rank,
+                                           total_steps=total_steps)
+            self.parts.remote.start(self.resume.step, saved if saved and saved.get("split") else None)
         if self.resume.path is not None:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             if episodes is not None and rank == 0:  # a tool's state is no part of a checkpoint
@@ -227,7 +244,7 @@ class GRPOTrainer:
         the last completed step if the disk allows and returns exit code 3."""
         from grpo_lib.core.metrics import MetricWriteError
 
-        carry = self.parts.carry.state_dict() if self.parts.carry is not None else None
+        carry = self.pipeline_state()
         self.completed = (self.resume.step, self.parts.sampler.state_dict(), carry)  # (step, sampler position, pool after it)
         try:
             return self.run_steps()
@@ -257,7 +274,7 @@ class GRPOTrainer:
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
-            self.carry_before = p.carry.state_dict() if p.carry is not None else None  # ... nor carried its responses
+            self.carry_before = self.pipeline_state()  # ... nor carried its responses (nor received its batch)
             self.completed = (step - 1, sampler_before, self.carry_before)  # what a stop on a failed metrics write saves
             try:
                 metrics = self.step(step)
@@ -359,11 +376,14 @@ class GRPOTrainer:
         from grpo_lib.rollout.weight_probe import worse_probe
 
         p, metrics = self.parts, {}
+        if p.remote is not None:  # one-step-off: the next step's batch, generated during this update, comes first
+            p.remote.drain()
+            timings["timing_s/wait_engine"] = p.remote.pop_waited()
         p.sync.expect(p.actor, timings=timings)
         memory.begin("push")
         p.sync.push(p.actor, version=step, timings=timings)
         memory.end()
-        if step == p.total_steps:
+        if step == p.total_steps or p.remote is not None:  # split: every push proven at once (no generate carries it)
             metrics.update(worse_probe(gen_metrics, p.sync.check_last_push(timings=timings)))
         if self.cfg.trainer.check_weight_sync:  # the actor's shards come back for it, then leave again
             metrics["debug/weight_sync_max_abs_diff"] = p.sync.full_check(p.actor, batch)
@@ -379,6 +399,10 @@ class GRPOTrainer:
         from grpo_lib.trainer import step as S
 
         p, batch, gave_up = self.parts, None, None
+        if p.remote is not None:  # one-step-off: generated on the engine's processes while the last step trained
+            batch, metrics = p.remote.collect(step, p.scorer, timings)
+            into.update(metrics)
+            return batch
         request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
         with rounds.episode_errors_abort(f"step {step}"):
             try:
@@ -417,8 +441,8 @@ class GRPOTrainer:
         from grpo_lib.checkpoints import checkpoint
 
         p = self.parts
-        if carry_state is None and p.carry is not None:
-            carry_state = p.carry.state_dict()
+        if carry_state is None:
+            carry_state = self.pipeline_state()
         path = checkpoint.save(self.cfg, step=step, actor=p.actor, sampler_state=sampler_state or p.sampler.state_dict(),
                                rank=self.rank, world_size=self.world_size, export_hf=lambda path: p.actor.save_hf(path, p.tokenizer),
                                carry_state=carry_state)
@@ -444,9 +468,17 @@ class GRPOTrainer:
                 print(f"error: {save_error}", file=sys.stderr)
         return error.exit_code
 
+    def pipeline_state(self) -> dict | None:
+        """What a checkpoint holds beside the sampler: the carried responses (rollout.partial_rollout) or the batches
+        received from the engine processes and not trained yet (one-step-off); None without either."""
+        p = self.parts
+        return p.carry.state_dict() if p.carry is not None else p.remote.state() if p.remote is not None else None
+
     def close(self) -> None:
-        """Every way out of the run: reward workers stopped, metrics flushed."""
+        """Every way out of the run: the engine processes stopped (split roles), reward workers stopped, metrics flushed."""
         if self.parts is not None:
+            if self.parts.remote is not None:
+                self.parts.engine.stop()
             self.parts.scorer.close()
             self.parts.logger.close()
             if self.parts.episodes is not None:

@@ -163,8 +163,11 @@ def environment_problems(cfg: Config) -> list[str]:
 
 
 def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
-    """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid)."""
-    p: list[str] = []
+    """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid). `world_size` is the
+    launch's process count; with split roles (rollout.n_gpus_per_node) the batch checks count the training processes."""
+    p: list[str] = split_problems(cfg, launch=world_size)
+    if cfg.rollout.n_gpus_per_node > 0:
+        world_size = max(1, world_size - cfg.rollout.n_gpus_per_node)  # the training processes
     for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
                           (cfg.ref, "log_prob_micro_batch_size")):
         total, per_gpu = getattr(section, name), getattr(section, name + "_per_gpu")
@@ -285,7 +288,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
                  "(the default), which pushes base + adapter like a full fine-tuning push")
     if m.lora_adapter_path is not None and m.lora_rank == 0:
         p.append(f"model.lora_adapter_path={m.lora_adapter_path!r} needs LoRA on: set model.lora_rank to the adapter's rank")
-    if r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size:
+    if r.n_gpus_per_node == 0 and (r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size):
         p.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} must divide the process count {world_size}: "
                  f"launch a multiple of it (accelerate launch --num_processes N) or pick a divisor of {world_size}")
     p += value_range_problems(cfg)
@@ -293,6 +296,34 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     p += _multi_turn_problems(cfg)
     p += _engine_problems(cfg)
     p += distillation_problems(cfg)
+    return p
+
+
+def split_problems(cfg: Config, *, launch: int) -> list[str]:
+    """rollout.n_gpus_per_node (one-step-off, grpo_lib/trainer/split.py): the engine's processes leave at least one to
+    train, form one engine (its tensor-parallel group), and none of the rollout kinds it does not run yet is on.
+
+    Example: 2 processes with n_gpus_per_node 2 -> ["rollout.n_gpus_per_node=2 of 2 processes leaves no process to
+    train: ..."]; n_gpus_per_node 0 -> []."""
+    r, p = cfg.rollout, []
+    e = r.n_gpus_per_node
+    if e < 0:
+        return [f"rollout.n_gpus_per_node={e}: must be >= 0 (0: the engine in every training process)"]
+    if e == 0:
+        return p
+    if e >= launch:
+        p.append(f"rollout.n_gpus_per_node={e} of {launch} process(es) leaves no process to train: launch more processes "
+                 f"(accelerate launch --num_processes {e + 1} or more) or lower it (e.g. 1 engine + {max(launch - 1, 1)} trainers)")
+    if e != r.tensor_model_parallel_size:
+        p.append(f"rollout.n_gpus_per_node={e} with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: the "
+                 f"engine's processes are one engine's tensor-parallel group; set rollout.tensor_model_parallel_size={e}")
+    unsupported = (("rollout.partial_rollout.enable=true", r.partial_rollout.enable, "carry-over is the colocated shape"),
+                   ("rollout.multi_turn.enable=true", r.multi_turn.enable, "episodes run on the colocated engine only"),
+                   ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
+                    "DAPO's extra rounds are not asked of the engine ahead of time"))
+    for key, on, why in unsupported:
+        if on:
+            p.append(f"rollout.n_gpus_per_node={e} with {key}: not supported ({why}); turn one of them off")
     return p
 
 

@@ -154,5 +154,11 @@ class RolloutConfig:
     finish and the KV cache grows every step), the same tokens as eager. Off by default: on CPU it measured 0.90x of
     eager's time after a 52 s compile at the first call (bench/results_generate_hf_compile_cpu.md), worth it only for
     long runs; on GPUs without vLLM, untried."""
+    n_gpus_per_node: int = 0
+    """One-step-off on split GPUs (verl's one-step-off key; grpo_lib/trainer/split.py, docs/TRAINING.md): the last this-many
+    processes of the launch run the engine (one engine: its tensor-parallel group, so equal to
+    tensor_model_parallel_size), the others train with FSDP2; the engine generates step k+1 with the weights of step k-1
+    while the trainer updates on step k, weights travel in buckets over a collective (NCCL on GPU, gloo on CPU). 0: the
+    engine is colocated in every training process (the default)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)

@@ -77,7 +77,6 @@ def main(argv: list[str], *, trainer_class, usage: str) -> int:
         print("ignored verl keys (performance only, same math):\n" + "\n".join(f"  {k}: {why}" for k, why in cfg.ignored.items()),
               flush=True)
 
-    from grpo_lib.checkpoints import checkpoint
     from grpo_lib.core.perf import capture_torch_threads, tune_allocator
 
     if cfg.trainer.tune_allocator:  # before the model and engine load: what start-up frees goes back to the OS
@@ -88,7 +87,28 @@ def main(argv: list[str], *, trainer_class, usage: str) -> int:
     if problem := gpu_visibility_problem():  # no GPU for this process: exit 2, not a crash or a silent CPU run
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    init_distributed()
+    bridge = None
+    if cfg.rollout.n_gpus_per_node > 0:  # one-step-off: the last processes run the engine (grpo_lib/trainer/split.py)
+        from grpo_lib.core.bridge import init_split
+
+        role, bridge = init_split(cfg.rollout.n_gpus_per_node)
+        world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # the role's own group from here on
+        if role == "engine":
+            from grpo_lib.trainer.split import engine_main
+
+            return engine_main(cfg, bridge, world_size=world_size, rank=rank)
+    else:
+        init_distributed()
+    try:
+        return held_run(cfg, rank=rank, world_size=world_size, trainer_class=trainer_class, bridge=bridge)
+    finally:  # every way out: the engine processes of a split run stop with the trainer
+        if bridge is not None and not getattr(bridge, "stopped", False):
+            bridge.send(("stop",))
+
+
+def held_run(cfg, *, rank: int, world_size: int, trainer_class, bridge=None) -> int:
+    """The run lock, the resume plan, then the run (`run_in_held_folder`); returns the exit code."""
+    from grpo_lib.checkpoints import checkpoint
     from grpo_lib.checkpoints.lock import take_agreed_run_lock
     from grpo_lib.core.distributed import broadcast_object
 
@@ -103,13 +123,13 @@ def main(argv: list[str], *, trainer_class, usage: str) -> int:
         except checkpoint.ResumeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        return run_in_held_folder(cfg, resume, rank=rank, world_size=world_size, trainer_class=trainer_class)
+        return run_in_held_folder(cfg, resume, rank=rank, world_size=world_size, trainer_class=trainer_class, bridge=bridge)
     finally:  # every way out of the run; a kill leaves a stale lock that the next start takes over
         if lock is not None:
             lock.release()
 
 
-def run_in_held_folder(cfg, resume, *, rank: int, world_size: int, trainer_class) -> int:
+def run_in_held_folder(cfg, resume, *, rank: int, world_size: int, trainer_class, bridge=None) -> int:
     """The run, once process 0 holds the run folder's lock: the folder is one for every process, the checkpoint's files
     are checked (a damaged one set aside), then set-up and training; returns the exit code."""
     from grpo_lib.checkpoints import checkpoint
@@ -130,6 +150,7 @@ def run_in_held_folder(cfg, resume, *, rank: int, world_size: int, trainer_class
         checkpoint.prepare_run_folder(cfg, resume)
     barrier()
     trainer = trainer_class(cfg, world_size=world_size, rank=rank, resume=resume)
+    trainer.bridge = bridge  # split roles: trainer process 0's line to the engine processes (None elsewhere)
     from grpo_lib.core.metrics import MetricWriteError
 
     try:

@@ -1,0 +1,294 @@
+"""One-step-off on split GPUs (`rollout.n_gpus_per_node` = E > 0): in one `accelerate launch` of W processes the last E
+run one engine (its tensor-parallel group) and the first W - E train with FSDP2 (grpo_lib/core/bridge.py makes the
+groups). The engine generates step k+1's rollouts with the weights of step k-1 while the trainer updates on step k.
+
+The trainer drives; the engine answers messages in the order they come (`engine_main`):
+
+    trainer process 0 -> engine             engine -> trainer process 0
+    ("go", step, prompt rows)              the step's generations (every sample of every row), their weight version
+    ("weights", version) + the buckets     -
+    ("score", sequences)                   their logprobs (the weight probe, after every push)
+    ("generate", requests)                 their generations (validation, remax's baseline: generate's arguments)
+    ("stop",)                              - (the engine exits 0)
+
+A step k of the trainer (`OneStepOff`): train on batch k (in hand) -> receive batch k+1 (generated meanwhile) -> push
+the weights as version k and score the probe -> log / validate / checkpoint (holding batch k+1) -> send go(k+2).
+Each side sends in the order the other receives, so neither waits on a send the other never matches (the update /
+push deadlock of one-step-off trainers). Batch k+1 comes from version k-1 (batch 1 and 2 from version 0): one version
+stale, its tokens reweighted by the decoupled loss (actor.use_decoupled_loss); its version is checked on arrival.
+
+The prompts of batch k are drawn from the trainer's sampler when go(k) is sent: a checkpoint of step k holds batch
+k+1 (grpo_lib/checkpoints/checkpoint.py carry/) and the sampler's position after drawing it, so a resume continues
+exactly as the run that was not stopped. The engine holds no state but its weights (pushed at start on a resume).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from grpo_lib.core.distributed import all_gather_object, broadcast_object
+from grpo_lib.core.seeds import sample_seed
+from grpo_lib.core.types import Generation, PromptBatch, ScoreRequest
+from grpo_lib.trainer.rounds import GroupFilter, RoundStats, rollout_metrics, train_sampling
+from grpo_lib.trainer.step import RunAborted, build_rollout_batch, mask_truncated, score
+
+
+# ------------------------------------------------------------------------------------------------ the engine side
+def engine_main(cfg, bridge, *, world_size: int, rank: int) -> int:
+    """The engine processes' run: build the engine, answer the trainer's messages until "stop"; returns the exit
+    code. Engine process 0 talks to the trainer; the others follow it (every message broadcast over the engine group)."""
+    from grpo_lib.core.dtypes import resolve as resolve_dtype
+    from grpo_lib.rollout.engines import build_engine
+
+    on_cpu = not torch.cuda.is_available()
+    engine = build_engine(cfg, on_cpu=on_cpu, world_size=world_size)
+    dtype = getattr(torch, resolve_dtype(cfg.rollout.dtype, on_gpu=not on_cpu))
+    print(f"engine process {rank}: ready ({cfg.rollout.name}, {world_size} process(es))", file=sys.stderr, flush=True)
+    while True:
+        message = broadcast_object(bridge.recv() if rank == 0 else None)
+        kind = message[0]
+        if kind == "stop":
+            return 0
+        if kind == "weights":
+            weights = _engine_weights(bridge, rank=rank, dtype=dtype)
+            engine.push_weights(weights)
+            engine.reset_prefix_cache()
+            engine.weight_version = message[1]
+        elif kind == "score":
+            scores = engine.score_logprobs(message[1])
+            if rank == 0:
+                bridge.send(scores)
+        elif kind == "generate":
+            out = engine.generate(**message[1])
+            if rank == 0:
+                bridge.send(out)
+        elif kind == "go":
+            _, step, prompt_ids = message
+            start = time.perf_counter()
+            sampling = train_sampling(cfg)
+            seeds = [sample_seed(cfg.trainer.seed, purpose="train", step=step, round=1, prompt_index=i, n=sampling["n"])
+                     for i in range(len(prompt_ids))]
+            out = engine.generate(prompt_ids, seeds=seeds, **sampling)
+            if rank == 0:
+                bridge.send({"step": step, "generations": out, "version": engine.weight_version,
+                             "preemptions": engine.pop_metrics("rollout/")["rollout/preemptions"],
+                             "gen_s": time.perf_counter() - start})
+        else:
+            raise RuntimeError(f"engine: unknown message {kind!r} from the trainer")
+
+
+def _engine_weights(bridge, *, rank: int, dtype):
+    """The pushed (name, tensor) pairs on every engine process: process 0 receives them from the trainer and, with
+    more engine processes (its tensor-parallel group), hands each one on over the engine group."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        yield from bridge.recv_weights(dtype=dtype)
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    pairs = iter(bridge.recv_weights(dtype=dtype)) if rank == 0 else None
+    while True:
+        pair = next(pairs, None) if rank == 0 else None
+        head = broadcast_object(None if pair is None else (pair[0], tuple(pair[1].shape)))
+        if head is None:
+            return
+        tensor = pair[1].contiguous() if rank == 0 else torch.empty(head[1], dtype=dtype, device=device)
+        dist.broadcast(tensor, src=0)
+        yield head[0], tensor
+
+
+# ------------------------------------------------------------------------------------------------ the trainer side
+class RemoteEngine:
+    """The engine seen from the trainer processes: the RolloutEngine calls the step and validation make, as messages to
+    the engine processes (trainer process 0 sends; every trainer process gets the answer). Nothing to release: the
+    engine has its own GPUs."""
+
+    def __init__(self, cfg, bridge, *, pad_id: int, world_size: int, rank: int):
+        self.cfg, self.bridge, self.pad_id = cfg, bridge, pad_id
+        self.world_size, self.rank = world_size, rank
+        self.weight_version = 0
+        self.metrics: dict[str, float] = {}
+        self.before_ask = lambda: None  # OneStepOff.drain: the batches asked for earlier come back first
+        self.stopped = False
+
+    def _ask(self, message, answer: bool = True):
+        self.before_ask()
+        if self.rank == 0:
+            self.bridge.send(message)
+        return broadcast_object(self.bridge.recv() if self.rank == 0 else None) if answer else None
+
+    # lifecycle: the engine's memory is its own
+    def release(self) -> None:
+        pass
+
+    def prepare_for_generation(self, weights=None, *, free_trainer_memory=None, version: int | None = None) -> None:
+        """Push `weights` (every trainer process gathers them, process 0 streams them) as `version`."""
+        if weights is not None:
+            self.push_weights(weights, version=version)
+        if free_trainer_memory is not None:
+            free_trainer_memory()
+
+    def push_weights(self, named_tensors, *, version: int | None = None) -> None:
+        from grpo_lib.core.dtypes import resolve as resolve_dtype
+
+        dtype = getattr(torch, resolve_dtype(self.cfg.rollout.dtype, on_gpu=torch.cuda.is_available()))
+        self.before_ask()
+        if self.rank == 0:
+            self.bridge.send(("weights", version))
+            self.bridge.send_weights(named_tensors, bucket_bytes=self.cfg.rollout.update_weights_bucket_megabytes * 2**20,
+                                     dtype=dtype)
+        else:
+            for _ in named_tensors:  # the FSDP2 gathers are collectives: every trainer process takes part
+                pass
+        if version is not None:
+            self.weight_version = version
+
+    def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self._ask(("score", sequences))
+
+    def generate(self, prompt_ids, *, on_finished=None, score: ScoreRequest | None = None, **kwargs) -> list[list[Generation]]:
+        """Every trainer process's requests in one engine call (gathered on process 0, answered to each its part);
+        `on_finished` hears of them all at the end, `score` is scored after (generate's contract, not its timing)."""
+        mine = {"prompt_ids": [list(p) for p in prompt_ids], **kwargs}
+        everyone = all_gather_object(mine)
+        merged = {k: v for k, v in mine.items() if k not in ("prompt_ids", "seeds", "max_tokens")}
+        merged["prompt_ids"] = [p for r in everyone for p in r["prompt_ids"]]
+        if kwargs.get("seeds") is not None:
+            merged["seeds"] = [s for r in everyone for s in r["seeds"]]
+        limits = [r["max_tokens"] if isinstance(r["max_tokens"], list) else [r["max_tokens"]] * len(r["prompt_ids"]) for r in everyone]
+        merged["max_tokens"] = [m for part in limits for m in part]
+        out = self._ask(("generate", merged))
+        start = sum(len(r["prompt_ids"]) for r in everyone[:self.rank])
+        result = out[start:start + len(prompt_ids)]
+        if on_finished is not None:
+            on_finished([(i, k, g) for i, group in enumerate(result) for k, g in enumerate(group)])
+        if score is not None:
+            score.fill(self.score_logprobs(score.sequences), weight_version=self.weight_version)
+        return result
+
+    def pop_metrics(self, prefix: str = "") -> dict[str, float]:
+        counters = {"rollout/preemptions": 0.0, **self.metrics}
+        self.metrics = {}
+        return {k: v for k, v in counters.items() if k.startswith(prefix)}
+
+    def stop(self) -> None:
+        """The engine processes exit (once; every way out of the trainer's run). Batches still asked for are
+        received first (the engine is sending them)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.bridge is not None:
+            self.bridge.stopped = True  # launch's last word to the engine is said
+        self.before_ask()
+        if self.rank == 0:
+            self.bridge.send(("stop",))
+
+
+class OneStepOff:
+    """The trainer's side of the pipeline (module docstring): the go messages sent, the batches received, the checks.
+    Every trainer process keeps the same state (the batches are broadcast from process 0)."""
+
+    def __init__(self, cfg, engine: RemoteEngine, dataset, sampler, *, world_size: int, rank: int, total_steps: int):
+        self.cfg, self.engine, self.dataset, self.sampler = cfg, engine, dataset, sampler
+        self.world_size, self.rank, self.total_steps = world_size, rank, total_steps
+        self.sent: list[dict] = []  # {"step", "rows"} of the go messages whose batch is not received yet, in order
+        self.received: dict[int, dict] = {}  # step -> {"step", "rows", "payload"}: batches not trained yet
+        self.waited_s = 0.0  # seconds this process waited for the engine (idle), since the last `pop_waited`
+        engine.before_ask = self.drain  # an answer to another message comes after the batches asked for before it
+
+    def start(self, step: int, saved: dict | None) -> None:
+        """Before step `step` + 1 (the resumed step, 0 fresh): the batches of the checkpoint (`state`), and go for
+        step + 1 unless it holds that one."""
+        if saved is not None:
+            self.received = {e["step"]: _restore(e) for e in saved["entries"]}
+        self.ensure(step + 1)
+
+    def ensure(self, step: int) -> None:
+        """Go for `step` unless it was asked for already (or lies past the last step): its prompts drawn now."""
+        if step > self.total_steps or step in self.received or any(e["step"] == step for e in self.sent):
+            return
+        rows = self.sampler.next_batch()
+        if self.rank == 0:
+            self.engine.bridge.send(("go", step, [self.dataset.prompt_ids[i] for i in rows]))
+        self.sent.append({"step": step, "rows": rows})
+
+    def receive(self) -> None:
+        """The batch of the oldest go, from the engine (it generated it while the trainer worked)."""
+        entry = self.sent.pop(0)
+        start = time.perf_counter()
+        payload = broadcast_object(self.engine.bridge.recv() if self.rank == 0 else None)
+        self.waited_s += time.perf_counter() - start
+        assert payload["step"] == entry["step"], f"the engine answered step {payload['step']} for step {entry['step']}"
+        self.received[entry["step"]] = {**entry, "payload": payload}
+
+    def drain(self) -> None:
+        """Every batch asked for, received (before a push or any other question to the engine)."""
+        while self.sent:
+            self.receive()
+
+    def collect(self, step: int, scorer, timings: dict) -> tuple:
+        """Step `step`'s batch for this trainer process (its strided share of the rows, scored) and the rollout metrics,
+        as rounds.collect_rollouts returns them. The step after it is asked for first (generated while this one trains).
+        Its weight version must be step - 2 or step - 1 (0 at the start): one-step-off's staleness, never more."""
+        self.ensure(step)
+        self.ensure(step + 1)
+        while step not in self.received:
+            self.receive()
+        entry = self.received.pop(step)
+        payload = entry["payload"]
+        if not max(0, step - 2) <= payload["version"] <= step - 1:
+            raise RunAborted(f"step {step}: the engine generated with weight version {payload['version']}; one-step-off "
+                             f"trains step {step} on version {max(0, step - 2)} or {step - 1}: a push did not take; the "
+                             "last completed step is saved")
+        mine = list(range(self.rank, len(entry["rows"]), self.world_size))  # strided share, as colocated
+        prompts: PromptBatch = self.dataset.batch([entry["rows"][i] for i in mine])
+        generations = [[_generation(g, payload["version"]) for g in payload["generations"][i]] for i in mine]
+        batch = build_rollout_batch(prompts, generations, pad_id=self.engine.pad_id)
+        batch.weight_version = step - 1  # the weights this step trains; the tokens' own version in token_versions
+        if self.cfg.actor.mask_truncated_responses:
+            mask_truncated(batch)
+        stats = RoundStats(sums={"rollout/preemptions": payload["preemptions"] if self.rank == 0 else 0.0})
+        start = time.perf_counter()
+        stats.sums.update(score(scorer, batch, overlong_buffer=self.cfg.reward.overlong_buffer,
+                                max_response_length=self.cfg.data.max_response_length, timings=timings))
+        timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+        stats.sums["count"] = float(len(batch))
+        stats.sums["reward/sum"] = float(batch.scores.sum())
+        stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
+        stats.sums["response/length_max"] = float(batch.response_lengths.max())
+        stats.sums["response/clipped"] = float(batch.truncated.sum())
+        groups = GroupFilter(self.cfg, world_size=self.world_size)
+        groups.add(batch)
+        metrics = rollout_metrics(stats, groups, step=step)
+        metrics["rollout/engine_gen_s"] = float(payload["gen_s"])
+        metrics["rollout/staleness_max"] = float(step - 1 - payload["version"])
+        return batch, metrics
+
+    def pop_waited(self) -> float:
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
+
+    def state(self) -> dict:
+        """What a checkpoint holds: the batches received and not trained yet (the next step's, after a completed step)."""
+        entries = []
+        for entry in self.received.values():
+            payload = dict(entry["payload"])
+            payload["generations"] = [[asdict(g) for g in group] for group in payload["generations"]]
+            entries.append({"step": entry["step"], "rows": entry["rows"], "payload": payload})
+        return {"split": 1, "entries": entries}
+
+
+def _restore(saved: dict) -> dict:
+    payload = dict(saved["payload"])
+    payload["generations"] = [[Generation(**g) for g in group] for group in payload["generations"]]
+    return {"step": saved["step"], "rows": saved["rows"], "payload": payload}
+
+
+def _generation(g: Generation, version: int) -> Generation:
+    """A received response, each token tagged with the version that generated it (the decoupled loss reads them)."""
+    return Generation(token_ids=list(g.token_ids), logprobs=list(g.logprobs), text=g.text, finish_reason=g.finish_reason,
+                      loss_mask=g.loss_mask, versions=[version] * len(g.token_ids))
