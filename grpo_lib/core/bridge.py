@@ -70,11 +70,31 @@ def init_split(engine_processes: int) -> tuple[str, Bridge | None]:
     return role, bridge
 
 
+class BridgeError(RuntimeError):
+    """The other side of the bridge is gone (its process exited or was killed): raised instead of waiting for it."""
+
+
+def _peer_gone(role: str):
+    """Wrap a bridge transfer: a transport error (the peer's socket closed) becomes a BridgeError naming the peer."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except (RuntimeError, OSError) as exc:
+            raise BridgeError(f"the {role} processes stopped answering ({type(exc).__name__}: {str(exc)[:200]}): "
+                              f"{role} process 0 exited or was killed; its own output says why") from exc
+    return guard()
+
+
 class Bridge:
-    """Trainer process 0 <-> engine process 0: objects and weights, in the order both sides agree on."""
+    """Trainer process 0 <-> engine process 0: objects and weights, in the order both sides agree on. A peer that
+    is gone raises BridgeError on the next transfer, within the time its socket takes to close."""
 
     def __init__(self, store, *, rank: int, cuda: bool):
         self.rank, self.peer = rank, 1 - rank
+        self.peer_role = "engine" if rank == 0 else "trainer"
         self.stopped = False  # the trainer side told the engine to stop
         self.cpu = dist.ProcessGroupGloo(store, rank, 2, BRIDGE_TIMEOUT)
         self.cuda = None
@@ -84,14 +104,16 @@ class Bridge:
 
     def send(self, obj) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # [n]
-        self.cpu.send([torch.tensor([data.numel()], dtype=torch.long)], self.peer, 0).wait()
-        self.cpu.send([data], self.peer, 1).wait()
+        with _peer_gone(self.peer_role):
+            self.cpu.send([torch.tensor([data.numel()], dtype=torch.long)], self.peer, 0).wait()
+            self.cpu.send([data], self.peer, 1).wait()
 
     def recv(self):
         size = torch.zeros(1, dtype=torch.long)
-        self.cpu.recv([size], self.peer, 0).wait()
-        data = torch.empty(int(size.item()), dtype=torch.uint8)  # [n]
-        self.cpu.recv([data], self.peer, 1).wait()
+        with _peer_gone(self.peer_role):
+            self.cpu.recv([size], self.peer, 0).wait()
+            data = torch.empty(int(size.item()), dtype=torch.uint8)  # [n]
+            self.cpu.recv([data], self.peer, 1).wait()
         return pickle.loads(data.numpy().tobytes())
 
     def _tensor_group(self):
@@ -107,7 +129,8 @@ class Bridge:
             nonlocal sent
             self.send([(n, tuple(t.shape)) for n, t in bucket])
             flat = torch.cat([t.reshape(-1) for _, t in bucket])  # [sum of numels]
-            group.send([flat], self.peer, 2).wait()
+            with _peer_gone(self.peer_role):
+                group.send([flat], self.peer, 2).wait()
             sent += flat.numel() * flat.element_size()
 
         for name, tensor in named:
@@ -127,7 +150,8 @@ class Bridge:
         group, device = self._tensor_group()
         while (layout := self.recv()) is not None:
             flat = torch.empty(sum(_numel(s) for _, s in layout), dtype=dtype, device=device)  # [sum of numels]
-            group.recv([flat], self.peer, 2).wait()
+            with _peer_gone(self.peer_role):
+                group.recv([flat], self.peer, 2).wait()
             offset = 0
             for name, shape in layout:
                 n = _numel(shape)

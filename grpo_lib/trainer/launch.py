@@ -94,16 +94,26 @@ def main(argv: list[str], *, trainer_class, usage: str) -> int:
         role, bridge = init_split(cfg.rollout.n_gpus_per_node)
         world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # the role's own group from here on
         if role == "engine":
+            from grpo_lib.core.bridge import BridgeError
             from grpo_lib.trainer.split import engine_main
 
-            return engine_main(cfg, bridge, world_size=world_size, rank=rank)
+            try:
+                return engine_main(cfg, bridge, world_size=world_size, rank=rank)
+            except BridgeError as exc:  # the trainer is gone: the engine goes with it
+                print(f"error: engine process {rank}: {exc}", file=sys.stderr)
+                return 3
     else:
         init_distributed()
     try:
         return held_run(cfg, rank=rank, world_size=world_size, trainer_class=trainer_class, bridge=bridge)
     finally:  # every way out: the engine processes of a split run stop with the trainer
-        if bridge is not None and not getattr(bridge, "stopped", False):
-            bridge.send(("stop",))
+        if bridge is not None and not bridge.stopped:
+            from grpo_lib.core.bridge import BridgeError
+
+            try:
+                bridge.send(("stop",))
+            except BridgeError:  # gone already
+                pass
 
 
 def held_run(cfg, *, rank: int, world_size: int, trainer_class, bridge=None) -> int:

@@ -30,6 +30,7 @@ from dataclasses import asdict
 
 import torch
 
+from grpo_lib.core.bridge import BridgeError
 from grpo_lib.core.distributed import all_gather_object, broadcast_object
 from grpo_lib.core.seeds import sample_seed
 from grpo_lib.core.types import Generation, PromptBatch, ScoreRequest
@@ -102,6 +103,25 @@ def _engine_weights(bridge, *, rank: int, dtype):
 
 
 # ------------------------------------------------------------------------------------------------ the trainer side
+def leader(rank: int, fn):
+    """`fn()` on trainer process 0 (its talk with the engine), the result on every trainer process. The engine gone
+    (BridgeError on process 0) is RunAborted (exit 3) on every trainer process alike: the last completed step is saved
+    and the run stops, instead of waiting for an engine that will never answer; no trainer process is left waiting in a
+    collective the others skipped."""
+    from grpo_lib.core.bridge import BridgeError
+
+    box = None
+    if rank == 0:
+        try:
+            box = ("ok", fn())
+        except BridgeError as exc:
+            box = ("gone", str(exc))
+    box = broadcast_object(box)
+    if box[0] == "gone":
+        raise RunAborted(f"one-step-off: {box[1]}", exit_code=3)
+    return box[1]
+
+
 class RemoteEngine:
     """The engine seen from the trainer processes: the RolloutEngine calls the step and validation make, as messages to
     the engine processes (trainer process 0 sends; every trainer process gets the answer). Nothing to release: the
@@ -115,11 +135,14 @@ class RemoteEngine:
         self.before_ask = lambda: None  # OneStepOff.drain: the batches asked for earlier come back first
         self.stopped = False
 
-    def _ask(self, message, answer: bool = True):
+    def _ask(self, message):
+        """`message` to the engine, its answer on every trainer process."""
         self.before_ask()
-        if self.rank == 0:
+
+        def ask():
             self.bridge.send(message)
-        return broadcast_object(self.bridge.recv() if self.rank == 0 else None) if answer else None
+            return self.bridge.recv()
+        return leader(self.rank, ask)
 
     # lifecycle: the engine's memory is its own
     def release(self) -> None:
@@ -137,13 +160,23 @@ class RemoteEngine:
 
         dtype = getattr(torch, resolve_dtype(self.cfg.rollout.dtype, on_gpu=torch.cuda.is_available()))
         self.before_ask()
+        gone = None
         if self.rank == 0:
-            self.bridge.send(("weights", version))
-            self.bridge.send_weights(named_tensors, bucket_bytes=self.cfg.rollout.update_weights_bucket_megabytes * 2**20,
-                                     dtype=dtype)
+            named = iter(named_tensors)
+            try:
+                self.bridge.send(("weights", version))
+                self.bridge.send_weights(named, bucket_bytes=self.cfg.rollout.update_weights_bucket_megabytes * 2**20,
+                                         dtype=dtype)
+            except BridgeError as exc:
+                gone = str(exc)
+                for _ in named:  # the other trainer processes' FSDP2 gathers go on: take part in them
+                    pass
         else:
             for _ in named_tensors:  # the FSDP2 gathers are collectives: every trainer process takes part
                 pass
+        gone = broadcast_object(gone)
+        if gone is not None:
+            raise RunAborted(f"one-step-off: {gone}", exit_code=3)
         if version is not None:
             self.weight_version = version
 
@@ -184,8 +217,7 @@ class RemoteEngine:
         if self.bridge is not None:
             self.bridge.stopped = True  # launch's last word to the engine is said
         self.before_ask()
-        if self.rank == 0:
-            self.bridge.send(("stop",))
+        leader(self.rank, lambda: self.bridge.send(("stop",)))
 
 
 class OneStepOff:
@@ -212,15 +244,14 @@ class OneStepOff:
         if step > self.total_steps or step in self.received or any(e["step"] == step for e in self.sent):
             return
         rows = self.sampler.next_batch()
-        if self.rank == 0:
-            self.engine.bridge.send(("go", step, [self.dataset.prompt_ids[i] for i in rows]))
+        leader(self.rank, lambda: self.engine.bridge.send(("go", step, [self.dataset.prompt_ids[i] for i in rows])))
         self.sent.append({"step": step, "rows": rows})
 
     def receive(self) -> None:
         """The batch of the oldest go, from the engine (it generated it while the trainer worked)."""
         entry = self.sent.pop(0)
         start = time.perf_counter()
-        payload = broadcast_object(self.engine.bridge.recv() if self.rank == 0 else None)
+        payload = leader(self.rank, self.engine.bridge.recv)
         self.waited_s += time.perf_counter() - start
         assert payload["step"] == entry["step"], f"the engine answered step {payload['step']} for step {entry['step']}"
         self.received[entry["step"]] = {**entry, "payload": payload}
@@ -232,12 +263,14 @@ class OneStepOff:
 
     def collect(self, step: int, scorer, timings: dict) -> tuple:
         """Step `step`'s batch for this trainer process (its strided share of the rows, scored) and the rollout metrics,
-        as rounds.collect_rollouts returns them. The step after it is asked for first (generated while this one trains).
+        as rounds.collect_rollouts returns them. Once it is here the next step's is asked for (generated while this one
+        trains): the trainer sends nothing while a batch is on its way, the rule that keeps the two sides from both
+        sending at once.
         Its weight version must be step - 2 or step - 1 (0 at the start): one-step-off's staleness, never more."""
         self.ensure(step)
-        self.ensure(step + 1)
         while step not in self.received:
             self.receive()
+        self.ensure(step + 1)  # only now: the engine sends nothing while it waits for this (no send meets a send)
         entry = self.received.pop(step)
         payload = entry["payload"]
         if not max(0, step - 2) <= payload["version"] <= step - 1:
@@ -264,7 +297,7 @@ class OneStepOff:
         groups = GroupFilter(self.cfg, world_size=self.world_size)
         groups.add(batch)
         metrics = rollout_metrics(stats, groups, step=step)
-        metrics["rollout/engine_gen_s"] = float(payload["gen_s"])
+        metrics["timing_s/engine_gen"] = float(payload["gen_s"])  # the engine process's generation of this batch
         metrics["rollout/staleness_max"] = float(step - 1 - payload["version"])
         return batch, metrics
 

@@ -65,3 +65,28 @@ def test_the_command_line_exits_2_naming_the_key(monkeypatch, tiny_model_dir, ar
                       f"trainer.default_local_dir={tmp_path}", "rollout.partial_rollout.enable=true",
                       "rollout.partial_rollout.max_staleness=-2")
     assert result.returncode == 2 and "rollout.partial_rollout.max_staleness=-2" in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------------------------------------ split roles
+def split(**keys) -> Config:
+    return carry(**{"enable": False, **keys})
+
+
+@pytest.mark.parametrize("launch, keys, words", [
+    (2, {"rollout__n_gpus_per_node": 2, "rollout__tensor_model_parallel_size": 2},
+     "rollout.n_gpus_per_node=2 of 2 process(es) leaves no process to train"),
+    (4, {"rollout__n_gpus_per_node": 2}, "the engine's processes are one engine's tensor-parallel group; set "
+                                         "rollout.tensor_model_parallel_size=2"),
+    (2, {"rollout__n_gpus_per_node": -1}, "rollout.n_gpus_per_node=-1: must be >= 0"),
+    (2, {"rollout__n_gpus_per_node": 1, "rollout.multi_turn__enable": True}, "with rollout.multi_turn.enable=true: not supported"),
+    (2, {"rollout__n_gpus_per_node": 1, "enable": True}, "with rollout.partial_rollout.enable=true: not supported"),
+])
+def test_a_bad_split_is_named(launch, keys, words):
+    problems = validate(split(**keys), world_size=launch)
+    assert any(words in p for p in problems), problems
+
+
+def test_a_split_counts_the_training_processes_for_the_batch():
+    assert validate(split(rollout__n_gpus_per_node=1), world_size=3) == []  # 8 prompts over 2 trainers
+    problems = validate(split(rollout__n_gpus_per_node=1), world_size=4)  # 8 prompts over 3 trainers
+    assert any("data.train_batch_size=8 prompts does not split across 3 processes" in p for p in problems), problems

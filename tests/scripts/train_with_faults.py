@@ -11,6 +11,7 @@ grpo_lib functions, installed before `train_grpo.main(argv)` runs exactly as `py
   `update`: right after the actor update of that step (`Actor.update` returned; its metrics are not logged yet);
   `save`: in the middle of that step's checkpoint (`checkpoint.save`), right after DCP wrote the sharded weights and
   optimizer: the RNG files, trainer_state.json and COMPLETE are not written. Example: `--signal "KILL save 4"`.
+  `generate`: at the start of the engine's STEP-th generate call (split roles: the engine process's step STEP).
   `metrics`, `tensorboard`, `generations`: inside the write of that sink while the metric logger writes step STEP
   (metrics.jsonl's line; TensorBoard's event record, in its writer thread, which the next flush re-raises;
   val_generations.jsonl's rows). Only process 0 writes them. Example: `--signal "ENOSPC metrics 3 0"`.
@@ -199,7 +200,31 @@ def push_skips(name: str, *, setattr=setattr) -> None:
     setattr(Actor, "named_weights", without)
 
 
-POINTS = {"update": fault_after_update, "save": fault_in_save,
+def fault_in_generate(at_call: int, action: Callable[[str, int], None], *, setattr=setattr) -> None:
+    """`action("generate", at_call)` at the start of the engine's `at_call`-th generate call (1-based) in this process:
+    with split roles (rollout.n_gpus_per_node) the engine process's generation of step `at_call` when validation is off."""
+    from grpo_lib.rollout import engines
+
+    build = engines.build_engine
+
+    @functools.wraps(build)
+    def build_then_fault(*args, **kwargs):
+        engine = build(*args, **kwargs)
+        generate, calls = engine.generate, []
+
+        def generate_with_fault(*a, **k):
+            calls.append(1)
+            if len(calls) == at_call:
+                action("generate", at_call)
+            return generate(*a, **k)
+
+        engine.generate = generate_with_fault
+        return engine
+
+    setattr(engines, "build_engine", build_then_fault)
+
+
+POINTS = {"update": fault_after_update, "save": fault_in_save, "generate": fault_in_generate,
           **{sink: functools.partial(fault_in_metrics, sink) for sink in ("metrics", "tensorboard", "generations")}}
 
 
@@ -208,7 +233,7 @@ def install(argv: list[str]) -> list[str]:
     assert "--" in argv, f"usage: {Path(__file__).name} [--signal SPEC] [--nan-steps LIST] -- RECIPE.yaml [key=value ...]; got {argv}"
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog=Path(__file__).name)
-    parser.add_argument("--signal", help='"SIGNAL POINT STEP [RANK]": SIGNAL in KILL, TERM, INT, ENOSPC; POINT in update, save, metrics, tensorboard, generations')
+    parser.add_argument("--signal", help='"SIGNAL POINT STEP [RANK]": SIGNAL in KILL, TERM, INT, ENOSPC; POINT in update, save, generate, metrics, tensorboard, generations')
     parser.add_argument("--nan-steps", default="", help="comma-separated steps whose loss is NaN")
     parser.add_argument("--push-skips", default=None, help="a parameter name every weight push leaves out")
     args = parser.parse_args(argv[:split])
