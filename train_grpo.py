@@ -378,7 +378,7 @@ class GRPOTrainer:
         p, metrics = self.parts, {}
         if p.remote is not None:  # one-step-off: the next step's batch, generated during this update, comes first
             p.remote.drain()
-            timings["timing_s/wait_engine"] = p.remote.pop_waited()
+            metrics.update(p.remote.pop_waited())
         p.sync.expect(p.actor, timings=timings)
         memory.begin("push")
         p.sync.push(p.actor, version=step, timings=timings)

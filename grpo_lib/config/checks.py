@@ -166,6 +166,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid). `world_size` is the
     launch's process count; with split roles (rollout.n_gpus_per_node) the batch checks count the training processes."""
     p: list[str] = split_problems(cfg, launch=world_size)
+    launch = world_size  # trainer.n_gpus_per_node x trainer.nnodes counts every process of the launch, engine ones too
     if cfg.rollout.n_gpus_per_node > 0:
         world_size = max(1, world_size - cfg.rollout.n_gpus_per_node)  # the training processes
     for section, name in ((cfg.actor, "ppo_micro_batch_size"), (cfg.rollout, "log_prob_micro_batch_size"),
@@ -231,10 +232,10 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
             p.append(f"{key}={value}: must be >= 1 ({unit}), or null to take it from the launch")
     if t.n_gpus_per_node is not None and all(value is None or value >= 1 for _, value, _ in launch_keys):
         planned = t.n_gpus_per_node * t.nnodes
-        if planned != world_size:
+        if planned != launch:
             p.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} = {planned} processes, but this "
-                     f"launch has {world_size}: launch {planned} (accelerate launch --num_processes {planned}, or a config in "
-                     f"recipes/accelerate/) or set trainer.n_gpus_per_node={world_size} trainer.nnodes=1")
+                     f"launch has {launch}: launch {planned} (accelerate launch --num_processes {planned}, or a config in "
+                     f"recipes/accelerate/) or set trainer.n_gpus_per_node={launch} trainer.nnodes=1")
     if t.critic_warmup != 0:
         p.append(f"trainer.critic_warmup={t.critic_warmup}: GRPO has no critic; set it to 0 (or drop the line)")
     if a.clip_ratio_c <= 1:

@@ -75,9 +75,12 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
     split = (f"{d.train_batch_size} / {a.ppo_mini_batch_size} = {updates_per_epoch}" if sizes[-1] == a.ppo_mini_batch_size else
              f"{d.train_batch_size} = {len(sizes) - 1} x {a.ppo_mini_batch_size} + {sizes[-1]} (the last mini-batch smaller, "
              f"as in verl) = {updates_per_epoch}")
+    engine = (f"processes: {world_size} training + {r.n_gpus_per_node} for one engine (one-step-off: it generates step k+1 "
+              f"with step k-1's weights while the trainer updates on step k)" if r.n_gpus_per_node > 0 else
+              f"processes: {world_size}; engines: {world_size // r.tensor_model_parallel_size} (tensor parallel "
+              f"{r.tensor_model_parallel_size})")
     lines = [
-        f"processes: {world_size}; engines: {world_size // r.tensor_model_parallel_size} (tensor parallel "
-        f"{r.tensor_model_parallel_size})",
+        engine,
         f"prompts per step: {d.train_batch_size}; trajectories per step: {d.train_batch_size} x {n} = {d.train_batch_size * n}",
         f"mini-batch: {a.ppo_mini_batch_size} prompts x {n} = {a.ppo_mini_batch_size * n} trajectories; "
         f"{split} updates per epoch x {a.ppo_epochs} epochs "
@@ -158,13 +161,13 @@ def check_lines(cfg: Config, world_size: int) -> list[str]:
     checks = [
         ("actor.ppo_mini_batch_size % processes", a.ppo_mini_batch_size, world_size),
         ("data.train_batch_size % processes", d.train_batch_size, world_size),
-        ("processes % rollout.tensor_model_parallel_size", world_size, r.tensor_model_parallel_size),
-    ]
+    ] + ([] if r.n_gpus_per_node > 0 else [("processes % rollout.tensor_model_parallel_size", world_size, r.tensor_model_parallel_size)])
     lines = [f"data.train_batch_size >= actor.ppo_mini_batch_size: {d.train_batch_size} >= {a.ppo_mini_batch_size} ok"]
     lines += [f"{name}: {x} % {y} = {x % y} ok" for name, x, y in checks]
     t = cfg.trainer
     if t.n_gpus_per_node is not None:
-        lines.append(f"trainer.n_gpus_per_node x trainer.nnodes = {t.n_gpus_per_node} x {t.nnodes} = {world_size} processes ok")
+        lines.append(f"trainer.n_gpus_per_node x trainer.nnodes = {t.n_gpus_per_node} x {t.nnodes} = "
+                     f"{world_size + r.n_gpus_per_node} processes ok")
     return lines
 
 
@@ -431,8 +434,18 @@ def print_plan(argv: list[str], measure=None) -> int:
             print(f"error: {where} is not a decoder model's config.json (no usable {exc}); pass --model-config FILE with the "
                   "model's own config.json", file=sys.stderr)
             return 2
+    launch, split = world_size, cfg.rollout.n_gpus_per_node
+    if split > 0:  # one-step-off: the trainer's plan over its own processes, without an engine on its GPUs
+        import copy
+
+        world_size, engine_cfg = launch - split, cfg
+        cfg = copy.deepcopy(cfg)
+        cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_model_parallel_size = 0.0, 1
     auto = resolve_auto_budgets(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB)
-    out = [f"plan for {args[0]} on {world_size} processes (from {source})", "", "batch:"]
+    out = [f"plan for {args[0]} on {launch} processes (from {source})", "", "batch:"]
+    if split > 0:
+        out[0] += (f": {world_size} train (processes 0-{world_size - 1}), {split} run the engine (processes "
+                   f"{world_size}-{launch - 1}, one-step-off; rollout.n_gpus_per_node={split})")
     out += [f"  {line}" for line in batch_lines(cfg, world_size)]
     out += ["", "divisibility checks:"] + [f"  {line}" for line in check_lines(cfg, world_size)]
     out += ["", "derived defaults (resolved once, in config validation):"] + [f"  {line}" for line in resolved_lines(cfg)]
@@ -450,6 +463,14 @@ def print_plan(argv: list[str], measure=None) -> int:
     else:
         lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb,
                                    teacher_config=values.get("--teacher-model-config"))
+        if split > 0:
+            share = engine_cfg.rollout.gpu_memory_utilization * gpu_gb
+            out += [f"  engine GPUs ({split}, processes {world_size}-{launch - 1}): vLLM's share {share:.2f} GiB each "
+                    f"(rollout.gpu_memory_utilization={engine_cfg.rollout.gpu_memory_utilization}: weights over "
+                    f"{engine_cfg.rollout.tensor_model_parallel_size}-way tensor parallelism + KV cache) + its CUDA context; "
+                    "never released (nothing else uses them)" + ("; raise gpu_memory_utilization to about 0.85"
+                                                                 if engine_cfg.rollout.gpu_memory_utilization < 0.8 else ""),
+                    f"  trainer GPUs ({world_size}, processes 0-{world_size - 1}), below: the update alone (no engine share)"]
         out += [f"  config: {where}"] + [f"  {line}" for line in lines]
         out += ["", "FSDP2 collectives of the update:"] + [f"  {line}" for line in
                                                           collective_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb)]

@@ -49,6 +49,7 @@ def engine_main(cfg, bridge, *, world_size: int, rank: int) -> int:
     engine = build_engine(cfg, on_cpu=on_cpu, world_size=world_size)
     dtype = getattr(torch, resolve_dtype(cfg.rollout.dtype, on_gpu=not on_cpu))
     print(f"engine process {rank}: ready ({cfg.rollout.name}, {world_size} process(es))", file=sys.stderr, flush=True)
+    idle_since = time.perf_counter()  # the engine's idle time: from its last answer to the next go
     while True:
         message = broadcast_object(bridge.recv() if rank == 0 else None)
         kind = message[0]
@@ -70,6 +71,7 @@ def engine_main(cfg, bridge, *, world_size: int, rank: int) -> int:
         elif kind == "go":
             _, step, prompt_ids = message
             start = time.perf_counter()
+            idle = start - idle_since
             sampling = train_sampling(cfg)
             seeds = [sample_seed(cfg.trainer.seed, purpose="train", step=step, round=1, prompt_index=i, n=sampling["n"])
                      for i in range(len(prompt_ids))]
@@ -77,7 +79,8 @@ def engine_main(cfg, bridge, *, world_size: int, rank: int) -> int:
             if rank == 0:
                 bridge.send({"step": step, "generations": out, "version": engine.weight_version,
                              "preemptions": engine.pop_metrics("rollout/")["rollout/preemptions"],
-                             "gen_s": time.perf_counter() - start})
+                             "gen_s": time.perf_counter() - start, "idle_s": idle})
+            idle_since = time.perf_counter()
         else:
             raise RuntimeError(f"engine: unknown message {kind!r} from the trainer")
 
@@ -298,12 +301,17 @@ class OneStepOff:
         groups.add(batch)
         metrics = rollout_metrics(stats, groups, step=step)
         metrics["timing_s/engine_gen"] = float(payload["gen_s"])  # the engine process's generation of this batch
+        metrics["timing_s/engine_idle"] = float(payload["idle_s"])  # ... and its wait for the go before it (pushes included)
         metrics["rollout/staleness_max"] = float(step - 1 - payload["version"])
         return batch, metrics
 
-    def pop_waited(self) -> float:
+    def pop_waited(self) -> dict[str, float]:
+        """The trainer's wait for the engine since the last call (timing_s/wait_engine) and the share of the engine's
+        generation of the step's next batch hidden behind the trainer's work (perf/overlap_share: 1 - wait / generation)."""
         waited, self.waited_s = self.waited_s, 0.0
-        return waited
+        nxt = self.received.get(max(self.received)) if self.received else None
+        gen = float(nxt["payload"]["gen_s"]) if nxt is not None else 0.0
+        return {"timing_s/wait_engine": waited, "perf/overlap_share": max(0.0, 1.0 - waited / gen) if gen > 0 else 0.0}
 
     def state(self) -> dict:
         """What a checkpoint holds: the batches received and not trained yet (the next step's, after a completed step)."""

@@ -14,12 +14,11 @@ milliseconds. This module owns:
 
 from __future__ import annotations
 
-CAN_ABORT = True  # generate(stop=...) returns unfinished responses as far as they got (vLLM's engine steps with DELTA outputs; abort_request)
-
 import functools
 import os
 from pathlib import Path
 
+CAN_ABORT = True  # generate(stop=...) returns unfinished responses as far as they got (vLLM's engine steps with DELTA outputs; abort_request)
 ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process, not in a child (colocated)
 }
