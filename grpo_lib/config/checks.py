@@ -92,8 +92,8 @@ def greedy_baseline_needed(cfg: Config) -> bool:
 def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
     """The engine's sampling logprobs are requested only when something reads them.
 
-    algorithm.rollout_correction (its importance weights), rollout.partial_rollout (the decoupled loss's behaviour
-    logprobs of carried tokens), and the rollout/logprob_abs_diff_mean gap metric when the
+    algorithm.rollout_correction (its importance weights), rollout.partial_rollout and rollout.n_gpus_per_node (the
+    decoupled loss's behaviour logprobs of tokens from older weights), and the rollout/logprob_abs_diff_mean gap metric when the
     engine or the actor computes below float32 (the gap is then no longer ~1e-6 and worth watching). Skipping them
     saves the engine a log-softmax over the vocabulary per sampled token. "auto" is bfloat16 for both on a GPU
     (`gpu`: default, whether CUDA is present, as the trainer decides its device), float32 on CPU (grpo_lib/core/dtypes.py).
@@ -104,6 +104,7 @@ def engine_logprobs_needed(cfg: Config, gpu: bool | None = None) -> bool:
         gpu = torch.cuda.is_available()
     low = ("bfloat16", "float16")
     return (cfg.algorithm.rollout_correction.mode != "none" or cfg.rollout.partial_rollout.enable  # behaviour logprobs
+            or cfg.rollout.n_gpus_per_node > 0  # one-step-off: every token is of older weights
             or dtypes.resolve(cfg.rollout.dtype, on_gpu=gpu) in low
             or dtypes.resolve(cfg.actor.fsdp_config.param_dtype, on_gpu=gpu) in low)
 

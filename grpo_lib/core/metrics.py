@@ -24,7 +24,7 @@ Metric names are namespaced and documented once here:
 | `actor/skipped_nonfinite_steps` | optimizer updates of the step skipped on every process (non-finite loss or grad norm) |
 | `batch/kept_groups`, `batch/dropped_groups`, `batch/gen_rounds` | DAPO dynamic sampling |
 | `rollout/preemptions` | sequences the engine preempted (evicted for lack of KV cache, recomputed later) this step; warned when > 0 |
-| `rollout/logprob_abs_diff_mean` | mean over loss tokens (`loss_mask`) of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, or a bf16/fp16 engine or actor) |
+| `rollout/logprob_abs_diff_mean` | mean over loss tokens (`loss_mask`) of |engine sampling logprob - trainer logprob| before the update (logged when engine logprobs are requested: rollout_correction on, carry-over or one-step-off, or a bf16/fp16 engine or actor; tokens of the current weights only) |
 | `episode/turns_mean`, `episode/turns_max` | multi-turn only: assistant turns (generations) per episode, mean over the step's episodes and the largest |
 | `episode/tool_calls_mean` | multi-turn: tool calls answered per episode (well-formed or not; a call left unanswered by a turn limit is not counted) |
 | `episode/stopped_turn_limit`, `episode/stopped_length` | multi-turn: fraction of episodes ended by max_assistant_turns / max_user_turns with a call unanswered, and by the data.max_response_length budget |
@@ -43,6 +43,11 @@ Metric names are namespaced and documented once here:
 | `perf/collective_mb_per_update` | MiB process 0 all-gathered and reduce-scattered (FSDP2: each call's full buffer) per optimizer update of the step; actor.fsdp_config.keep_root_gathered / reshard_after_forward / defer_grad_reduce lower it |
 | `debug/weight_sync_max_abs_diff` | largest engine - actor logprob difference over all engines after the push |
 | `rollout/weight_probe_abs_diff`, `rollout/weight_probe_tolerance`, `rollout/weight_probe_ratio`, `rollout/weight_probe_noise` | the weights that generated this step's rollouts: mean over the weight probe's tokens of |engine - actor| logprob (largest over engines), its tolerance (3 x the largest difference of the run's first 3 probes, at least a floor tied to the compute dtype, within its bound; docs/GPU.md), their ratio (above 1 the run stops before the update, exit 3) and that noise (grpo_lib/rollout/weight_probe.py) |
+| `rollout/carried_responses`, `rollout/resumed_responses`, `rollout/pool_groups` | carry-over (`rollout.partial_rollout`), counts: responses unfinished when the step's round stopped (carried to the next), carried responses resumed in it, groups in flight |
+| `rollout/dropped_stale_responses`, `rollout/dropped_stale_tokens` | carry-over, counts: responses (and their tokens) dropped and started again because their oldest token would have been more than `max_staleness` versions old when trained |
+| `rollout/staleness_<s>`, `rollout/staleness_max` | carry-over: share of the step's loss tokens sampled `s` weight versions before the weights being trained (s = 0 .. max_staleness); the largest age (one-step-off: always 1 after step 1) |
+| `actor/stale_token_fraction`, `actor/behav_imp_weight_mean` | carry-over and one-step-off: share of loss tokens from older weights, and the mean decoupled-loss weight min(exp(proximal - behaviour), behav_imp_weight_cap) over them (docs/ALGORITHMS.md) |
+| `timing_s/wait_engine`, `timing_s/engine_gen`, `timing_s/engine_idle`, `timing_s/overlap_share` | one-step-off (`rollout.n_gpus_per_node`): seconds the trainer waited for the engine's batch, the engine took to generate it, the engine waited for its go; the share (not seconds) of that generation hidden behind the trainer's work |
 | `val/<data_source>/reward_mean`, `val/<data_source>/acc` | validation reward and accuracy per source |
 | `val/<data_source>/mean@<n>`, `val/<data_source>/pass@<n>` | with `rollout.val_kwargs.n` > 1: mean accuracy of a prompt's n responses; fraction of prompts with one correct |
 | `val/reward_mean`, `val/reward_errors` | validation reward over all sources; failed or timed-out reward calls |

@@ -307,11 +307,11 @@ class OneStepOff:
 
     def pop_waited(self) -> dict[str, float]:
         """The trainer's wait for the engine since the last call (timing_s/wait_engine) and the share of the engine's
-        generation of the step's next batch hidden behind the trainer's work (perf/overlap_share: 1 - wait / generation)."""
+        generation of the step's next batch hidden behind the trainer's work (timing_s/overlap_share, a share: 1 - wait / generation)."""
         waited, self.waited_s = self.waited_s, 0.0
         nxt = self.received.get(max(self.received)) if self.received else None
         gen = float(nxt["payload"]["gen_s"]) if nxt is not None else 0.0
-        return {"timing_s/wait_engine": waited, "perf/overlap_share": max(0.0, 1.0 - waited / gen) if gen > 0 else 0.0}
+        return {"timing_s/wait_engine": waited, "timing_s/overlap_share": max(0.0, 1.0 - waited / gen) if gen > 0 else 0.0}
 
     def state(self) -> dict:
         """What a checkpoint holds: the batches received and not trained yet (the next step's, after a completed step)."""

@@ -46,6 +46,9 @@ def check_one_step_off(rows: list[dict]) -> None:
     assert all(r["rollout/weight_probe_abs_diff"] <= r["rollout/weight_probe_tolerance"] for r in rows), "a push unproven"
     assert any(abs(r["actor/pg_loss"]) > 1e-6 for r in rows), "the policy never moved"
     assert all(r["timing_s/engine_gen"] > 0 for r in rows)
+    # the behaviour logprobs are the engine's own: step 1's batch comes from the weights it trains (version 0), where
+    # engine and trainer agree to float32 round-off (a logprob the engine did not send reads 0: a gap of nats)
+    assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-3, rows[0]["rollout/logprob_abs_diff_mean"]
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
@@ -92,3 +95,12 @@ def test_a_trainer_that_dies_takes_the_engine_with_it(args, tmp_path):
     assert proc.returncode != 0
     assert "test hook: SIGKILL at update of step 2" in proc.stderr
     assert "Traceback" not in proc.stderr.split("test hook")[-1] or "engine process 0" in proc.stderr
+
+
+def test_a_tensor_parallel_engine_on_two_processes(args, tmp_path):
+    """1 trainer + an engine over 2 processes (vLLM tensor parallel 2): the weights reach both engine processes."""
+    out = tmp_path / "run"
+    proc = run_train(args(out, "rollout.name=vllm", "rollout.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2",
+                          "trainer.n_gpus_per_node=3"), procs=3, timeout=900)
+    assert proc.stderr.count("engine process") >= 2
+    check_one_step_off(read_metrics(out))
