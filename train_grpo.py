@@ -244,12 +244,12 @@ class GRPOTrainer:
         the last completed step if the disk allows and returns exit code 3."""
         from grpo_lib.core.metrics import MetricWriteError
 
-        carry = self.pipeline_state()
-        self.completed = (self.resume.step, self.parts.sampler.state_dict(), carry)  # (step, sampler position, pool after it)
+        self.completed = (self.resume.step, self.parts.sampler.state_dict(), False)  # (step, sampler position, mid-step?)
         try:
             return self.run_steps()
         except MetricWriteError as error:
-            last_step, sampler_state, carry_state = self.completed
+            last_step, sampler_state, mid_step = self.completed
+            carry_state, sampler_state = self.aborted_step_state(sampler_state) if mid_step else (None, sampler_state)
             return self.stop_run(error, last_step=last_step, sampler_state=sampler_state, carry_state=carry_state)
 
     def run_steps(self) -> int:
@@ -274,13 +274,13 @@ class GRPOTrainer:
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
-            self.carry_before = self.pipeline_state()  # ... nor carried its responses (nor received its batch)
-            self.completed = (step - 1, sampler_before, self.carry_before)  # what a stop on a failed metrics write saves
+            self.completed = (step - 1, sampler_before, True)  # what a stop on a failed metrics write saves (train)
             try:
                 metrics = self.step(step)
             except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
-                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_before, carry_state=self.carry_before)
-            self.completed = (step, p.sampler.state_dict(), None)  # None: the pool as it is then
+                carry_state, sampler_state = self.aborted_step_state(sampler_before)
+                return self.stop_run(error, last_step=step - 1, sampler_state=sampler_state, carry_state=carry_state)
+            self.completed = (step, p.sampler.state_dict(), False)
             # 8. log / validate / checkpoint / stop
             p.logger.log(step, metrics)
             p.logger.advance()
@@ -467,6 +467,21 @@ class GRPOTrainer:
             except SaveError as save_error:
                 print(f"error: {save_error}", file=sys.stderr)
         return error.exit_code
+
+    def aborted_step_state(self, sampler_before: dict) -> tuple[dict | None, dict]:
+        """(carried state, sampler position) a checkpoint of the step before an aborted one holds: nothing of the aborted
+        step's batch lost or trained twice. Carry-over: its taken groups back in the pool, which keeps the prompts it drew
+        (the sampler after them); one-step-off: its batch back in hand, the sampler after that batch's draw; else
+        `sampler_before` (the step's prompts drawn again on resume)."""
+        p = self.parts
+        if p.carry is not None:
+            p.carry.restore_taken()
+            return p.carry.state_dict(), p.sampler.state_dict()
+        if p.remote is not None:
+            p.remote.restore_current()
+            state = p.remote.state()
+            return state, state["sampler"]
+        return None, sampler_before
 
     def pipeline_state(self) -> dict | None:
         """What a checkpoint holds beside the sampler: the carried responses (rollout.partial_rollout) or the batches

@@ -150,6 +150,8 @@ METHODS = {"torch.distributed.tensor.DTensor.full_tensor": {"grpo_lib/model/fsdp
 GUARDED = {
     "torch.nn.attention.varlen.varlen_attn": "grpo_varlen then runs one sdpa call per sequence "
                                              "(grpo_lib/model/attention.py torch_varlen_attn binds the call first)",
+    "torch.distributed.ProcessGroupNCCL": "a CPU build has none: the split roles' bridge then sends the weights over "
+                                          "gloo too (grpo_lib/core/bridge.py looks it up where CUDA is present)",
 }
 GUARDED_PREFIXES = {  # --print-plan --measure's private torch names: grpo_lib/planning/measure.py refuses without them
     "torch.testing._internal.": "--measure refuses, naming it (planning.measure.missing_private_api)",

@@ -322,7 +322,9 @@ def split_problems(cfg: Config, *, launch: int) -> list[str]:
     unsupported = (("rollout.partial_rollout.enable=true", r.partial_rollout.enable, "carry-over is the colocated shape"),
                    ("rollout.multi_turn.enable=true", r.multi_turn.enable, "episodes run on the colocated engine only"),
                    ("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable,
-                    "DAPO's extra rounds are not asked of the engine ahead of time"))
+                    "DAPO's extra rounds are not asked of the engine ahead of time"),
+                   (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}", greedy_baseline_needed(cfg),
+                    "its greedy baseline would come from other weights than the batch"))
     for key, on, why in unsupported:
         if on:
             p.append(f"rollout.n_gpus_per_node={e} with {key}: not supported ({why}); turn one of them off")

@@ -98,8 +98,9 @@ class Bridge:
         self.stopped = False  # the trainer side told the engine to stop
         self.cpu = dist.ProcessGroupGloo(store, rank, 2, BRIDGE_TIMEOUT)
         self.cuda = None
-        if cuda:  # weights travel over NCCL between the two GPUs
-            self.cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2)
+        nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
+        if cuda and nccl is not None:  # weights travel over NCCL between the two GPUs
+            self.cuda = nccl(dist.PrefixStore("nccl", store), rank, 2)
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     def send(self, obj) -> None:

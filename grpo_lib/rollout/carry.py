@@ -113,6 +113,7 @@ class CarryPool:
         first = rank // self.tp * self.tp
         self.members = list(range(first, first + self.tp))  # the processes whose groups this pool holds
         self.groups: list[Group] = []
+        self.last_taken: list[Group] = []  # the groups of the last `take` (`restore_taken`)
         self.counts: dict[str, float] = {}  # this round's counters (`pop_counts`)
 
     # -- the pool ---------------------------------------------------------------------------------------
@@ -217,11 +218,17 @@ class CarryPool:
         assert all(len(t) == self.per_rank for t in taken.values()), (
             f"a round ended with {[len(t) for t in taken.values()]} complete groups per process, not {self.per_rank}")
         gone = {id(g) for t in taken.values() for g in t}
+        self.last_taken = [g for g in self.groups if id(g) in gone]
         self.groups = [g for g in self.groups if id(g) not in gone]
         mine = taken[self.rank]
         prompts = dataset.batch([g.row for g in mine])
         prompts.group_ids = [g.group_id for g in mine]
         return prompts, [[s.generation(decode) for s in g.samples] for g in mine]
+
+    def restore_taken(self) -> None:
+        """The groups of the last `take` back in the pool, first (a step aborted before its update trains them on resume)."""
+        self.groups = self.last_taken + self.groups
+        self.last_taken = []
 
     # -- counters and state ---------------------------------------------------------------------------------
 

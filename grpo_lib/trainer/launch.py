@@ -29,6 +29,11 @@ def load_carry(pool, path, *, rank: int) -> None:
     state = read_carry_state(path, rank)
     if state is None and (path / "carry").is_dir():
         state = read_carry_state(path, 0)  # process 0's file names the layout it was saved on
+    if state is not None and state.get("split"):  # a one-step-off run's batch in hand: carry-over starts its pool afresh
+        if rank == 0:
+            print(f"note: {path / 'carry'} holds a one-step-off batch, not carried responses: the pool starts empty "
+                  "(that batch's prompts are skipped)", file=sys.stderr)
+        return
     if state is not None:
         try:
             pool.load_state_dict(state, where=str(path / "carry"))

@@ -231,7 +231,8 @@ class OneStepOff:
         self.cfg, self.engine, self.dataset, self.sampler = cfg, engine, dataset, sampler
         self.world_size, self.rank, self.total_steps = world_size, rank, total_steps
         self.sent: list[dict] = []  # {"step", "rows"} of the go messages whose batch is not received yet, in order
-        self.received: dict[int, dict] = {}  # step -> {"step", "rows", "payload"}: batches not trained yet
+        self.received: dict[int, dict] = {}  # step -> {"step", "rows", "sampler", "payload"}: batches not trained yet
+        self.current: dict | None = None  # the batch of the step being trained (back in hand if the step is aborted)
         self.waited_s = 0.0  # seconds this process waited for the engine (idle), since the last `pop_waited`
         engine.before_ask = self.drain  # an answer to another message comes after the batches asked for before it
 
@@ -248,7 +249,7 @@ class OneStepOff:
             return
         rows = self.sampler.next_batch()
         leader(self.rank, lambda: self.engine.bridge.send(("go", step, [self.dataset.prompt_ids[i] for i in rows])))
-        self.sent.append({"step": step, "rows": rows})
+        self.sent.append({"step": step, "rows": rows, "sampler": self.sampler.state_dict()})  # the sampler after this draw
 
     def receive(self) -> None:
         """The batch of the oldest go, from the engine (it generated it while the trainer worked)."""
@@ -274,7 +275,7 @@ class OneStepOff:
         while step not in self.received:
             self.receive()
         self.ensure(step + 1)  # only now: the engine sends nothing while it waits for this (no send meets a send)
-        entry = self.received.pop(step)
+        entry = self.current = self.received.pop(step)
         payload = entry["payload"]
         if not max(0, step - 2) <= payload["version"] <= step - 1:
             raise RunAborted(f"step {step}: the engine generated with weight version {payload['version']}; one-step-off "
@@ -313,20 +314,27 @@ class OneStepOff:
         gen = float(nxt["payload"]["gen_s"]) if nxt is not None else 0.0
         return {"timing_s/wait_engine": waited, "timing_s/overlap_share": max(0.0, 1.0 - waited / gen) if gen > 0 else 0.0}
 
+    def restore_current(self) -> None:
+        """The batch of a step that was aborted back in hand (a checkpoint of the step before holds it)."""
+        if self.current is not None:
+            self.received[self.current["step"]] = self.current
+            self.current = None
+
     def state(self) -> dict:
-        """What a checkpoint holds: the batches received and not trained yet (the next step's, after a completed step)."""
+        """What a checkpoint holds: the batches received and not trained yet (the next step's, after a completed step)
+        and the sampler's position right after the last of them was drawn (a go sent after it is asked again)."""
         entries = []
-        for entry in self.received.values():
+        for entry in sorted(self.received.values(), key=lambda e: e["step"]):
             payload = dict(entry["payload"])
             payload["generations"] = [[asdict(g) for g in group] for group in payload["generations"]]
-            entries.append({"step": entry["step"], "rows": entry["rows"], "payload": payload})
-        return {"split": 1, "entries": entries}
+            entries.append({"step": entry["step"], "rows": entry["rows"], "sampler": entry["sampler"], "payload": payload})
+        return {"split": 1, "entries": entries, "sampler": entries[-1]["sampler"] if entries else self.sampler.state_dict()}
 
 
 def _restore(saved: dict) -> dict:
     payload = dict(saved["payload"])
     payload["generations"] = [[Generation(**g) for g in group] for group in payload["generations"]]
-    return {"step": saved["step"], "rows": saved["rows"], "payload": payload}
+    return {"step": saved["step"], "rows": saved["rows"], "sampler": saved["sampler"], "payload": payload}
 
 
 def _generation(g: Generation, version: int) -> Generation:

@@ -80,6 +80,7 @@ def split(**keys) -> Config:
     (2, {"rollout__n_gpus_per_node": -1}, "rollout.n_gpus_per_node=-1: must be >= 0"),
     (2, {"rollout__n_gpus_per_node": 1, "rollout.multi_turn__enable": True}, "with rollout.multi_turn.enable=true: not supported"),
     (2, {"rollout__n_gpus_per_node": 1, "enable": True}, "with rollout.partial_rollout.enable=true: not supported"),
+    (2, {"rollout__n_gpus_per_node": 1, "algorithm__adv_estimator": "remax"}, "with algorithm.adv_estimator=remax: not supported"),
 ])
 def test_a_bad_split_is_named(launch, keys, words):
     problems = validate(split(**keys), world_size=launch)

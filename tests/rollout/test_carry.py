@@ -208,3 +208,21 @@ def test_tp_members_hold_the_same_pool_and_each_trains_its_own_share():
         assert pools[0].state_dict() == pools[1].state_dict(), "the TP members' pools diverged"
         assert len(batches[0]) == len(batches[1]) == 2 and not set(batches[0]) & set(batches[1])
         assert engines[0].calls == engines[1].calls, "the members submitted different requests"
+
+
+def test_an_aborted_step_gives_its_groups_back_to_the_pool():
+    """A step aborted before its update (failing rewards): its complete groups go back first, so the checkpoint of the
+    step before keeps them with the prompts already drawn (nothing lost, nothing trained twice)."""
+    cfg = config()
+    _, pool, sampler, engine = run(cfg, 2)
+    data = Data(40)
+    engine.weight_version = 2
+    pool.fill(sampler, data, step=3)
+    pool.run_round(engine, data, sampling=SAMPLING)
+    before = {g.group_id for g in pool.groups}
+    prompts, _ = pool.take(data)
+    pool.restore_taken()
+    assert {g.group_id for g in pool.groups} == before
+    assert [g.group_id for g in pool.groups[:len(prompts.group_ids)]] == prompts.group_ids, "the taken groups come first"
+    again, _ = pool.take(data)
+    assert again.group_ids == prompts.group_ids, "the resumed step trains the same groups"
