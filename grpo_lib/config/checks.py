@@ -325,10 +325,12 @@ def split_problems(cfg: Config, *, launch: int) -> list[str]:
                     "DAPO's extra rounds are not asked of the engine ahead of time"),
                    (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}", greedy_baseline_needed(cfg),
                     "its greedy baseline would come from other weights than the batch"))
-    for key, on, why in unsupported:
-        if on:
-            p.append(f"rollout.n_gpus_per_node={e} with {key}: not supported ({why}); turn one of them off")
-    return p
+    return p + unsupported_with(f"rollout.n_gpus_per_node={e}", unsupported)
+
+
+def unsupported_with(setting: str, combinations) -> list[str]:
+    """One problem per (key, on, why) of `combinations` that is on: `setting` does not work with it yet, and why."""
+    return [f"{setting} with {key}: not supported ({why}); turn one of them off" for key, on, why in combinations if on]
 
 
 def partial_rollout_problems(cfg: Config, *, world_size: int = 1) -> list[str]:
@@ -360,9 +362,7 @@ def partial_rollout_problems(cfg: Config, *, world_size: int = 1) -> list[str]:
                     "DAPO's extra rounds and the pool would both decide which groups train"),
                    (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}", greedy_baseline_needed(cfg),
                     "its greedy baseline would be generated with other weights than a carried response's"))
-    for key, on, why in unsupported:
-        if on:
-            p.append(f"rollout.partial_rollout.enable=true with {key}: not supported ({why}); turn one of them off")
+    p += unsupported_with("rollout.partial_rollout.enable=true", unsupported)
     if cfg.actor.behav_imp_weight_cap <= 0:
         p.append(f"actor.behav_imp_weight_cap={cfg.actor.behav_imp_weight_cap}: must be > 0 (the decoupled loss's weight cap, e.g. 5)")
     return p

@@ -148,6 +148,20 @@ class RoundStats:
                 mine[k] = max(mine.get(k, 0.0), v) if k.endswith("_max") else mine.get(k, 0.0) + v
 
 
+def score_round(cfg, scorer, batch: RolloutBatch, stats: RoundStats, *, timings: dict, rewards=None) -> None:
+    """A round's batch scored (`step.score`; `rewards`: the generation's stream, if any) and its reward / response sums
+    into `stats` (count, reward/sum, response/length_sum, length_max, clipped); the seconds under timing_s/reward."""
+    start = time.perf_counter()
+    stats.sums.update(score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
+                            max_response_length=cfg.data.max_response_length, rewards=rewards, timings=timings))
+    stats.sums["count"] = float(len(batch))
+    stats.sums["reward/sum"] = float(batch.scores.sum())
+    stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
+    stats.sums["response/length_max"] = float(batch.response_lengths.max())
+    stats.sums["response/clipped"] = float(batch.truncated.sum())
+    timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+
+
 def rollout_round(cfg, engine, scorer, dataset, global_idx: list[int], *, step: int, round: int, world_size: int,
                   rank: int, timings: dict, episodes=None, stream_rewards: bool = True,
                   score_request: ScoreRequest | None = None) -> tuple[RolloutBatch, RoundStats]:
@@ -182,15 +196,7 @@ def rollout_round(cfg, engine, scorer, dataset, global_idx: list[int], *, step: 
             mask_truncated(batch)
         if round > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{round}" for g in batch.group_ids]
-        start = time.perf_counter()
-        stats.sums.update(score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
-                                max_response_length=cfg.data.max_response_length, rewards=rewards, timings=timings))
-        stats.sums["count"] = float(len(batch))
-        stats.sums["reward/sum"] = float(batch.scores.sum())
-        stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
-        stats.sums["response/length_max"] = float(batch.response_lengths.max())
-        stats.sums["response/clipped"] = float(batch.truncated.sum())
-        timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+        score_round(cfg, scorer, batch, stats, timings=timings, rewards=rewards)
     if greedy_baseline_needed(cfg):  # remax: the score of one greedy response per prompt is each row's baseline
         stats.sums["reward/greedy_baseline_mean"] = attach_greedy_baselines(
             cfg, engine, scorer, dataset, global_idx, batch, rows_per_prompt=[len(g) for g in generations],
@@ -272,15 +278,7 @@ def carry_round(cfg, engine, scorer, dataset, sampler, pool, *, step: int, rank:
     batch.weight_version = engine.weight_version
     if cfg.actor.mask_truncated_responses:
         mask_truncated(batch)
-    start = time.perf_counter()
-    stats.sums.update(score(scorer, batch, overlong_buffer=cfg.reward.overlong_buffer,
-                            max_response_length=cfg.data.max_response_length, timings=timings))
-    stats.sums["count"] = float(len(batch))
-    stats.sums["reward/sum"] = float(batch.scores.sum())
-    stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
-    stats.sums["response/length_max"] = float(batch.response_lengths.max())
-    stats.sums["response/clipped"] = float(batch.truncated.sum())
-    timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
+    score_round(cfg, scorer, batch, stats, timings=timings)
     return batch, stats
 
 

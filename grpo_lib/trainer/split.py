@@ -34,8 +34,8 @@ from grpo_lib.core.bridge import BridgeError
 from grpo_lib.core.distributed import all_gather_object, broadcast_object
 from grpo_lib.core.seeds import sample_seed
 from grpo_lib.core.types import Generation, PromptBatch, ScoreRequest
-from grpo_lib.trainer.rounds import GroupFilter, RoundStats, rollout_metrics, train_sampling
-from grpo_lib.trainer.step import RunAborted, build_rollout_batch, mask_truncated, score
+from grpo_lib.trainer.rounds import GroupFilter, RoundStats, rollout_metrics, score_round, train_sampling
+from grpo_lib.trainer.step import RunAborted, build_rollout_batch, mask_truncated
 
 
 # ------------------------------------------------------------------------------------------------ the engine side
@@ -289,15 +289,7 @@ class OneStepOff:
         if self.cfg.actor.mask_truncated_responses:
             mask_truncated(batch)
         stats = RoundStats(sums={"rollout/preemptions": payload["preemptions"] if self.rank == 0 else 0.0})
-        start = time.perf_counter()
-        stats.sums.update(score(scorer, batch, overlong_buffer=self.cfg.reward.overlong_buffer,
-                                max_response_length=self.cfg.data.max_response_length, timings=timings))
-        timings["timing_s/reward"] = timings.get("timing_s/reward", 0.0) + time.perf_counter() - start
-        stats.sums["count"] = float(len(batch))
-        stats.sums["reward/sum"] = float(batch.scores.sum())
-        stats.sums["response/length_sum"] = float(batch.response_lengths.sum())
-        stats.sums["response/length_max"] = float(batch.response_lengths.max())
-        stats.sums["response/clipped"] = float(batch.truncated.sum())
+        score_round(self.cfg, scorer, batch, stats, timings=timings)
         groups = GroupFilter(self.cfg, world_size=self.world_size)
         groups.add(batch)
         metrics = rollout_metrics(stats, groups, step=step)

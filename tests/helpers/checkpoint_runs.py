@@ -38,6 +38,19 @@ def checkpoint_args(tiny_model_dir, arith_data, tmp_path_factory):
     return overrides
 
 
+def eos_run_args(eos_model_dir, arith_data, tmp_path_factory, *base: str):
+    """Overrides of a 4-step run on the tiny model whose eos is likely (varied lengths: the long tail carry-over and
+    one-step-off are about), with REWARD's varied reward so the policy moves; `base` added to every run's overrides."""
+    reward = tmp_path_factory.mktemp("reward") / "reward.py"
+    reward.write_text(REWARD)
+
+    def overrides(out: Path, *extra: str) -> list[str]:
+        return ["recipes/tiny_cpu.yaml", *tiny_overrides(
+            eos_model_dir, arith_data, out, f"reward.custom.path={reward}", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
+            "trainer.total_training_steps=4", "trainer.val_before_train=false", "trainer.save_freq=-1", *base, *extra)]
+    return overrides
+
+
 def run_killed(args: list[str], faults: list[str], log: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """A run that the test hook SIGKILLs (`faults`: arguments of tests/scripts/train_with_faults.py): output goes to
     files, not pipes (a pipe stays open while any reward worker it leaves behind lives, and run_train would wait for it)."""

@@ -17,8 +17,8 @@ import json
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_train, tiny_overrides
-from tests.helpers.checkpoint_runs import REWARD, assert_same_steps, hf_weights
+from tests.conftest import read_metrics, run_train
+from tests.helpers.checkpoint_runs import assert_same_steps, eos_run_args, hf_weights
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +27,7 @@ CARRY = ("rollout.partial_rollout.enable=true", "rollout.partial_rollout.active_
 
 @pytest.fixture(scope="module")
 def args(eos_model_dir, arith_data, tmp_path_factory):
-    reward = tmp_path_factory.mktemp("reward") / "reward.py"
-    reward.write_text(REWARD)
-
-    def overrides(out, *extra: str) -> list[str]:
-        return ["recipes/tiny_cpu.yaml", *tiny_overrides(
-            eos_model_dir, arith_data, out, f"reward.custom.path={reward}", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
-            "data.max_response_length=48", "trainer.total_training_steps=4", "trainer.val_before_train=false",
-            "trainer.save_freq=-1", *extra)]
-    return overrides
+    return eos_run_args(eos_model_dir, arith_data, tmp_path_factory, "data.max_response_length=48")
 
 
 def same(a_rows: list[dict], b_rows: list[dict]) -> None:

@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_train, tiny_overrides
-from tests.helpers.checkpoint_runs import REWARD, assert_same_steps, hf_weights
+from tests.conftest import read_metrics, run_train
+from tests.helpers.checkpoint_runs import assert_same_steps, eos_run_args, hf_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -28,15 +28,7 @@ SPLIT = ("rollout.n_gpus_per_node=1",)
 
 @pytest.fixture(scope="module")
 def args(eos_model_dir, arith_data, tmp_path_factory):
-    reward = tmp_path_factory.mktemp("reward") / "reward.py"
-    reward.write_text(REWARD)
-
-    def overrides(out, *extra: str) -> list[str]:
-        return ["recipes/tiny_cpu.yaml", *tiny_overrides(
-            eos_model_dir, arith_data, out, f"reward.custom.path={reward}", "actor.lr=1e-3", "actor.ppo_mini_batch_size=2",
-            "data.max_response_length=32", "trainer.total_training_steps=4", "trainer.val_before_train=false",
-            "trainer.save_freq=-1", *SPLIT, *extra)]
-    return overrides
+    return eos_run_args(eos_model_dir, arith_data, tmp_path_factory, "data.max_response_length=32", *SPLIT)
 
 
 def check_one_step_off(rows: list[dict]) -> None:
