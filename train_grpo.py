@@ -97,6 +97,7 @@ class GRPOTrainer:
         self.cfg, self.world_size, self.rank, self.resume = cfg, world_size, rank, resume
         self.parts: RunParts | None = None
         self.bridge = None  # split roles (rollout.n_gpus_per_node): process 0's line to the engine processes (launch sets it)
+        self.updated = False  # the current step's update ran (run_steps: an abort after it saves the step)
 
     # -- setup ----------------------------------------------------------------------------------------
 
@@ -275,9 +276,14 @@ class GRPOTrainer:
         for step in range(self.resume.step + 1, p.total_steps + 1):
             sampler_before = p.sampler.state_dict()  # a step aborted below is saved as not having drawn its prompts
             self.completed = (step - 1, sampler_before, True)  # what a stop on a failed metrics write saves (train)
+            self.updated = False  # set once the step's update ran (one-step-off: the engine may fail in the push after it)
             try:
                 metrics = self.step(step)
-            except S.RunAborted as error:  # raised on every process alike (from reduced numbers), before any update
+            except S.RunAborted as error:  # raised on every process alike (from reduced numbers)
+                if self.updated:  # after the update (the split engine gone in the push): the step is done, save it
+                    p.logger.log(step, getattr(error, "metrics", {}))
+                    p.logger.advance()
+                    return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
                 carry_state, sampler_state = self.aborted_step_state(sampler_before)
                 return self.stop_run(error, last_step=step - 1, sampler_state=sampler_state, carry_state=carry_state)
             self.completed = (step, p.sampler.state_dict(), False)
@@ -330,7 +336,14 @@ class GRPOTrainer:
             adv_metrics = S.compute_advantages(cfg, batch)  # 6. advantages (after 4-5: KL-in-reward needs their logprobs)
             with timed(timings, "update"):  # 7. update, then the push: the engine serves the new weights
                 train_metrics = actor.update(batch, plan)
-            train_metrics.update(self.push_weights(step, batch, gen_metrics, timings, memory))
+            self.updated = True
+            if self.parts.carry is not None or self.parts.remote is not None:
+                (self.parts.carry or self.parts.remote).step_done()  # the step's batch is trained: nothing to give back
+            try:
+                train_metrics.update(self.push_weights(step, batch, gen_metrics, timings, memory))
+            except S.RunAborted as error:  # the split engine gone in the push: the step trained, its metrics are logged
+                error.metrics = {**gen_metrics, **adv_metrics, **train_metrics}
+                raise
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
         return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings),
                 **self.parts.engine.pop_metrics("memory/"), **memory.metrics()}
@@ -469,14 +482,15 @@ class GRPOTrainer:
         return error.exit_code
 
     def aborted_step_state(self, sampler_before: dict) -> tuple[dict | None, dict]:
-        """(carried state, sampler position) a checkpoint of the step before an aborted one holds: nothing of the aborted
-        step's batch lost or trained twice. Carry-over: its taken groups back in the pool, which keeps the prompts it drew
-        (the sampler after them); one-step-off: its batch back in hand, the sampler after that batch's draw; else
-        `sampler_before` (the step's prompts drawn again on resume)."""
+        """(carried state, sampler position) a checkpoint of the step before an aborted one holds, so that nothing of
+        the aborted step is lost or trained twice. Carry-over: the step undone (its draw, its round's tokens, which may
+        come from unproven weights, and its take): the pool and `sampler_before` as they were, the resume replays the step
+        with the same seeds. One-step-off: its batch back in hand (or, of the wrong version, asked for again), the
+        sampler after that batch's draw. Otherwise `sampler_before` (the step's prompts drawn again on resume)."""
         p = self.parts
-        if p.carry is not None:
-            p.carry.restore_taken()
-            return p.carry.state_dict(), p.sampler.state_dict()
+        if p.carry is not None:  # the round undone: its groups, its tokens (maybe of unproven weights), its draw
+            p.carry.undo_step()
+            return p.carry.state_dict(), sampler_before
         if p.remote is not None:
             p.remote.restore_current()
             state = p.remote.state()

@@ -167,6 +167,10 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     """Resolve derived defaults, then cross-field checks; returns every problem (empty list: valid). `world_size` is the
     launch's process count; with split roles (rollout.n_gpus_per_node) the batch checks count the training processes."""
     p: list[str] = split_problems(cfg, launch=world_size)
+    off_policy = cfg.rollout.partial_rollout.enable or cfg.rollout.n_gpus_per_node > 0
+    if off_policy and cfg.actor.behav_imp_weight_cap <= 0:
+        p.append(f"actor.behav_imp_weight_cap={cfg.actor.behav_imp_weight_cap}: must be > 0 (the decoupled loss's weight cap, "
+                 "e.g. 5)")
     launch = world_size  # trainer.n_gpus_per_node x trainer.nnodes counts every process of the launch, engine ones too
     if cfg.rollout.n_gpus_per_node > 0:
         world_size = max(1, world_size - cfg.rollout.n_gpus_per_node)  # the training processes
@@ -363,8 +367,6 @@ def partial_rollout_problems(cfg: Config, *, world_size: int = 1) -> list[str]:
                    (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}", greedy_baseline_needed(cfg),
                     "its greedy baseline would be generated with other weights than a carried response's"))
     p += unsupported_with("rollout.partial_rollout.enable=true", unsupported)
-    if cfg.actor.behav_imp_weight_cap <= 0:
-        p.append(f"actor.behav_imp_weight_cap={cfg.actor.behav_imp_weight_cap}: must be > 0 (the decoupled loss's weight cap, e.g. 5)")
     return p
 
 

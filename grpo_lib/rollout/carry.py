@@ -113,17 +113,21 @@ class CarryPool:
         first = rank // self.tp * self.tp
         self.members = list(range(first, first + self.tp))  # the processes whose groups this pool holds
         self.groups: list[Group] = []
-        self.last_taken: list[Group] = []  # the groups of the last `take` (`restore_taken`)
+        self.journal: tuple | None = None  # the step's start (`journal_step`, `undo_step`)
         self.counts: dict[str, float] = {}  # this round's counters (`pop_counts`)
 
     # -- the pool ---------------------------------------------------------------------------------------
 
     def fill(self, sampler, dataset, *, step: int) -> int:
-        """Fresh groups from the sampler: one batch, or active_batch_size / train_batch_size of them when the pool is
-        empty (the first step, or a resume whose checkpoint held no pool). Returns the batches drawn. Each process
-        draws the same batches (the samplers stay equal); its TP group keeps its members' strided shares, seeded
-        as the synchronous step seeds them (round d of the step: the d-th batch drawn)."""
-        draws = 1 if self.groups else self.active_batches
+        """Fresh groups from the sampler, topping the pool up to active_batch_size: one batch a step (a step trains one
+        batch's worth), active_batch_size / train_batch_size of them when the pool is empty (the first step, or a resume
+        whose checkpoint held no pool). Returns the batches drawn. Each process draws the same batches (every pool
+        loses the same number of groups a step: the samplers stay equal); its TP group keeps its members' strided
+        shares, seeded as the synchronous step seeds them (round d of the step: the d-th batch drawn). The step's
+        journal starts here (`undo_step`)."""
+        self.journal_step()
+        per_draw = self.per_rank * len(self.members)  # groups one sampler batch brings this TP group
+        draws = max(0, self.active_batches - len(self.groups) // per_draw)  # top up to active_batch_size
         in_pool = {g.group_id for g in self.groups}
         for d in range(1, draws + 1):
             idx = sampler.next_batch()
@@ -218,17 +222,35 @@ class CarryPool:
         assert all(len(t) == self.per_rank for t in taken.values()), (
             f"a round ended with {[len(t) for t in taken.values()]} complete groups per process, not {self.per_rank}")
         gone = {id(g) for t in taken.values() for g in t}
-        self.last_taken = [g for g in self.groups if id(g) in gone]
         self.groups = [g for g in self.groups if id(g) not in gone]
         mine = taken[self.rank]
         prompts = dataset.batch([g.row for g in mine])
         prompts.group_ids = [g.group_id for g in mine]
         return prompts, [[s.generation(decode) for s in g.samples] for g in mine]
 
-    def restore_taken(self) -> None:
-        """The groups of the last `take` back in the pool, first (a step aborted before its update trains them on resume)."""
-        self.groups = self.last_taken + self.groups
-        self.last_taken = []
+    def journal_step(self) -> None:
+        """What `undo_step` restores, noted at the step's start: the groups in flight and, per response, its lists (the
+        objects: a staleness drop replaces them) with their lengths and its fields. O(responses), no token copied."""
+        self.journal = (list(self.groups), [
+            (s, s.token_ids, s.logprobs, s.versions, s.texts, len(s.token_ids), len(s.texts), s.finish_reason, s.requests,
+             s.restarts) for g in self.groups for s in g.samples])
+
+    def undo_step(self) -> None:
+        """The pool as it was at the step's start (a step aborted before its update: failing rewards, a weight probe
+        that failed, so this round's tokens may come from unproven weights): this step's fresh groups gone, every
+        response cut back to what it held, the taken groups back. The resume redoes the step with the same seeds."""
+        if self.journal is None:
+            return
+        groups, samples = self.journal
+        for s, tokens, logprobs, versions, texts, n, n_texts, reason, requests, restarts in samples:
+            del tokens[n:], logprobs[n:], versions[n:], texts[n_texts:]
+            s.token_ids, s.logprobs, s.versions, s.texts = tokens, logprobs, versions, texts
+            s.finish_reason, s.requests, s.restarts = reason, requests, restarts
+        self.groups, self.journal = groups, None
+
+    def step_done(self) -> None:
+        """The step's batch is trained: nothing of it can be undone any more."""
+        self.journal = None
 
     # -- counters and state ---------------------------------------------------------------------------------
 

@@ -70,6 +70,8 @@ def generate_share(cfg, engine, dataset, global_idx: list[int], *, world_size: i
     if not submit:  # a validation set smaller than the process count: this TP group has no prompt (all its members agree)
         if episodes is not None:
             episodes.sit_out()  # joins the others' agreement on a tool stall (EpisodeRunner.generate)
+        if getattr(engine, "collective", False):  # the split engine's proxy gathers every trainer process's requests
+            engine.generate([], seeds=[], **sampling)
         return dataset.batch([]), []
     group = dataset.batch([global_idx[i] for i in submit])
     mine = dataset.batch([global_idx[submit[j]] for j in keep])

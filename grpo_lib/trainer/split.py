@@ -113,15 +113,19 @@ def leader(rank: int, fn):
     collective the others skipped."""
     from grpo_lib.core.bridge import BridgeError
 
-    box = None
+    box, failure = None, None
     if rank == 0:
         try:
             box = ("ok", fn())
         except BridgeError as exc:
             box = ("gone", str(exc))
+        except Exception as exc:  # noqa: BLE001 - the others must not wait for an answer that never comes
+            box, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
     box = broadcast_object(box)
     if box[0] == "gone":
         raise RunAborted(f"one-step-off: {box[1]}", exit_code=3)
+    if box[0] == "failed":
+        raise failure or RuntimeError(f"trainer process 0 failed talking to the engine: {box[1]}")
     return box[1]
 
 
@@ -136,7 +140,9 @@ class RemoteEngine:
         self.weight_version = 0
         self.metrics: dict[str, float] = {}
         self.before_ask = lambda: None  # OneStepOff.drain: the batches asked for earlier come back first
+        self.owed = lambda: 0  # OneStepOff: batches asked for and not received yet
         self.stopped = False
+        self.collective = True  # every trainer process calls generate, with or without prompts (rounds.generate_share)
 
     def _ask(self, message):
         """`message` to the engine, its answer on every trainer process."""
@@ -212,15 +218,18 @@ class RemoteEngine:
         return {k: v for k, v in counters.items() if k.startswith(prefix)}
 
     def stop(self) -> None:
-        """The engine processes exit (once; every way out of the trainer's run). Batches still asked for are
-        received first (the engine is sending them)."""
-        if self.stopped:
+        """The engine processes exit (once; every way out of the trainer's run, also after a failure): on trainer
+        process 0 alone, no collective (another trainer process may be gone): the batches the engine still owes are
+        received, then "stop"; an engine gone already is no error here."""
+        if self.stopped or self.rank != 0:
             return
-        self.stopped = True
-        if self.bridge is not None:
-            self.bridge.stopped = True  # launch's last word to the engine is said
-        self.before_ask()
-        leader(self.rank, lambda: self.bridge.send(("stop",)))
+        self.stopped = self.bridge.stopped = True  # launch's last word to the engine is said
+        try:
+            for _ in range(self.owed()):
+                self.bridge.recv()
+            self.bridge.send(("stop",))
+        except BridgeError:
+            pass
 
 
 class OneStepOff:
@@ -235,27 +244,38 @@ class OneStepOff:
         self.current: dict | None = None  # the batch of the step being trained (back in hand if the step is aborted)
         self.waited_s = 0.0  # seconds this process waited for the engine (idle), since the last `pop_waited`
         engine.before_ask = self.drain  # an answer to another message comes after the batches asked for before it
+        engine.owed = lambda: len(self.sent)
 
     def start(self, step: int, saved: dict | None) -> None:
         """Before step `step` + 1 (the resumed step, 0 fresh): the batches of the checkpoint (`state`), and go for
         step + 1 unless it holds that one."""
-        if saved is not None:
-            self.received = {e["step"]: _restore(e) for e in saved["entries"]}
+        for entry in (saved or {}).get("entries", []):
+            if entry["payload"] is None:  # the wrong version when it came: asked for again, the same prompts
+                self.send_go({k: entry[k] for k in ("step", "rows", "sampler_before", "sampler")})
+            else:
+                self.received[entry["step"]] = _restore(entry)
         self.ensure(step + 1)
 
     def ensure(self, step: int) -> None:
         """Go for `step` unless it was asked for already (or lies past the last step): its prompts drawn now."""
         if step > self.total_steps or step in self.received or any(e["step"] == step for e in self.sent):
             return
+        before = self.sampler.state_dict()
         rows = self.sampler.next_batch()
-        leader(self.rank, lambda: self.engine.bridge.send(("go", step, [self.dataset.prompt_ids[i] for i in rows])))
-        self.sent.append({"step": step, "rows": rows, "sampler": self.sampler.state_dict()})  # the sampler after this draw
+        self.send_go({"step": step, "rows": rows, "sampler_before": before, "sampler": self.sampler.state_dict()})
+
+    def send_go(self, entry: dict) -> None:
+        """The go of `entry` (its step and prompt rows) to the engine; the entry waits in `sent` for its batch."""
+        rows = entry["rows"]
+        leader(self.rank, lambda: self.engine.bridge.send(("go", entry["step"], [self.dataset.prompt_ids[i] for i in rows])))
+        self.sent.append(entry)
 
     def receive(self) -> None:
         """The batch of the oldest go, from the engine (it generated it while the trainer worked)."""
-        entry = self.sent.pop(0)
+        entry = self.sent[0]
         start = time.perf_counter()
-        payload = leader(self.rank, self.engine.bridge.recv)
+        payload = leader(self.rank, lambda: self.engine.bridge.recv())  # the bridge exists on trainer process 0 only
+        self.sent.pop(0)  # only now: a batch that never came is asked for again on resume (`state`)
         self.waited_s += time.perf_counter() - start
         assert payload["step"] == entry["step"], f"the engine answered step {payload['step']} for step {entry['step']}"
         self.received[entry["step"]] = {**entry, "payload": payload}
@@ -278,6 +298,7 @@ class OneStepOff:
         entry = self.current = self.received.pop(step)
         payload = entry["payload"]
         if not max(0, step - 2) <= payload["version"] <= step - 1:
+            self.current = {**entry, "payload": None}  # not trained, not kept: asked for again on resume
             raise RunAborted(f"step {step}: the engine generated with weight version {payload['version']}; one-step-off "
                              f"trains step {step} on version {max(0, step - 2)} or {step - 1}: a push did not take; the "
                              "last completed step is saved")
@@ -307,26 +328,37 @@ class OneStepOff:
         return {"timing_s/wait_engine": waited, "timing_s/overlap_share": max(0.0, 1.0 - waited / gen) if gen > 0 else 0.0}
 
     def restore_current(self) -> None:
-        """The batch of a step that was aborted back in hand (a checkpoint of the step before holds it)."""
+        """The batch of a step that was aborted back in hand (a checkpoint of the step before holds it; one of the
+        wrong version without its payload: asked for again on resume)."""
         if self.current is not None:
             self.received[self.current["step"]] = self.current
             self.current = None
+
+    def step_done(self) -> None:
+        """The step's batch is trained: nothing to give back any more."""
+        self.current = None
 
     def state(self) -> dict:
         """What a checkpoint holds: the batches received and not trained yet (the next step's, after a completed step)
         and the sampler's position right after the last of them was drawn (a go sent after it is asked again)."""
         entries = []
         for entry in sorted(self.received.values(), key=lambda e: e["step"]):
-            payload = dict(entry["payload"])
-            payload["generations"] = [[asdict(g) for g in group] for group in payload["generations"]]
-            entries.append({"step": entry["step"], "rows": entry["rows"], "sampler": entry["sampler"], "payload": payload})
-        return {"split": 1, "entries": entries, "sampler": entries[-1]["sampler"] if entries else self.sampler.state_dict()}
+            payload = None
+            if entry["payload"] is not None:
+                payload = dict(entry["payload"])
+                payload["generations"] = [[asdict(g) for g in group] for group in payload["generations"]]
+            entries.append({"step": entry["step"], "rows": entry["rows"], "sampler_before": entry["sampler_before"],
+                            "sampler": entry["sampler"], "payload": payload})
+        sampler = (entries[-1]["sampler"] if entries else self.sent[0]["sampler_before"] if self.sent
+                   else self.sampler.state_dict())  # a draw whose batch never came is drawn again on resume
+        return {"split": 1, "entries": entries, "sampler": sampler}
 
 
 def _restore(saved: dict) -> dict:
     payload = dict(saved["payload"])
     payload["generations"] = [[Generation(**g) for g in group] for group in payload["generations"]]
-    return {"step": saved["step"], "rows": saved["rows"], "sampler": saved["sampler"], "payload": payload}
+    return {"step": saved["step"], "rows": saved["rows"], "sampler_before": saved["sampler_before"],
+            "sampler": saved["sampler"], "payload": payload}
 
 
 def _generation(g: Generation, version: int) -> Generation:

@@ -42,7 +42,7 @@ def test_a_valid_carry_over_config_has_no_problem():
     ({"actor__behav_imp_weight_cap": 0.0}, "actor.behav_imp_weight_cap=0.0: must be > 0"),
 ])
 def test_each_bad_setting_is_named(keys, words):
-    problems = partial_rollout_problems(carry(**keys))
+    problems = validate(carry(**keys))
     assert any(words in p for p in problems), problems
 
 
@@ -81,6 +81,7 @@ def split(**keys) -> Config:
     (2, {"rollout__n_gpus_per_node": 1, "rollout.multi_turn__enable": True}, "with rollout.multi_turn.enable=true: not supported"),
     (2, {"rollout__n_gpus_per_node": 1, "enable": True}, "with rollout.partial_rollout.enable=true: not supported"),
     (2, {"rollout__n_gpus_per_node": 1, "algorithm__adv_estimator": "remax"}, "with algorithm.adv_estimator=remax: not supported"),
+    (2, {"rollout__n_gpus_per_node": 1, "actor__behav_imp_weight_cap": 0.0}, "actor.behav_imp_weight_cap=0.0: must be > 0"),
 ])
 def test_a_bad_split_is_named(launch, keys, words):
     problems = validate(split(**keys), world_size=launch)

@@ -210,19 +210,31 @@ def test_tp_members_hold_the_same_pool_and_each_trains_its_own_share():
         assert engines[0].calls == engines[1].calls, "the members submitted different requests"
 
 
-def test_an_aborted_step_gives_its_groups_back_to_the_pool():
-    """A step aborted before its update (failing rewards): its complete groups go back first, so the checkpoint of the
-    step before keeps them with the prompts already drawn (nothing lost, nothing trained twice)."""
-    cfg = config()
+def test_an_aborted_step_is_undone_and_replays_the_same():
+    """A step aborted before its update (failing rewards, a failed weight probe: its tokens may come from unproven
+    weights): the pool goes back to the step's start (its draw, its tokens, its take undone), so the checkpoint of the
+    step before holds what it held and the resume replays the step with the same seeds."""
+    import json
+
+    cfg = config(k=1)
+    whole, *_ = run(cfg, 4)
     _, pool, sampler, engine = run(cfg, 2)
+    before, sampler_before = json.dumps(pool.state_dict()), sampler.state_dict()
     data = Data(40)
     engine.weight_version = 2
     pool.fill(sampler, data, step=3)
     pool.run_round(engine, data, sampling=SAMPLING)
-    before = {g.group_id for g in pool.groups}
-    prompts, _ = pool.take(data)
-    pool.restore_taken()
-    assert {g.group_id for g in pool.groups} == before
-    assert [g.group_id for g in pool.groups[:len(prompts.group_ids)]] == prompts.group_ids, "the taken groups come first"
-    again, _ = pool.take(data)
-    assert again.group_ids == prompts.group_ids, "the resumed step trains the same groups"
+    pool.take(data)
+    pool.undo_step()
+    assert json.dumps(pool.state_dict()) == before, "the undone step left the pool changed"
+    sampler.load_state_dict(sampler_before)
+    rest, *_ = run(cfg, 2, pool=pool, sampler=sampler, start=3)
+    for (_, p1, _, b1, _), (_, p2, _, b2, _) in zip(whole[2:], rest):
+        assert p1.group_ids == p2.group_ids and b1.input_ids.equal(b2.input_ids)
+
+
+def test_the_pool_stays_at_its_size():
+    """Each step trains one batch's worth and draws one batch: the pool keeps active_batch_size groups."""
+    taken, pool, *_ = run(config(batch=4, active=12, k=2), 6)
+    assert all(c["rollout/pool_groups"] == 12 for *_, c in taken)
+    assert len(pool.groups) == 8

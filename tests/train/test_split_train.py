@@ -69,15 +69,36 @@ def test_sigterm_saves_the_batch_in_hand_and_the_resume_is_exact(args, tmp_path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the final weights differ after stop + resume"
 
 
-def test_an_engine_that_dies_stops_the_trainer_within_seconds(args, tmp_path):
+def test_an_engine_that_dies_stops_the_trainer_within_seconds_and_the_run_resumes(args, tmp_path):
+    """The engine killed as it starts step 3's batch (during step 2's update): the trainer finds out in step 2's push,
+    after its update, so step 2 is saved (not step 1 with step 2's weights) with step 3 to be asked for again; the same
+    command then resumes and trains steps 3-6 once each."""
     out = tmp_path / "run"
     start = time.monotonic()
-    proc = run_train(args(out, "rollout.name=hf", "trainer.total_training_steps=6", "trainer.save_freq=1"), procs=2,
-                     check=False, faults=["--signal", "KILL generate 3 1"], timeout=300)
+    proc = run_train(args(out, "rollout.name=hf", "trainer.total_training_steps=6"), procs=2, check=False,
+                     faults=["--signal", "KILL generate 3 1"], timeout=300)
     assert proc.returncode != 0
     assert "one-step-off: the engine processes stopped answering" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 120
-    assert (out / "global_step_1").is_dir(), "the last completed step is saved"
+    state = json.loads((out / "global_step_2" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["actor_steps_done"] == 2, "the step whose update ran is the one saved"
+    held = json.loads((out / "global_step_2" / "carry" / "rank_0.json").read_text())
+    assert held["entries"] == [] and held["sampler"]["position"] == 8, "step 3's prompts are drawn again, not skipped"
+    run_train(args(out, "rollout.name=hf", "trainer.total_training_steps=6"), procs=2)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_validation_with_fewer_prompts_than_trainer_processes(args, arith_data, tmp_path):
+    """2 trainers + 1 engine and a 1-prompt validation set: the trainer process without a prompt still takes part."""
+    import pandas as pd
+
+    one = tmp_path / "one.parquet"
+    pd.read_parquet(arith_data["test"]).head(1).to_parquet(one)
+    out = tmp_path / "run"
+    run_train(args(out, "rollout.name=hf", f"data.val_files=[{one}]", "trainer.val_before_train=true",
+                   "trainer.total_training_steps=2", "trainer.n_gpus_per_node=3"), procs=3, timeout=600)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/reward_mean" in r and r["step"] == 0 for r in rows)
 
 
 def test_a_trainer_that_dies_takes_the_engine_with_it(args, tmp_path):
