@@ -42,9 +42,15 @@ from grpo_lib.trainer.step import RunAborted, build_rollout_batch, mask_truncate
 def engine_main(cfg, bridge, *, world_size: int, rank: int) -> int:
     """The engine processes' run: build the engine, answer the trainer's messages until "stop"; returns the exit
     code. Engine process 0 talks to the trainer; the others follow it (every message broadcast over the engine group)."""
+    import signal
+
     from grpo_lib.core.dtypes import resolve as resolve_dtype
     from grpo_lib.rollout.engines import build_engine
 
+    # A stop (SIGTERM / SIGINT, which a launcher sends every process) is the trainer's to act on: it finishes its step
+    # with this engine's batch and push, saves, and sends "stop". The engine exits on that, or when the trainer is gone.
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
     on_cpu = not torch.cuda.is_available()
     engine = build_engine(cfg, on_cpu=on_cpu, world_size=world_size)
     dtype = getattr(torch, resolve_dtype(cfg.rollout.dtype, on_gpu=not on_cpu))

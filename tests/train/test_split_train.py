@@ -69,6 +69,14 @@ def test_sigterm_saves_the_batch_in_hand_and_the_resume_is_exact(args, tmp_path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the final weights differ after stop + resume"
 
 
+def test_a_stop_signal_to_the_engine_process_is_the_trainers_to_act_on(args, tmp_path):
+    """SIGTERM reaches the engine process (a launcher sends it to every process): the engine goes on serving until the
+    trainer, which acts on its own signal, says stop; alone it changes nothing: the run trains its 4 steps."""
+    out = tmp_path / "run"
+    run_train(args(out, "rollout.name=hf"), procs=2, faults=["--signal", "TERM generate 2 1"])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
 def test_an_engine_that_dies_stops_the_trainer_within_seconds_and_the_run_resumes(args, tmp_path):
     """The engine killed as it starts step 3's batch (during step 2's update): the trainer finds out in step 2's push,
     after its update, so step 2 is saved (not step 1 with step 2's weights) with step 3 to be asked for again; the same
