@@ -336,14 +336,7 @@ class GRPOTrainer:
             adv_metrics = S.compute_advantages(cfg, batch)  # 6. advantages (after 4-5: KL-in-reward needs their logprobs)
             with timed(timings, "update"):  # 7. update, then the push: the engine serves the new weights
                 train_metrics = actor.update(batch, plan)
-            self.updated = True
-            if self.parts.carry is not None or self.parts.remote is not None:
-                (self.parts.carry or self.parts.remote).step_done()  # the step's batch is trained: nothing to give back
-            try:
-                train_metrics.update(self.push_weights(step, batch, gen_metrics, timings, memory))
-            except S.RunAborted as error:  # the split engine gone in the push: the step trained, its metrics are logged
-                error.metrics = {**gen_metrics, **adv_metrics, **train_metrics}
-                raise
+            train_metrics.update(self.push_weights(step, batch, {**gen_metrics, **adv_metrics, **train_metrics}, timings, memory))
         # the engine's memory/* counters (rollout/preemptions, counted per generation round, is in gen_metrics)
         return {**gen_metrics, **adv_metrics, **train_metrics, **S.reduce_timings(timings),
                 **self.parts.engine.pop_metrics("memory/"), **memory.metrics()}
@@ -382,10 +375,24 @@ class GRPOTrainer:
             with timed(timings, "old_logprob"):
                 batch.old_logprobs = p.actor.compute_logprobs(batch, plan)
 
-    def push_weights(self, step: int, batch, gen_metrics: dict[str, float], timings: dict[str, float], memory) -> dict[str, float]:
+    def push_weights(self, step: int, batch, step_metrics: dict[str, float], timings: dict[str, float], memory) -> dict[str, float]:
         """The push after step `step`'s update (grpo_lib/rollout/weight_sync.py): the probe's logprobs of the weights about to be
         pushed, then wake weights -> push as version `step` -> actor.offload -> wake KV cache. The last step's probe is
-        scored now (no generation follows; run_steps checks it) and trainer.check_weight_sync's debug pass runs here."""
+        scored now (no generation follows; run_steps checks it) and trainer.check_weight_sync's debug pass runs here.
+        `step_metrics`: the step's metrics so far; a RunAborted here (the split engine gone) carries them (`metrics`):
+        the step trained, run_steps logs and saves it."""
+        from grpo_lib.trainer import step as S
+
+        self.updated = True
+        if self.parts.carry is not None or self.parts.remote is not None:
+            (self.parts.carry or self.parts.remote).step_done()  # the step's batch is trained: nothing to give back
+        try:
+            return self._push(step, batch, step_metrics, timings, memory)
+        except S.RunAborted as error:
+            error.metrics = step_metrics
+            raise
+
+    def _push(self, step: int, batch, gen_metrics: dict[str, float], timings: dict[str, float], memory) -> dict[str, float]:
         from grpo_lib.rollout.weight_probe import worse_probe
 
         p, metrics = self.parts, {}
