@@ -281,9 +281,12 @@ class GRPOTrainer:
                 metrics = self.step(step)
             except S.RunAborted as error:  # raised on every process alike (from reduced numbers)
                 if self.updated:  # after the update (the split engine gone in the push): the step is done, save it
+                    # the sampler before any draw whose batch never came (asked for again on resume)
+                    sampler_after = (self.pipeline_state() or {}).get("sampler") or p.sampler.state_dict()
+                    self.completed = (step, sampler_after, False)  # what a failed metrics write below saves
                     p.logger.log(step, getattr(error, "metrics", {}))
                     p.logger.advance()
-                    return self.stop_run(error, last_step=step, sampler_state=p.sampler.state_dict())
+                    return self.stop_run(error, last_step=step, sampler_state=sampler_after)
                 carry_state, sampler_state = self.aborted_step_state(sampler_before)
                 return self.stop_run(error, last_step=step - 1, sampler_state=sampler_state, carry_state=carry_state)
             self.completed = (step, p.sampler.state_dict(), False)

@@ -256,7 +256,9 @@ class OneStepOff:
         """Before step `step` + 1 (the resumed step, 0 fresh): the batches of the checkpoint (`state`), and go for
         step + 1 unless it holds that one."""
         for entry in (saved or {}).get("entries", []):
-            if entry["payload"] is None:  # the wrong version when it came: asked for again, the same prompts
+            version = entry["payload"]["version"] if entry["payload"] is not None else None
+            if version is None or not max(0, entry["step"] - 2) <= version <= entry["step"] - 1:
+                # the wrong version when it came (or saved before that was found): asked for again, the same prompts
                 self.send_go({k: entry[k] for k in ("step", "rows", "sampler_before", "sampler")})
             else:
                 self.received[entry["step"]] = _restore(entry)

@@ -86,3 +86,29 @@ def test_a_push_cut_midway_never_serves_mixed_weights(engine):
         split.engine_main(config(), bridge, world_size=1, rank=0)
     assert not [c for c in engine.calls if c[0] == "generate"], "the engine generated after a push cut midway"
     assert engine.weight_version == 0, "the version of a push that did not finish was taken"
+
+
+def test_a_saved_batch_of_the_wrong_version_is_asked_for_again_with_the_same_prompts():
+    """A checkpoint holding a batch whose version cannot train its step (saved before the check found it, or marked):
+    the resume sends its go again with its own prompt rows, drawing nothing new; a good one is kept."""
+    from types import SimpleNamespace
+
+    sent = []
+    bridge = SimpleNamespace(send=sent.append, stopped=False)
+    engine = split.RemoteEngine(config(), bridge, pad_id=0, world_size=1, rank=0)
+    draws = []
+    sampler = SimpleNamespace(next_batch=lambda: draws.append(1) or [9, 9], state_dict=lambda: {"position": len(draws)})
+    dataset = SimpleNamespace(prompt_ids={3: [1], 4: [2], 5: [3], 6: [4], 9: [5]})
+    pipeline = split.OneStepOff(config(), engine, dataset, sampler, world_size=1, rank=0, total_steps=10)
+
+    def entry(step, rows, version):
+        payload = None if version is None else {"step": step, "generations": [], "version": version, "preemptions": 0.0,
+                                                "gen_s": 0.0, "idle_s": 0.0}
+        return {"step": step, "rows": rows, "sampler_before": {}, "sampler": {}, "payload": payload}
+
+    pipeline.start(4, {"entries": [entry(5, [3, 4], 0)]})  # step 5 trains version 3 or 4: version 0 is stale
+    assert sent == [("go", 5, [[1], [2]])] and not draws and not pipeline.received
+    sent.clear()
+    pipeline = split.OneStepOff(config(), engine, dataset, sampler, world_size=1, rank=0, total_steps=10)
+    pipeline.start(4, {"entries": [entry(5, [5, 6], 3)]})
+    assert sent == [] and 5 in pipeline.received and not draws
