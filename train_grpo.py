@@ -53,10 +53,10 @@ if TYPE_CHECKING:  # the run parts' types: heavy imports (torch, transformers, v
     from grpo_lib.model.teacher import Teacher
     from grpo_lib.rewards.scorer import RewardScorer
     from grpo_lib.rollout.data import PromptDataset, PromptSampler
-    from grpo_lib.rollout.carry import CarryPool
     from grpo_lib.rollout.engines.base import RolloutEngine
     from grpo_lib.rollout.episodes import EpisodeRunner
     from grpo_lib.rollout.weight_sync import WeightSync
+    from grpo_lib.trainer.pipelines import CarryOver
     from grpo_lib.trainer.split import OneStepOff
 
 
@@ -85,8 +85,9 @@ class RunParts:
     sync: WeightSync  # the engine's weights pushed with a version and proven (the weight probe: trainer.weight_probe)
     episodes: EpisodeRunner | None = None  # with rollout.multi_turn.enable
     teacher: Teacher | None = None  # with distillation.enabled
-    carry: CarryPool | None = None  # with rollout.partial_rollout.enable: the responses in flight across steps
-    remote: OneStepOff | None = None  # with rollout.n_gpus_per_node > 0: the engine on its own processes, one step ahead
+    # rollout.partial_rollout: responses in flight across steps; rollout.n_gpus_per_node: the engine a step ahead on its
+    # own processes (grpo_lib/trainer/pipelines.py); None: the synchronous round
+    pipeline: CarryOver | OneStepOff | None = None
 
 
 class GRPOTrainer:
@@ -118,12 +119,11 @@ class GRPOTrainer:
         from grpo_lib.planning.memory import auto_budget_notes
         from grpo_lib.rewards import RewardScorer, registered_sources
         from grpo_lib.rollout.data import PromptSampler, load_prompts
-        from grpo_lib.rollout.carry import CarryPool
-        from grpo_lib.rollout.engines import build_engine
         from grpo_lib.rollout.episodes import EpisodeRunner, TemplateError
         from grpo_lib.rollout.weight_probe import WeightProbe
         from grpo_lib.rollout.weight_sync import WeightSync
         from grpo_lib.tools.config import ToolConfigError
+        from grpo_lib.trainer import pipelines
 
         import copy
 
@@ -178,14 +178,9 @@ class GRPOTrainer:
                                                                                        gpu_bytes=gpu_bytes):
                     raise SetupError(problem)
             # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
-            if cfg.rollout.n_gpus_per_node > 0:  # the engine runs on its own processes (grpo_lib/trainer/split.py)
-                from grpo_lib.trainer.split import RemoteEngine
-
-                cfg.rollout.tensor_model_parallel_size = 1  # the engine's TP is its own; the trainer's shares are plain
-                engine = RemoteEngine(cfg, self.bridge, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                      else (tokenizer.eos_token_id or 0), world_size=self.world_size, rank=rank)
-            else:
-                engine = build_engine(cfg, on_cpu=device.type == "cpu", world_size=self.world_size)
+            # (split roles, rollout.n_gpus_per_node: the engine processes, seen from here)
+            engine = pipelines.engine_for(cfg, bridge=self.bridge, tokenizer=tokenizer, on_cpu=device.type == "cpu",
+                                          world_size=self.world_size, rank=rank)
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = make_reference(actor) if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
@@ -202,8 +197,7 @@ class GRPOTrainer:
             undo.pop_all()  # set up: the run owns them now (close() stops them)
         self.parts = RunParts(tokenizer=tokenizer, train=train, val=val, sampler=sampler, total_steps=total_steps, engine=engine,
                               actor=actor, reference=reference, scorer=scorer, logger=logger, device=device, episodes=episodes,
-                              sync=WeightSync(engine, probe, version=self.resume.step), teacher=teacher,
-                              carry=CarryPool(cfg, world_size=self.world_size, rank=rank) if cfg.rollout.partial_rollout.enable else None)
+                              sync=WeightSync(engine, probe, version=self.resume.step), teacher=teacher)
         if self.resume.step == 0:  # a resumed run's metrics.jsonl has this line already
             logger.log(0, {"data/train_prompts": len(train), "data/filtered_overlong": train.num_filtered,
                            "data/truncated": train.num_truncated,
@@ -218,19 +212,12 @@ class GRPOTrainer:
             engine.release()
         if self.resume.path is not None:
             checkpoint.load(self.resume.path, actor=actor, sampler=sampler, rank=rank)
-            if self.parts.carry is not None:  # the responses in flight when it was saved
-                launch.load_carry(self.parts.carry, self.resume.path, rank=rank)
         self.parts.sync.expect(actor)  # the weights the engine serves from here on: step 1's generation proves it serves them
         actor.offload()  # with param/optimizer offload the actor rests on the host (the loaded AdamW state before a wake)
         if push:  # the resumed step's weights are its version (a fresh run's adapters: version 0, as model.path's)
             self.parts.sync.push(actor, version=self.resume.step)
-        if cfg.rollout.n_gpus_per_node > 0:  # one-step-off: the batch in hand (from the checkpoint) and the first go
-            from grpo_lib.trainer.split import OneStepOff
-
-            saved = checkpoint.read_carry_state(self.resume.path, 0) if self.resume.path is not None else None
-            self.parts.remote = OneStepOff(cfg, engine, train, sampler, world_size=self.world_size, rank=rank,
-                                           total_steps=total_steps)
-            self.parts.remote.start(self.resume.step, saved if saved and saved.get("split") else None)
+        self.parts.pipeline = pipelines.build(cfg, engine, train, sampler, tokenizer=tokenizer, world_size=self.world_size,
+                                              rank=rank, total_steps=total_steps, resume=self.resume)  # after the push
         if self.resume.path is not None:
             print(f"resumed from {self.resume.path} (step {self.resume.step} of {total_steps})", file=sys.stderr)
             if episodes is not None and rank == 0:  # a tool's state is no part of a checkpoint
@@ -250,7 +237,7 @@ class GRPOTrainer:
             return self.run_steps()
         except MetricWriteError as error:
             last_step, sampler_state, mid_step = self.completed
-            carry_state, sampler_state = self.aborted_step_state(sampler_state) if mid_step else (None, sampler_state)
+            carry_state, sampler_state = self.aborted_state(sampler_state) if mid_step else (None, sampler_state)
             return self.stop_run(error, last_step=last_step, sampler_state=sampler_state, carry_state=carry_state)
 
     def run_steps(self) -> int:
@@ -281,13 +268,12 @@ class GRPOTrainer:
                 metrics = self.step(step)
             except S.RunAborted as error:  # raised on every process alike (from reduced numbers)
                 if self.updated:  # after the update (the split engine gone in the push): the step is done, save it
-                    # the sampler before any draw whose batch never came (asked for again on resume)
-                    sampler_after = (self.pipeline_state() or {}).get("sampler") or p.sampler.state_dict()
+                    sampler_after = p.pipeline.sampler_to_save(p.sampler) if p.pipeline else p.sampler.state_dict()
                     self.completed = (step, sampler_after, False)  # what a failed metrics write below saves
                     p.logger.log(step, getattr(error, "metrics", {}))
                     p.logger.advance()
                     return self.stop_run(error, last_step=step, sampler_state=sampler_after)
-                carry_state, sampler_state = self.aborted_step_state(sampler_before)
+                carry_state, sampler_state = self.aborted_state(sampler_before)
                 return self.stop_run(error, last_step=step - 1, sampler_state=sampler_state, carry_state=carry_state)
             self.completed = (step, p.sampler.state_dict(), False)
             # 8. log / validate / checkpoint / stop
@@ -387,8 +373,8 @@ class GRPOTrainer:
         from grpo_lib.trainer import step as S
 
         self.updated = True
-        if self.parts.carry is not None or self.parts.remote is not None:
-            (self.parts.carry or self.parts.remote).step_done()  # the step's batch is trained: nothing to give back
+        if self.parts.pipeline is not None:
+            self.parts.pipeline.step_done()  # the step's batch is trained: nothing to give back
         try:
             return self._push(step, batch, step_metrics, timings, memory)
         except S.RunAborted as error:
@@ -398,15 +384,13 @@ class GRPOTrainer:
     def _push(self, step: int, batch, gen_metrics: dict[str, float], timings: dict[str, float], memory) -> dict[str, float]:
         from grpo_lib.rollout.weight_probe import worse_probe
 
-        p, metrics = self.parts, {}
-        if p.remote is not None:  # one-step-off: the next step's batch, generated during this update, comes first
-            p.remote.drain()
-            metrics.update(p.remote.pop_waited())
+        p = self.parts
+        metrics = p.pipeline.before_push() if p.pipeline is not None else {}  # one-step-off: the next batch first
         p.sync.expect(p.actor, timings=timings)
         memory.begin("push")
         p.sync.push(p.actor, version=step, timings=timings)
         memory.end()
-        if step == p.total_steps or p.remote is not None:  # split: every push proven at once (no generate carries it)
+        if step == p.total_steps or (p.pipeline is not None and p.pipeline.proves_every_push):
             metrics.update(worse_probe(gen_metrics, p.sync.check_last_push(timings=timings)))
         if self.cfg.trainer.check_weight_sync:  # the actor's shards come back for it, then leave again
             metrics["debug/weight_sync_max_abs_diff"] = p.sync.full_check(p.actor, batch)
@@ -422,8 +406,8 @@ class GRPOTrainer:
         from grpo_lib.trainer import step as S
 
         p, batch, gave_up = self.parts, None, None
-        if p.remote is not None:  # one-step-off: generated on the engine's processes while the last step trained
-            batch, metrics = p.remote.collect(step, p.scorer, timings)
+        if p.pipeline is not None and p.pipeline.collect is not None:  # one-step-off: generated while the last step trained
+            batch, metrics = p.pipeline.collect(step, p.scorer, timings)
             into.update(metrics)
             return batch
         request = p.sync.request()  # the probe's tokens, scored by the generate call that carries them
@@ -431,8 +415,8 @@ class GRPOTrainer:
             try:
                 batch, metrics = rounds.collect_rollouts(self.cfg, p.engine, p.scorer, p.train, p.sampler, step=step,
                                                          world_size=self.world_size, rank=self.rank, timings=timings,
-                                                         episodes=p.episodes, score_request=request, carry=p.carry,
-                                                         decode=lambda ids: p.tokenizer.decode(ids, skip_special_tokens=True))
+                                                         episodes=p.episodes, score_request=request,
+                                                         carry=p.pipeline.pool if p.pipeline is not None else None)
                 into.update(metrics)
             except S.RunAborted as error:
                 gave_up = error
@@ -464,8 +448,8 @@ class GRPOTrainer:
         from grpo_lib.checkpoints import checkpoint
 
         p = self.parts
-        if carry_state is None:
-            carry_state = self.pipeline_state()
+        if carry_state is None and p.pipeline is not None:
+            carry_state = p.pipeline.state()
         path = checkpoint.save(self.cfg, step=step, actor=p.actor, sampler_state=sampler_state or p.sampler.state_dict(),
                                rank=self.rank, world_size=self.world_size, export_hf=lambda path: p.actor.save_hf(path, p.tokenizer),
                                carry_state=carry_state)
@@ -491,33 +475,18 @@ class GRPOTrainer:
                 print(f"error: {save_error}", file=sys.stderr)
         return error.exit_code
 
-    def aborted_step_state(self, sampler_before: dict) -> tuple[dict | None, dict]:
-        """(carried state, sampler position) a checkpoint of the step before an aborted one holds, so that nothing of
-        the aborted step is lost or trained twice. Carry-over: the step undone (its draw, its round's tokens, which may
-        come from unproven weights, and its take): the pool and `sampler_before` as they were, the resume replays the step
-        with the same seeds. One-step-off: its batch back in hand (or, of the wrong version, asked for again), the
-        sampler after that batch's draw. Otherwise `sampler_before` (the step's prompts drawn again on resume)."""
+    def aborted_state(self, sampler_before: dict) -> tuple[dict | None, dict]:
+        """(pipeline state, sampler position) a checkpoint of the step before an aborted one holds, losing nothing of the
+        aborted step (`pipelines` says how each pipeline gives it back); without one, `sampler_before`: the step's
+        prompts are drawn again on resume."""
         p = self.parts
-        if p.carry is not None:  # the round undone: its groups, its tokens (maybe of unproven weights), its draw
-            p.carry.undo_step()
-            return p.carry.state_dict(), sampler_before
-        if p.remote is not None:
-            p.remote.restore_current()
-            state = p.remote.state()
-            return state, state["sampler"]
-        return None, sampler_before
-
-    def pipeline_state(self) -> dict | None:
-        """What a checkpoint holds beside the sampler: the carried responses (rollout.partial_rollout) or the batches
-        received from the engine processes and not trained yet (one-step-off); None without either."""
-        p = self.parts
-        return p.carry.state_dict() if p.carry is not None else p.remote.state() if p.remote is not None else None
+        return p.pipeline.abort(sampler_before) if p.pipeline is not None else (None, sampler_before)
 
     def close(self) -> None:
         """Every way out of the run: the engine processes stopped (split roles), reward workers stopped, metrics flushed."""
         if self.parts is not None:
-            if self.parts.remote is not None:
-                self.parts.engine.stop()
+            if self.parts.pipeline is not None:
+                self.parts.pipeline.close()
             self.parts.scorer.close()
             self.parts.logger.close()
             if self.parts.episodes is not None:

@@ -47,6 +47,8 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     (0.3, 16384)
     """
     a, d, t = cfg.actor, cfg.data, cfg.trainer
+    if cfg.rollout.partial_rollout.active_batch_size is None:  # carry-over's pool: twice the batch
+        cfg.rollout.partial_rollout.active_batch_size = 2 * d.train_batch_size
     if a.ppo_micro_batch_size_per_gpu is None:
         a.ppo_micro_batch_size_per_gpu = _per_process(a.ppo_micro_batch_size, world_size)
     a.ppo_micro_batch_size = None  # consumed: the per-process value is the one the code reads
@@ -348,13 +350,13 @@ def partial_rollout_problems(cfg: Config, *, world_size: int = 1) -> list[str]:
                  "trained token may lag; 0 drops every carried response, 1 is the usual bound)")
     if not pr.enable:
         return p
-    if pr.active_batch_size is not None and (pr.active_batch_size < d.train_batch_size or pr.active_batch_size % d.train_batch_size):
+    if pr.active_batch_size < d.train_batch_size or pr.active_batch_size % d.train_batch_size:
         p.append(f"rollout.partial_rollout.active_batch_size={pr.active_batch_size}: must be a multiple of "
                  f"data.train_batch_size={d.train_batch_size} (the groups kept in flight: one sampler batch refills what a "
                  f"step trains), e.g. {2 * d.train_batch_size}; or null for twice the batch")
-    if pr.max_staleness == 0 and (pr.active_batch_size or 2 * d.train_batch_size) != d.train_batch_size:
+    if pr.max_staleness == 0 and pr.active_batch_size != d.train_batch_size:
         p.append(f"rollout.partial_rollout.max_staleness=0 with active_batch_size="
-                 f"{pr.active_batch_size or 2 * d.train_batch_size} above data.train_batch_size={d.train_batch_size}: every "
+                 f"{pr.active_batch_size} above data.train_batch_size={d.train_batch_size}: every "
                  "response carried to the next step would be dropped (its tokens one version old), work thrown away; set "
                  "active_batch_size to the batch (the synchronous step) or max_staleness >= 1")
     if not engine_settings.can_abort(cfg.rollout.name):

@@ -75,7 +75,7 @@ class PartialRolloutConfig:
     reweights their older tokens (actor.use_decoupled_loss). Single-turn rollouts only (no multi-turn, DAPO filter or
     remax baseline yet); both engines (vllm at any TP size, hf)."""
     active_batch_size: int | None = None
-    """Prompt groups kept in flight, a multiple of data.train_batch_size (None: twice it). The round stops when
+    """Prompt groups kept in flight, a multiple of data.train_batch_size (None: twice it, resolved at load). The round stops when
     train_batch_size of them are complete, i.e. at the share train_batch_size / active_batch_size; equal to
     train_batch_size nothing is carried and the step is the synchronous one."""
     max_staleness: int = 1

@@ -55,7 +55,6 @@ class RowFacts:
         Example: mask [[1, 1, 1], [1, 1, 0]], score mask [[0, 1, 1], [0, 1, 0]] -> lens [3, 2], score_tokens [2, 1],
         prefix_lens [1, 1]."""
         mask = attention_mask.to(torch.long)  # [B, T]
-        rows = mask.shape[0]
         columns = [mask.sum(dim=1), (mask[:, 1:] <= mask[:, :-1]).all(dim=1).long()]  # [B] each
         if score_mask is not None:
             scored = score_mask.bool()  # [B, T]

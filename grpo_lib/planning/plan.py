@@ -117,7 +117,7 @@ def batch_lines(cfg: Config, world_size: int) -> list[str]:
                      f"{d.train_batch_size} groups have differing scores")
     pr = cfg.rollout.partial_rollout
     if pr.enable:
-        active = pr.active_batch_size or 2 * d.train_batch_size
+        active = pr.active_batch_size  # resolved at load (twice the batch by default)
         lines.append(f"carry-over (rollout.partial_rollout): {active} groups in flight; a step's generation stops when "
                      f"{d.train_batch_size} are complete ({d.train_batch_size / active:.0%}), the rest resume next step; no "
                      f"trained token older than {pr.max_staleness} weight version(s); decoupled loss "

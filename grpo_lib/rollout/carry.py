@@ -102,14 +102,15 @@ class Group:
 class CarryPool:
     """The groups in flight on this process's TP group, their requests, the stop rule and what a step trains."""
 
-    def __init__(self, cfg, *, world_size: int, rank: int):
+    def __init__(self, cfg, *, world_size: int, rank: int, decode: Callable[[list[int]], str] | None = None):
+        self.decode = decode  # the text of a response several requests wrote (the tokenizer's, special tokens skipped)
         pr = cfg.rollout.partial_rollout
         self.n, self.max_staleness = cfg.rollout.n, pr.max_staleness
         self.max_response_length, self.trainer_seed = cfg.data.max_response_length, cfg.trainer.seed
         self.world_size, self.rank, self.tp = world_size, rank, cfg.rollout.tensor_model_parallel_size
         self.batch_size = cfg.data.train_batch_size
         self.per_rank = self.batch_size // world_size
-        self.active_batches = pr.active_batch_size // self.batch_size if pr.active_batch_size else 2
+        self.active_batches = pr.active_batch_size // self.batch_size  # resolved at load (config.checks.resolve_defaults)
         first = rank // self.tp * self.tp
         self.members = list(range(first, first + self.tp))  # the processes whose groups this pool holds
         self.groups: list[Group] = []
@@ -212,7 +213,7 @@ class CarryPool:
                 self._count("rollout/carried_responses", sum(s.finish_reason is None for s in group.samples))
         self._count("rollout/pool_groups", sum(g.owner == self.rank for g in self.groups))
 
-    def take(self, dataset, decode: Callable[[list[int]], str] | None = None) -> tuple[PromptBatch, list[list[Generation]]]:
+    def take(self, dataset) -> tuple[PromptBatch, list[list[Generation]]]:
         """This process's batch: the first train_batch_size / world_size complete groups it owns (oldest first), as
         (prompts, generations); every member's taken groups leave the pool (the members' pools stay equal)."""
         taken: dict[int, list[Group]] = {m: [] for m in self.members}
@@ -226,7 +227,7 @@ class CarryPool:
         mine = taken[self.rank]
         prompts = dataset.batch([g.row for g in mine])
         prompts.group_ids = [g.group_id for g in mine]
-        return prompts, [[s.generation(decode) for s in g.samples] for g in mine]
+        return prompts, [[s.generation(self.decode) for s in g.samples] for g in mine]
 
     def journal_step(self) -> None:
         """What `undo_step` restores, noted at the step's start: the groups in flight and, per response, its lists (the

@@ -20,27 +20,6 @@ class SetupError(RuntimeError):
     """A model folder or reward function that cannot be loaded (reported with exit code 2, before the engine starts)."""
 
 
-def load_carry(pool, path, *, rank: int) -> None:
-    """The carried responses of the checkpoint `path` into `pool` (rollout.partial_rollout); a checkpoint without them
-    (saved with carry-over off) leaves the pool empty: the next step fills it. Saved on another layout: SetupError
-    (exit 2) on every process (a process past the saved count finds no file of its own)."""
-    from grpo_lib.checkpoints.checkpoint import read_carry_state
-
-    state = read_carry_state(path, rank)
-    if state is None and (path / "carry").is_dir():
-        state = read_carry_state(path, 0)  # process 0's file names the layout it was saved on
-    if state is not None and state.get("split"):  # a one-step-off run's batch in hand: carry-over starts its pool afresh
-        if rank == 0:
-            print(f"note: {path / 'carry'} holds a one-step-off batch, not carried responses: the pool starts empty "
-                  "(that batch's prompts are skipped)", file=sys.stderr)
-        return
-    if state is not None:
-        try:
-            pool.load_state_dict(state, where=str(path / "carry"))
-        except ValueError as error:
-            raise SetupError(str(error)) from error
-
-
 def main(argv: list[str], *, trainer_class, usage: str) -> int:
     """The command line: checks that need no model (exit 2), then the run of a `trainer_class(cfg, world_size=,
     rank=, resume=)` (setup / train / close); returns the exit code. `usage` is printed for -h / --help."""

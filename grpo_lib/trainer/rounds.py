@@ -150,6 +150,17 @@ class RoundStats:
                 mine[k] = max(mine.get(k, 0.0), v) if k.endswith("_max") else mine.get(k, 0.0) + v
 
 
+def round_batch(cfg, prompts: PromptBatch, generations: list[list[Generation]], *, pad_id: int, version: int) -> RolloutBatch:
+    """A round's rows (`step.build_rollout_batch`) for the weights of `version` (the ones being trained: a carried or
+    one-step-off token's own version is in its token_versions), truncated rows masked out with
+    actor.mask_truncated_responses."""
+    batch = build_rollout_batch(prompts, generations, pad_id=pad_id)
+    batch.weight_version = version
+    if cfg.actor.mask_truncated_responses:
+        mask_truncated(batch)
+    return batch
+
+
 def score_round(cfg, scorer, batch: RolloutBatch, stats: RoundStats, *, timings: dict, rewards=None) -> None:
     """A round's batch scored (`step.score`; `rewards`: the generation's stream, if any) and its reward / response sums
     into `stats` (count, reward/sum, response/length_sum, length_max, clipped); the seconds under timing_s/reward."""
@@ -192,10 +203,7 @@ def rollout_round(cfg, engine, scorer, dataset, global_idx: list[int], *, step: 
             stats.tool_sums = episode_sums(generations, episodes.tool_names)
         preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]  # during this round's generation
         stats.sums["rollout/preemptions"] = preempted if tp_leader else 0.0
-        batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
-        batch.weight_version = version
-        if cfg.actor.mask_truncated_responses:
-            mask_truncated(batch)
+        batch = round_batch(cfg, prompts, generations, pad_id=engine.pad_id, version=version)
         if round > 1:  # a prompt drawn again in a later round (the sampler wrapped into a new epoch) is a new group
             batch.group_ids = [f"{g}#round{round}" for g in batch.group_ids]
         score_round(cfg, scorer, batch, stats, timings=timings, rewards=rewards)
@@ -260,11 +268,10 @@ class GroupFilter:
 
 
 def carry_round(cfg, engine, scorer, dataset, sampler, pool, *, step: int, rank: int, timings: dict,
-                score_request: ScoreRequest | None = None, decode=None) -> tuple[RolloutBatch, RoundStats]:
+                score_request: ScoreRequest | None = None) -> tuple[RolloutBatch, RoundStats]:
     """rollout.partial_rollout's round (grpo_lib/rollout/carry.py): the pool refilled from the sampler, its unfinished
     responses resumed until the step's groups are complete (the rest carried), this process's complete groups as the
-    scored batch (each token's weight version in batch.token_versions) -> (batch, its counts, as `rollout_round`'s).
-    `decode` (the tokenizer's, special tokens skipped): the text of a response written by several requests."""
+    scored batch (each token's weight version in batch.token_versions) -> (batch, its counts, as `rollout_round`'s)."""
     tp_leader = rank % cfg.rollout.tensor_model_parallel_size == 0
     stats = RoundStats()
     start = time.perf_counter()
@@ -272,14 +279,11 @@ def carry_round(cfg, engine, scorer, dataset, sampler, pool, *, step: int, rank:
     sampling = {k: v for k, v in train_sampling(cfg).items() if k != "max_tokens"} | {"n": 1}
     pool.run_round(engine, dataset, sampling=sampling,
                    generate_kwargs={} if score_request is None else {"score": score_request})
-    prompts, generations = pool.take(dataset, decode=decode)
+    prompts, generations = pool.take(dataset)
     timings["timing_s/gen"] = timings.get("timing_s/gen", 0.0) + time.perf_counter() - start
     preempted = engine.pop_metrics("rollout/")["rollout/preemptions"]
     stats.sums["rollout/preemptions"] = preempted if tp_leader else 0.0
-    batch = build_rollout_batch(prompts, generations, pad_id=engine.pad_id)
-    batch.weight_version = engine.weight_version
-    if cfg.actor.mask_truncated_responses:
-        mask_truncated(batch)
+    batch = round_batch(cfg, prompts, generations, pad_id=engine.pad_id, version=engine.weight_version)
     score_round(cfg, scorer, batch, stats, timings=timings)
     return batch, stats
 
@@ -303,7 +307,7 @@ def carry_metrics(pool, batch: RolloutBatch) -> dict[str, float]:
 
 def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_size: int, rank: int, timings: dict,
                      episodes=None, stream_rewards: bool = True, score_request: ScoreRequest | None = None,
-                     carry=None, decode=None):
+                     carry=None):
     """Rollout rounds (`rollout_round`: prompts -> generation, the engine ready, the caller releases it afterwards ->
     rewards) through the `GroupFilter` until the step has its batch; `score_request` (the weight probe's) rides in
     round 1's first generate call.
@@ -323,7 +327,7 @@ def collect_rollouts(cfg, engine, scorer, dataset, sampler, *, step: int, world_
     engine.pop_metrics("rollout/")  # only the training rollouts count: drop what validation's generation preempted
     if carry is not None:
         batch, round_stats = carry_round(cfg, engine, scorer, dataset, sampler, carry, step=step, rank=rank, timings=timings,
-                                         score_request=score_request, decode=decode)
+                                         score_request=score_request)
         stats.add(round_stats)
         groups.add(batch)
         batch = groups.finish(cfg, step=step, stats=stats, scorer=scorer)

@@ -34,8 +34,8 @@ from grpo_lib.core.bridge import BridgeError
 from grpo_lib.core.distributed import all_gather_object, broadcast_object
 from grpo_lib.core.seeds import sample_seed
 from grpo_lib.core.types import Generation, PromptBatch, ScoreRequest
-from grpo_lib.trainer.rounds import GroupFilter, RoundStats, rollout_metrics, score_round, train_sampling
-from grpo_lib.trainer.step import RunAborted, build_rollout_batch, mask_truncated
+from grpo_lib.trainer.rounds import GroupFilter, RoundStats, rollout_metrics, round_batch, score_round, train_sampling
+from grpo_lib.trainer.step import RunAborted
 
 
 # ------------------------------------------------------------------------------------------------ the engine side
@@ -141,8 +141,11 @@ class RemoteEngine:
     engine has its own GPUs."""
 
     def __init__(self, cfg, bridge, *, pad_id: int, world_size: int, rank: int):
+        from grpo_lib.core.dtypes import resolve as resolve_dtype
+
         self.cfg, self.bridge, self.pad_id = cfg, bridge, pad_id
         self.world_size, self.rank = world_size, rank
+        self.dtype = getattr(torch, resolve_dtype(cfg.rollout.dtype, on_gpu=torch.cuda.is_available()))  # the pushed weights
         self.weight_version = 0
         self.metrics: dict[str, float] = {}
         self.before_ask = lambda: None  # OneStepOff.drain: the batches asked for earlier come back first
@@ -171,9 +174,6 @@ class RemoteEngine:
             free_trainer_memory()
 
     def push_weights(self, named_tensors, *, version: int | None = None) -> None:
-        from grpo_lib.core.dtypes import resolve as resolve_dtype
-
-        dtype = getattr(torch, resolve_dtype(self.cfg.rollout.dtype, on_gpu=torch.cuda.is_available()))
         self.before_ask()
         gone = None
         if self.rank == 0:
@@ -181,7 +181,7 @@ class RemoteEngine:
             try:
                 self.bridge.send(("weights", version))
                 self.bridge.send_weights(named, bucket_bytes=self.cfg.rollout.update_weights_bucket_megabytes * 2**20,
-                                         dtype=dtype)
+                                         dtype=self.dtype)
             except BridgeError as exc:
                 gone = str(exc)
                 for _ in named:  # the other trainer processes' FSDP2 gathers go on: take part in them
@@ -240,7 +240,11 @@ class RemoteEngine:
 
 class OneStepOff:
     """The trainer's side of the pipeline (module docstring): the go messages sent, the batches received, the checks.
-    Every trainer process keeps the same state (the batches are broadcast from process 0)."""
+    Every trainer process keeps the same state (the batches are broadcast from process 0). The trainer's pipeline
+    interface (grpo_lib/trainer/pipelines.py): collect, before_push, step_done, abort, sampler_to_save, state, close."""
+
+    pool = None  # no carry-over pool: `collect` hands the step its batch
+    proves_every_push = True  # no generate call of the trainer's carries the weight probe: it is scored after the push
 
     def __init__(self, cfg, engine: RemoteEngine, dataset, sampler, *, world_size: int, rank: int, total_steps: int):
         self.cfg, self.engine, self.dataset, self.sampler = cfg, engine, dataset, sampler
@@ -313,10 +317,7 @@ class OneStepOff:
         mine = list(range(self.rank, len(entry["rows"]), self.world_size))  # strided share, as colocated
         prompts: PromptBatch = self.dataset.batch([entry["rows"][i] for i in mine])
         generations = [[_generation(g, payload["version"]) for g in payload["generations"][i]] for i in mine]
-        batch = build_rollout_batch(prompts, generations, pad_id=self.engine.pad_id)
-        batch.weight_version = step - 1  # the weights this step trains; the tokens' own version in token_versions
-        if self.cfg.actor.mask_truncated_responses:
-            mask_truncated(batch)
+        batch = round_batch(self.cfg, prompts, generations, pad_id=self.engine.pad_id, version=step - 1)  # this step's weights
         stats = RoundStats(sums={"rollout/preemptions": payload["preemptions"] if self.rank == 0 else 0.0})
         score_round(self.cfg, scorer, batch, stats, timings=timings)
         groups = GroupFilter(self.cfg, world_size=self.world_size)
@@ -326,6 +327,28 @@ class OneStepOff:
         metrics["timing_s/engine_idle"] = float(payload["idle_s"])  # ... and its wait for the go before it (pushes included)
         metrics["rollout/staleness_max"] = float(step - 1 - payload["version"])
         return batch, metrics
+
+    def before_push(self) -> dict[str, float]:
+        """The next step's batch, generated during this update, comes first; the wait and overlap metrics."""
+        self.drain()
+        return self.pop_waited()
+
+    def abort(self, sampler_before: dict) -> tuple[dict, dict]:
+        """The aborted step's batch back in hand (or, of the wrong version, asked for again on resume), and the
+        sampler after its draw; `sampler_before` is not needed (the batch keeps its own)."""
+        self.restore_current()
+        state = self.state()
+        return state, state["sampler"]
+
+    def sampler_to_save(self, sampler) -> dict:
+        """The sampler position beside `state()`: after the last batch received (a draw whose batch never came is drawn
+        again on resume)."""
+        if self.received:
+            return self.received[max(self.received)]["sampler"]
+        return self.sent[0]["sampler_before"] if self.sent else sampler.state_dict()
+
+    def close(self) -> None:
+        self.engine.stop()
 
     def pop_waited(self) -> dict[str, float]:
         """The trainer's wait for the engine since the last call (timing_s/wait_engine) and the share of the engine's
@@ -357,9 +380,7 @@ class OneStepOff:
                 payload["generations"] = [[asdict(g) for g in group] for group in payload["generations"]]
             entries.append({"step": entry["step"], "rows": entry["rows"], "sampler_before": entry["sampler_before"],
                             "sampler": entry["sampler"], "payload": payload})
-        sampler = (entries[-1]["sampler"] if entries else self.sent[0]["sampler_before"] if self.sent
-                   else self.sampler.state_dict())  # a draw whose batch never came is drawn again on resume
-        return {"split": 1, "entries": entries, "sampler": sampler}
+        return {"split": 1, "entries": entries, "sampler": self.sampler_to_save(self.sampler)}
 
 
 def _restore(saved: dict) -> dict:

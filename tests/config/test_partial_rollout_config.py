@@ -48,9 +48,9 @@ def test_each_bad_setting_is_named(keys, words):
 
 def test_an_engine_that_cannot_abort_is_refused(monkeypatch):
     monkeypatch.setattr(hf_settings, "CAN_ABORT", False)
-    problems = partial_rollout_problems(carry(rollout__name="hf"))
+    problems = partial_rollout_problems(carry(rollout__name="hf", active_batch_size=16))
     assert any("rollout.name='hf': that engine cannot stop a generation midway" in p for p in problems), problems
-    assert partial_rollout_problems(carry(rollout__name="vllm")) == []
+    assert partial_rollout_problems(carry(rollout__name="vllm", active_batch_size=16)) == []
 
 
 def test_staleness_without_the_decoupled_loss_is_warned_about():

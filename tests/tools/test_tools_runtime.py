@@ -294,7 +294,7 @@ def test_a_tool_stall_in_validation_saves_the_completed_step_and_exits_3(tmp_pat
         f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=3", "trainer.test_freq=2",
         "trainer.save_freq=-1", f"trainer.val_before_train={'true' if when == 'before training' else 'false'}"])
     trainer = train_grpo.GRPOTrainer(cfg, world_size=1, rank=0, resume=ResumePlan())
-    trainer.parts = SimpleNamespace(val=object(), total_steps=3, carry=None, remote=None, sampler=SimpleNamespace(state_dict=lambda: {"position": 0}),
+    trainer.parts = SimpleNamespace(val=object(), total_steps=3, pipeline=None, sampler=SimpleNamespace(state_dict=lambda: {"position": 0}),
                                     engine=None, scorer=None, tokenizer=None, episodes=None,
                                     logger=SimpleNamespace(log=lambda *a, **k: None, advance=lambda: None))
     saved, steps = [], []
