@@ -20,6 +20,7 @@ from __future__ import annotations
 from grpo_lib.core import dtypes, names  # names: the registries' names without torch (grpo_lib.algorithms asserts they match)
 from grpo_lib.config.ranges import distillation_problems, outside, policy_loss_problems, value_range_problems
 from grpo_lib.config.schema import Config
+from grpo_lib.config.scorer_models import add_model_functions, scorer_model_problems
 from grpo_lib.rollout.engines import settings as engine_settings  # each engine's rules of its own keys (torch-free)
 
 
@@ -71,6 +72,7 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
             logprob_pass.log_prob_micro_batch_size_per_gpu = a.ppo_micro_batch_size_per_gpu
     if t.n_gpus_per_node is not None and t.nnodes is None:
         t.nnodes = 1  # verl's default
+    add_model_functions(cfg)  # an enabled reward model / judge joins reward.functions (weight 1.0) unless listed
     dl = cfg.distillation.distillation_loss  # verl's fallback: clip_ratio_low / high default to clip_ratio
     if dl.clip_ratio_low is None:
         dl.clip_ratio_low = dl.clip_ratio
@@ -304,6 +306,7 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     p += _multi_turn_problems(cfg)
     p += _engine_problems(cfg)
     p += distillation_problems(cfg)
+    p += scorer_model_problems(cfg)
     return p
 
 

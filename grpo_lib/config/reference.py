@@ -9,6 +9,7 @@ from pathlib import Path
 
 from grpo_lib.config.schema import Config
 from grpo_lib.config.schema_distillation import DistillationConfig
+from grpo_lib.config.schema_reward_model import RewardModelConfig
 from grpo_lib.config.schema_rollout import RolloutConfig
 
 
@@ -18,7 +19,7 @@ def reference_markdown() -> str:
     import inspect
 
     docs: dict[str, dict[str, str]] = {}
-    for module in (Config.__module__, DistillationConfig.__module__, RolloutConfig.__module__):  # the sections' modules
+    for module in (Config.__module__, DistillationConfig.__module__, RolloutConfig.__module__, RewardModelConfig.__module__):  # the sections' modules
         tree = ast.parse(inspect.getsource(__import__(module, fromlist=["x"])))
         for node in tree.body:
             if isinstance(node, ast.ClassDef):

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from grpo_lib.config.fields import may_change_on_resume
 from grpo_lib.config.schema_distillation import DistillationConfig
+from grpo_lib.config.schema_reward_model import JudgeConfig, RewardModelConfig
 from grpo_lib.config.schema_rollout import MultiTurnConfig, RolloutConfig, ValKwargsConfig  # noqa: F401 (re-exported)
 
 # --------------------------------------------------------------------------------------------- field metadata
@@ -324,7 +325,8 @@ class OverlongBufferConfig:
 @dataclass
 class RewardConfig:
     functions: list[dict] = field(default_factory=lambda: [{"name": "accuracy", "weight": 1.0}])
-    """Reward functions and weights: accuracy (rule by data_source), format, custom."""
+    """Reward functions and weights: accuracy (rule by data_source), format, custom; reward_model and judge (the learned
+    scorers of the reward_model: and judge: sections, docs/TRAINING.md "Reward models and judges")."""
     custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     gsm8k: Gsm8kRewardConfig = field(default_factory=Gsm8kRewardConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
@@ -422,6 +424,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     ignored: dict[str, str] = field(default_factory=dict, metadata={"runtime": True, "resume_may_change": True})
     """Runtime value, not a key: verl keys accepted without effect (key=value -> reason), printed once at start; may
     change on resume."""

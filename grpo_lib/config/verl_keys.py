@@ -72,7 +72,13 @@ IGNORED: dict[str, tuple[str, tuple | None]] = {
     "trainer.default_hdfs_dir": ("no HDFS copy: checkpoints go to trainer.default_local_dir", (None,)),
     "ray_init.": ("there is no Ray: accelerate launches the processes", None),
     "trainer.device": ("the device follows the launch (CUDA when available)", ("cuda", "cpu")),
-    "reward_model.enable": ("no learned reward model: rewards are rules by data_source", (False,)),
+    "reward_model.strategy": ("fsdp / fsdp2: the reward model is sharded with FSDP2 here", ("fsdp", "fsdp2")),
+    "reward_model.model.use_remove_padding": ("the reward model's forwards run on padded rows here (the same scores)", None),
+    "reward_model.model.external_lib": ("modules imported to register a model class: use reward_model.model.trust_remote_code",
+                                        (None,)),
+    "reward_model.model.use_shm": ("copies the model to /dev/shm before loading: load speed only", None),
+    "reward_model.ulysses_sequence_parallel_size": ("sequence parallelism (memory): each process holds whole sequences "
+                                                    "here", None),
     "reward_model.reward_manager": ("verl's naive manager is this trainer's rule reward by data_source; its dapo manager "
                                     "is that plus the overlong penalty of reward.overlong_buffer (off unless enabled)",
                                     ("naive", "dapo")),

@@ -48,8 +48,11 @@ ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token", "sequence")
 """algorithm.rollout_correction.mode."""
 ENGINE_NAMES: tuple[str, ...] = ("vllm", "hf")
 """rollout.name (grpo_lib/rollout/engines/__init__.py maps each to its class)."""
-REWARD_FUNCTIONS: tuple[str, ...] = ("accuracy", "format", "custom")
-"""reward.functions[].name (grpo_lib/rewards/scorer.py combines them)."""
+MODEL_REWARD_FUNCTIONS: tuple[str, ...] = ("reward_model", "judge")
+"""reward.functions[].name of the learned scorers (reward_model:, judge:), scored in the trainer's processes, not by the
+rule workers (grpo_lib/trainer/step.py adds them)."""
+REWARD_FUNCTIONS: tuple[str, ...] = ("accuracy", "format", "custom") + MODEL_REWARD_FUNCTIONS
+"""reward.functions[].name (grpo_lib/rewards/scorer.py combines the rules; the models join in grpo_lib/trainer/step.py)."""
 DISTILLATION_LOSS_MODES: tuple[str, ...] = KL_BASE_TYPES + ("forward_kl_topk",)
 """distillation.distillation_loss.loss_mode (grpo_lib/algorithms/distillation.py): the sampled-token KL estimators and the teacher's
 top-k forward KL (verl's registered names)."""

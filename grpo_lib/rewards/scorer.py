@@ -11,6 +11,10 @@
   custom_reward_function replaces the default reward the same way).
 - `format`: `format_score` (1.0 if the final answer is in the format the prompt asks for).
 - `custom`: the custom function, explicitly (needs `custom_path`).
+- `reward_model`, `judge` (`names.MODEL_REWARD_FUNCTIONS`): learned scorers; listed here for their weight only: the
+  trainer scores them and adds weight x score (grpo_lib/trainer/step.py `reward_output`). With `rule_sources` given (a
+  model scorer on), a response whose data_source is not in it gets no rule call: its rule functions score 0 and count
+  no error (the models alone score it).
 
 A function may return a float or a dict with `score` plus extra fields; extra fields land in
 `RewardOutput.extra[field]` (one entry per response, None where absent); if two functions return the same
@@ -35,7 +39,7 @@ from grpo_lib.core import names
 from grpo_lib.rewards.custom import load_custom_reward
 from grpo_lib.rewards.gsm8k import GSM8K_MODES
 from grpo_lib.rewards.pool import TimeoutPool, WorkerStartError, call_safely
-from grpo_lib.rewards.registry import compute_score, format_score
+from grpo_lib.rewards.registry import compute_score, format_score, registered_sources
 
 logger = logging.getLogger(__name__)
 
@@ -99,15 +103,19 @@ class RewardScorer:
     def from_config(cls, cfg) -> RewardScorer:
         """The run's scorer, from the `reward:` section (raises as the constructor does)."""
         r = cfg.reward
+        models_on = any(fn.get("name") in names.MODEL_REWARD_FUNCTIONS for fn in r.functions if isinstance(fn, dict))
+        rule_sources = set(registered_sources()) if models_on and r.custom.path is None else None
         return cls(functions=r.functions, custom_path=r.custom.path, custom_name=r.custom.name, gsm8k_mode=r.gsm8k.mode,
-                   timeout_s=r.timeout_s, num_workers=r.num_workers, import_timeout_s=r.import_timeout_s)
+                   timeout_s=r.timeout_s, num_workers=r.num_workers, import_timeout_s=r.import_timeout_s,
+                   rule_sources=rule_sources)
 
     def __init__(self, *, functions: list[dict], custom_path: str | None = None, custom_name: str = "compute_score",
-                 gsm8k_mode: str = "strict", timeout_s: float = 10.0, num_workers: int = 2, import_timeout_s: float = 120.0):
+                 gsm8k_mode: str = "strict", timeout_s: float = 10.0, num_workers: int = 2, import_timeout_s: float = 120.0,
+                 rule_sources: set[str] | None = None):
         problems = []
         if not functions:
             problems.append(f"functions is empty; give at least one of {list(FUNCTION_NAMES)}")
-        names = [spec.get("name") if isinstance(spec, dict) else None for spec in functions]
+        listed = [spec.get("name") if isinstance(spec, dict) else None for spec in functions]
         for spec in functions:
             if not isinstance(spec, dict) or "name" not in spec or set(spec) - {"name", "weight"}:
                 problems.append(f"each function is {{'name': str, 'weight': float (default 1.0)}}, got {spec!r}")
@@ -116,10 +124,10 @@ class RewardScorer:
             elif isinstance(weight := spec.get("weight", DEFAULT_WEIGHT), bool) \
                     or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 problems.append(f"weight of {spec['name']!r} must be a finite number, got {weight!r}")
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        duplicates = sorted({name for name in listed if listed.count(name) > 1})
         if duplicates:
             problems.append(f"reward functions listed more than once: {duplicates}")
-        if "custom" in names and custom_path is None:
+        if "custom" in listed and custom_path is None:
             problems.append("reward function 'custom' needs custom_path (a Python file defining custom_name)")
         if gsm8k_mode not in GSM8K_MODES:
             problems.append(f"gsm8k_mode must be one of {list(GSM8K_MODES)}, got {gsm8k_mode!r}")
@@ -133,6 +141,9 @@ class RewardScorer:
             raise ValueError("invalid reward config:\n  " + "\n  ".join(problems))
         self.last_error_samples: list[str] = []
         self.weights = {spec["name"]: float(spec.get("weight", DEFAULT_WEIGHT)) for spec in functions}
+        self.rule_names = [name for name in self.weights if name not in names.MODEL_REWARD_FUNCTIONS]  # the workers' calls
+        self.rule_sources = rule_sources  # None: every response has its rules
+        self.models: dict = {}  # name -> learned scorer (`score(batch)`), attached by the trainer (train_grpo.py's setup)
         factory_args = (custom_path, custom_name, gsm8k_mode, import_timeout_s)
         self._local_functions = build_functions(*factory_args)  # fails fast on a bad custom file
         self._pool = None
@@ -158,7 +169,7 @@ class RewardScorer:
             with self.stream() as stream:
                 return stream.finish(responses=responses, data_sources=data_sources, ground_truths=ground_truths,
                                      extra_infos=extra_infos)
-        names = list(self.weights)
+        names = self.rule_names
         calls = [call for index in range(num_responses)
                  for call in self._calls(index, names, response=responses[index], data_source=data_sources[index],
                                          ground_truth=ground_truths[index], extra_info=extra_infos[index])]
@@ -170,9 +181,11 @@ class RewardScorer:
         (`RewardStream`); None with num_workers=0 (the trainer's own thread would score them: nothing to overlap)."""
         return None if self._pool is None else RewardStream(self, self._pool.open_batch())
 
-    @staticmethod
-    def _calls(index: int, names: list[str], *, response: str, data_source: str, ground_truth, extra_info) -> list:
-        """The calls of response `index`: one per function, call id index * len(names) + position."""
+    def _calls(self, index: int, names: list[str], *, response: str, data_source: str, ground_truth, extra_info) -> list:
+        """The calls of response `index`: one per function, call id index * len(names) + position; none for a response
+        whose data_source has no rule (`rule_sources`)."""
+        if self.rule_sources is not None and data_source not in self.rule_sources:
+            return []
         kwargs = dict(data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra_info)
         return [(index * len(names) + position, name, kwargs) for position, name in enumerate(names)]
 
@@ -183,7 +196,9 @@ class RewardScorer:
         samples, failed = [], set()
         for index in range(num_responses):
             for position, name in enumerate(names):
-                status, value, message = results[index * len(names) + position]
+                if (call_id := index * len(names) + position) not in results:
+                    continue  # no rule for this response's data_source: 0, not an error
+                status, value, message = results[call_id]
                 if status != "ok":
                     failed.add(index)
                 if status == "ok":
@@ -239,7 +254,7 @@ class RewardStream:
 
     def __init__(self, scorer: RewardScorer, batch):
         self._scorer, self._batch = scorer, batch
-        self._names = list(scorer.weights)
+        self._names = scorer.rule_names
         self._added: dict[int, str] = {}  # response index -> the text scored
         self.done = False
 

@@ -474,7 +474,7 @@ def test_math_changing_verl_keys_are_refused_not_ignored(tiny_model_dir, arith_d
     assert "model.override_config.max_position_embeddings=32768 is not supported" in text
     for line, needle in (("actor_rollout_ref.rollout.multi_turn.interaction_config_path=user_sim.yaml",
                           "simulated-user interactions are not implemented"),
-                         ("reward_model.enable=True", "no learned reward model")):
+                         ("reward_model.enable=True", "needs reward_model.model.path")):
         with pytest.raises(ConfigError, match=needle):
             load_config(REPO / "recipes/tiny_cpu.yaml", [line])
 

@@ -329,7 +329,7 @@ def test_scorer_unknown_source_is_a_counted_error():
 def test_scorer_config_errors(functions, custom_path, message):
     with pytest.raises(ValueError, match=message):
         RewardScorer(functions=functions, custom_path=custom_path, num_workers=0)
-    assert set(FUNCTION_NAMES) == {"accuracy", "format", "custom"}, "documented function names"
+    assert set(FUNCTION_NAMES) == {"accuracy", "format", "custom", "reward_model", "judge"}, "documented function names"
 
 
 def test_scorer_custom_replaces_accuracy_and_returns_extras(custom_file):
