@@ -123,7 +123,7 @@ class GRPOTrainer:
         from grpo_lib.rollout.weight_probe import WeightProbe
         from grpo_lib.rollout.weight_sync import WeightSync
         from grpo_lib.tools.config import ToolConfigError
-        from grpo_lib.trainer import pipelines
+        from grpo_lib.trainer import pipelines, scorers
 
         import copy
 
@@ -148,15 +148,16 @@ class GRPOTrainer:
         with ExitStack() as undo:  # a failed setup stops what it started (tool threads, reward workers)
             if episodes is not None:
                 undo.callback(episodes.toolbox.close)
-            train = load_prompts(cfg.data.train_files, tokenizer, cfg.data, tools=tools)
-            val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, tools=tools) if cfg.data.val_files else None
+            keep = scorers.keeps_messages(cfg)  # the reward model re-renders responses as text, or the judge quotes prompts
+            train = load_prompts(cfg.data.train_files, tokenizer, cfg.data, tools=tools, keep_messages=keep)
+            val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, tools=tools, keep_messages=keep) if cfg.data.val_files else None
             sampler = PromptSampler(len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
             try:
                 scorer = RewardScorer.from_config(cfg)
             except (ValueError, OSError, ImportError, AttributeError) as exc:
                 raise SetupError(f"reward setup: {exc}") from exc
             undo.callback(scorer.close)
-            if cfg.reward.custom.path is None:
+            if cfg.reward.custom.path is None and scorer.rule_sources is None:  # with a model scorer: it scores those rows
                 unknown = sorted(set(train.data_sources + (val.data_sources if val else [])) - set(registered_sources()))
                 if unknown:
                     raise SetupError(f"data_source {unknown} in {cfg.data.train_files + cfg.data.val_files} has no built-in reward; "
@@ -177,6 +178,8 @@ class GRPOTrainer:
                 if problem := tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(cfg, world_size=self.world_size,
                                                                                        gpu_bytes=gpu_bytes):
                     raise SetupError(problem)
+            if found := scorers.problems(cfg, tokenizer, world_size=self.world_size, gpu_bytes=gpu_bytes):  # RM / judge
+                raise SetupError("; ".join(found))
             # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
             # (split roles, rollout.n_gpus_per_node: the engine processes, seen from here)
             engine = pipelines.engine_for(cfg, bridge=self.bridge, tokenizer=tokenizer, on_cpu=device.type == "cpu",
@@ -189,6 +192,7 @@ class GRPOTrainer:
                 from grpo_lib.model.teacher import Teacher
 
                 teacher = Teacher(cfg, device=device)
+            scorers.attach(cfg, scorer, device=device, tokenizer=tokenizer, on_cpu=device.type == "cpu")  # RM, judge
             probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
                 if cfg.trainer.weight_probe else None  # after every push: does the engine serve the actor's weights?
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,

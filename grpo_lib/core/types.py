@@ -36,7 +36,7 @@ class PromptBatch:
     data_sources: list[str]  # [num_prompts]
     ground_truths: list  # [num_prompts]
     extra_infos: list[dict]  # [num_prompts]
-    messages: list[list[dict]] | None = None  # [num_prompts][messages] the chat the prompt renders (multi-turn only)
+    messages: list[list[dict]] | None = None  # [num_prompts][messages] the chat the prompt renders (multi-turn, text scorers)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -122,6 +122,8 @@ class RolloutBatch:
     weight_version: int | None = None  # the engine's weight version the rows were generated with (`engine.weight_version`)
     token_versions: torch.Tensor | None = None  # [B, T] long, weight version that sampled each response token (carry-over:
     # rollout.partial_rollout; a carried response's older tokens hold older versions); None: every token is weight_version's
+    prompt_messages: list | None = None  # [B] the row's prompt as chat messages (kept for the reward model's re-rendering
+    # and the judge: load_prompts(keep_messages=True)); None: not kept
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

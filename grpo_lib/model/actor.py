@@ -67,19 +67,20 @@ def saved_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
 
 
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               attn_implementation: str = "sdpa", empty: bool = False):
+               attn_implementation: str = "sdpa", empty: bool = False, auto_class=AutoModelForCausalLM):
     """The Hugging Face model at `path` in `dtype` on `device`; with `empty`, its architecture only, every parameter and
     buffer on the meta device (no memory, nothing read): `fsdp.shard` fills it from process 0.
-    `attn_implementation`: `grpo_lib.model.attention.select_attn_implementation` for the device the model will compute on."""
+    `attn_implementation`: `grpo_lib.model.attention.select_attn_implementation` for the device the model will compute on.
+    `auto_class`: the transformers Auto class (the reward model's: AutoModelForSequenceClassification)."""
     if empty:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):  # keeps tied embeddings tied (accelerate's init_empty_weights would untie them)
-            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                    attn_implementation=attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 attn_implementation=attn_implementation)
+            return auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          attn_implementation=attn_implementation)
+    model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                       attn_implementation=attn_implementation)
     return model.to(device)
 
 

@@ -44,16 +44,21 @@ class FrozenModel:
     `ref.fsdp_config.param_offload` its shards live in CPU memory (FSDP2 CPUOffloadPolicy: each unit is copied to the
     device only for its own forward)."""
 
-    def __init__(self, cfg, path: str, *, name: str, device: torch.device):
+    def __init__(self, cfg, path: str, *, name: str, device: torch.device, offload: bool | None = None,
+                 trust_remote_code: bool | None = None, **load_kwargs):
+        """`offload` (default ref.fsdp_config.param_offload), `trust_remote_code` (default model.trust_remote_code) and
+        `load_kwargs` (`actor.load_model`'s: the reward model's auto_class) for a model with its own keys."""
         self.cfg, self.device = cfg, device
         fc = cfg.actor.fsdp_config
         param_dtype = dtypes.torch_dtype(fc.param_dtype, device)
-        offload = cfg.ref.fsdp_config.param_offload
+        offload = cfg.ref.fsdp_config.param_offload if offload is None else offload
+        remote = cfg.model.trust_remote_code if trust_remote_code is None else trust_remote_code
+        remove_padding = load_kwargs.pop("remove_padding", cfg.model.use_remove_padding)  # False: padded rows (dense sdpa)
         self.model = load_model(path, dtype=dtypes.torch_dtype(cfg.model.dtype, device), device=torch.device("cpu"),
-                                trust_remote_code=cfg.model.trust_remote_code,
+                                trust_remote_code=remote,
                                 attn_implementation=attention.select_attn_implementation(
-                                    device, param_dtype, remove_padding=cfg.model.use_remove_padding),
-                                empty=not fsdp.reads_weights())  # as the actor
+                                    device, param_dtype, remove_padding=remove_padding),
+                                empty=not fsdp.reads_weights(), **load_kwargs)  # as the actor
         self.model.eval().requires_grad_(False)
         self.policy = fsdp.shard(self.model, device=device, param_dtype=param_dtype, reduce_dtype=getattr(torch, fc.reduce_dtype),
                                  cpu_offload=offload)

@@ -205,14 +205,15 @@ def logprob_bytes_per_token(sizes: ModelSizes, compute_bytes: int) -> int:
 
 def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: float, compute_bytes: int | None = None,
                 master_bytes: int = 4, with_engine: bool = True, tokens: int | None = None,
-                teacher: ModelSizes | None = None) -> dict[str, float]:
+                teacher: ModelSizes | None = None, reward_model: ModelSizes | None = None) -> dict[str, float]:
     """Bytes per GPU of each component, the phases and the peak (see the module docstring for the formulas).
 
     Components are their full sizes; the phases count what is on the GPU then: actor weights offloaded
     (actor.fsdp_config.param_offload) leave the GPU while vLLM generates, AdamW state offloaded
     (actor.fsdp_config.optimizer_offload) is on it only for the optimizer step. `tokens`: the update's micro-batch
     bound (default: the config's). `teacher`: the distillation teacher's sizes (its terms and its pass,
-    `teacher_terms`); None plans without one.
+    `teacher_terms`); None plans without one. `reward_model`: the reward model's sizes (`reward_model_terms`, its pass
+    beside the awake engine); None plans without one. The judge's engine share (judge.enable) needs no sizes.
     """
     a, P, W = cfg.actor, sizes.params, world_size
     param_offload, optim_offload = a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload
@@ -250,8 +251,13 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
     }
     if teacher is not None and cfg.distillation.enabled:
         parts.update(teacher_terms(cfg, teacher, world_size=world_size, compute_bytes=compute_bytes, sharded=sharded))
+    if reward_model is not None and cfg.reward_model.enable:
+        parts.update(reward_model_terms(cfg, reward_model, world_size=world_size, compute_bytes=compute_bytes, sharded=sharded))
+    if cfg.judge.enable:  # the judge's own vLLM engine, awake while it scores (beside the policy's engine, before it sleeps)
+        parts["judge engine share"] = cfg.judge.gpu_memory_utilization * gpu_bytes if with_engine else 0.0
     weights, grads, adam = parts["actor master weights"], parts["gradients"], parts["AdamW state"]
-    ref = parts["reference"] + parts.get("teacher", 0.0)  # frozen models resident on the GPU through every phase
+    # frozen models resident on the GPU through every phase
+    ref = parts["reference"] + parts.get("teacher", 0.0) + parts.get("reward model", 0.0)
     engine_in_training = 0.0 if cfg.rollout.free_cache_engine else parts["vLLM share"]
     held = weights + grads + (0.0 if optim_offload else adam) + ref + engine_in_training + ctx
     phases = {
@@ -266,18 +272,22 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         phases["teacher pass"] = ((0.0 if param_offload else weights) + (0.0 if optim_offload else adam) + ref
                                   + engine_in_training + ctx + parts["teacher gathered units"]
                                   + parts["teacher head chunk"] + parts["teacher activations"])
+    scoring = parts.get("reward model gathered units", 0.0) + parts.get("reward model activations", 0.0)
+    if scoring or "judge engine share" in parts:  # right after generation, the policy's engine still awake
+        parts["scoring phase"] = parts["generation phase"] + scoring + parts.get("judge engine share", 0.0)
     parts.update(phases)
     parts["training phase"] = max(phases.values())
     parts["training phase at"] = max(phases, key=phases.get)  # type: ignore[assignment]  (a name, not bytes)
     # checkpoint.load creates AdamW's state (a zero-gradient step: gradients, moments, the step's temporary) with the
     # engine released (train_grpo.py's setup releases it before the load, as a step does before its update)
     parts["resume phase"] = weights + grads + adam + parts["AdamW step temporary"] + ref + engine_in_training + ctx
-    parts["peak"] = max(parts["generation phase"], parts["training phase"], parts["resume phase"])
+    parts["peak"] = max(parts["generation phase"], parts.get("scoring phase", 0.0), parts["training phase"], parts["resume phase"])
     parts["margin"] = gpu_bytes - parts["peak"]  # < 0: does not fit
     return parts
 
 
-PHASES = ("layers' backward", "root's backward", "optimizer step", "teacher pass", "generation phase", "training phase",
+PHASES = ("layers' backward", "root's backward", "optimizer step", "teacher pass", "generation phase", "scoring phase",
+          "training phase",
           "training phase at", "resume phase", "peak", "margin")
 
 
@@ -301,6 +311,53 @@ def teacher_terms(cfg: Config, teacher: ModelSizes, *, world_size: int, compute_
         "teacher head chunk": float(HEAD_BYTES_PER_LOGIT * min(tokens, HEAD_CHUNK_TOKENS) * teacher.vocab),
         "teacher activations": float(tokens * (logprob_bytes_per_token(teacher, compute_bytes) + compute_bytes * teacher.hidden)),
     }
+
+
+def reward_model_terms(cfg: Config, rm: ModelSizes, *, world_size: int, compute_bytes: int, sharded: bool) -> dict[str, float]:
+    """The reward model's bytes per GPU (grpo_lib/model/reward_model.py: sharded like the reference, no optimizer, one label):
+
+        reward model                  d P_r / W      its shards in model.dtype; 0 with reward_model.model.fsdp_config.param_offload
+        reward model gathered units   c (root_r + one layer_r)   its forward gathers a unit at a time
+        reward model activations      tokens x one layer's transient tensors + the residual stream, no grad (its bound:
+                                      forward_max_token_len_per_gpu, or micro_batch_size_per_gpu x the longest sequence)
+
+    Its pass runs right after generation with the policy's engine still awake (`scoring phase`). Example: a 7B reward
+    model in bf16 on 4 GPUs, not offloaded: 2 x 7.6e9 / 4 = 3.5 GiB resident."""
+    r, d = cfg.reward_model, cfg.data
+    tokens = r.forward_max_token_len_per_gpu if r.use_dynamic_bsz else r.micro_batch_size_per_gpu * (d.max_prompt_length +
+                                                                                                     d.max_response_length)
+    return {
+        "reward model": 0.0 if r.model.fsdp_config.param_offload else gpu_dtype_bytes(cfg.model.dtype) * rm.params / world_size,
+        "reward model gathered units": float(compute_bytes * (root_params(rm) + rm.layer_params)) if sharded else 0.0,
+        "reward model activations": float(tokens * (logprob_bytes_per_token(rm, compute_bytes) + compute_bytes * rm.hidden)),
+    }
+
+
+def reward_model_sizes(cfg: Config, explicit: str | None = None) -> tuple[ModelSizes | None, str]:
+    """The reward model's sizes from its config.json ((None, why) when it is off or the file is not reachable)."""
+    if not cfg.reward_model.enable:
+        return None, "reward model off"
+    config_json, where = find_model_config(cfg.reward_model.model.path, explicit)
+    return (model_sizes(config_json) if config_json is not None else None), where
+
+
+def scorer_fit_problem(cfg: Config, *, world_size: int, gpu_bytes: float | None) -> str | None:
+    """At setup, before any weight loads: why the reward model does not fit this GPU beside the policy (the plan's peak
+    with it above the GPU), or None (it fits, no GPU, no config.json to plan from)."""
+    if gpu_bytes is None or not cfg.reward_model.enable:
+        return None
+    policy_json, _ = find_model_config(cfg.model.path, None)
+    rm, where = reward_model_sizes(cfg)
+    if policy_json is None or rm is None:
+        return None
+    plan = memory_plan(cfg, model_sizes(policy_json), world_size=world_size, gpu_bytes=gpu_bytes, reward_model=rm)
+    if plan["peak"] <= gpu_bytes:
+        return None
+    return (f"reward_model.model.path={cfg.reward_model.model.path!r} ({rm.params / 1e9:.2f}B parameters, {where}) does not "
+            f"fit beside the policy: the memory plan's peak is {plan['peak'] / GIB:.1f} GiB per GPU of {gpu_bytes / GIB:.0f} GiB "
+            f"(reward model shards {plan['reward model'] / GIB:.1f} GiB); keep its shards on the host "
+            "(reward_model.model.fsdp_config.param_offload=true), lower reward_model.micro_batch_size_per_gpu or launch more "
+            "processes (`--print-plan` shows every term)")
 
 
 def teacher_sizes(cfg: Config, explicit: str | None = None) -> tuple[ModelSizes | None, str]:
@@ -348,7 +405,8 @@ def vllm_graph_pool_bytes(cfg: Config, sizes: ModelSizes) -> float:
     return float(tokens * logprob_bytes_per_token(sizes, gpu_dtype_bytes(cfg.rollout.dtype)))
 
 
-def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int, teacher: ModelSizes | None = None) -> dict[str, float]:
+def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int, teacher: ModelSizes | None = None,
+                reward_model: ModelSizes | None = None) -> dict[str, float]:
     """Host bytes per machine (all W processes of one machine): what the start loads and what stays resident.
 
     Start: process 0 alone reads the whole model in float32 (and the reference in model.dtype) and broadcasts it into
@@ -367,11 +425,14 @@ def host_memory(cfg: Config, sizes: ModelSizes, *, world_size: int, teacher: Mod
         ref_bytes, ref_on_host = (ref_bytes if ref_on_host else 0.0) + teacher_bytes, True
     fc, r = cfg.actor.fsdp_config, cfg.rollout
     start = 4 * P + (ref_bytes if ref_on_host else 0)  # process 0's full copies, read once per machine
+    rm_bytes = gpu_dtype_bytes(cfg.model.dtype) * reward_model.params if reward_model is not None and cfg.reward_model.enable else 0.0
+    start += rm_bytes  # read by process 0 like the reference
     sleeps = r.free_cache_engine  # the engine sleeps between generations: its backup is in pinned host memory then
     weights = gpu_dtype_bytes(r.dtype) * P * W / r.tensor_model_parallel_size if sleeps and r.sleep_level == 1 else 0.0
     pools = W * vllm_graph_pool_bytes(cfg, sizes) if sleeps else 0.0
     resident = (ref_bytes if ref_on_host and cfg.ref.fsdp_config.param_offload else 0.0) + weights + pools
     resident += (4 * P if fc.param_offload else 0) + (8 * P if fc.optimizer_offload else 0)
+    resident += rm_bytes if cfg.reward_model.model.fsdp_config.param_offload else 0.0
     return {"start": float(start), "resident": float(resident), "engine weights backup": float(weights),
             "engine graph pool backup": float(pools)}
 

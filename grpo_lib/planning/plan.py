@@ -36,7 +36,7 @@ from grpo_lib.rollout.engines.settings import library_problems as engine_library
 from grpo_lib.planning.memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, context_terms, find_model_config, fitting_budget,
                                   fitting_logprob_budget, gpu_dtype_bytes, host_memory, lora_params, memory_plan,
-                                  model_sizes, resolve_auto_budgets, teacher_sizes)
+                                  model_sizes, resolve_auto_budgets, reward_model_sizes, teacher_sizes)
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
@@ -217,7 +217,8 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     """The memory plan's lines and whether its peak fits in `gpu_gb` GiB; `teacher_config`: the distillation teacher's
     config.json (--teacher-model-config; default: its model_path's)."""
     teacher, teacher_where = teacher_sizes(cfg, teacher_config)
-    parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB, teacher=teacher)
+    rm, rm_where = reward_model_sizes(cfg)
+    parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB, teacher=teacher, reward_model=rm)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
     if cfg.distillation.enabled:
@@ -226,6 +227,14 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
                      + ("its shards on the host between uses (ref.fsdp_config.param_offload)" if cfg.ref.fsdp_config.param_offload
                         else "resident on the GPU") if teacher is not None else
                      f"teacher: not planned ({teacher_where}); its memory is missing from the plan below")
+    if cfg.reward_model.enable:
+        lines.append(f"reward model: {rm.params / 1e9:.2f}B parameters ({rm.layers} layers, hidden {rm.hidden}; {rm_where}); "
+                     "sharded like the reference, " + ("its shards on the host between uses" if
+                                                       cfg.reward_model.model.fsdp_config.param_offload else "resident on the GPU")
+                     if rm is not None else f"reward model: not planned ({rm_where}); its memory is missing from the plan below")
+    if cfg.judge.enable:
+        lines.append(f"judge: its own vLLM engine ({cfg.judge.model_path}), judge.gpu_memory_utilization="
+                     f"{cfg.judge.gpu_memory_utilization} of the GPU while it scores, asleep while the policy generates")
     lines += [f"  {name:<26} {value / GIB:7.2f} GiB" for name, value in parts.items() if name not in PHASES]
     if parts["CUDA context + NCCL"]:  # its parts, each an estimate (grpo_lib/planning/memory.py says from what)
         context = context_terms(cfg, world_size=world_size)
@@ -237,6 +246,10 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
                                                                                       "CUDA context + NCCL"])
     lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
+    if "scoring phase" in parts:
+        lines.append(f"  scoring phase              {parts['scoring phase'] / GIB:7.2f} GiB (right after generation, the policy's "
+                     "engine still awake: + the reward model's units gathered one at a time and its no-grad activations"
+                     + (", + the judge engine's share" if cfg.judge.enable else "") + ")")
     if "teacher pass" in parts:
         lines.append(f"  teacher pass               {parts['teacher pass'] / GIB:7.2f} GiB (the engine asleep: the actor and AdamW as "
                      "held, the teacher's units gathered one at a time, its head chunk and no-grad activations)")
@@ -250,7 +263,7 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
                  + (f"fits; margin {margin / GIB:.2f} GiB ({margin / (gpu_gb * GIB):.1%} of the GPU) for what no term "
                     "counts (allocator fragmentation, FSDP2's prefetch, the estimates' errors)" if fits else
                     f"DOES NOT FIT, short by {-margin / GIB:.2f} GiB"))
-    host = host_memory(cfg, sizes, world_size=world_size, teacher=teacher)
+    host = host_memory(cfg, sizes, world_size=world_size, teacher=teacher, reward_model=rm)
     lines.append(f"  host memory per machine    {host['start'] / GIB:7.2f} GiB at start (process 0 reads the model in "
                  f"float32 once and broadcasts it into the shards), {host['resident'] / GIB:.2f} GiB resident after "
                  f"(reference shards, vLLM's pinned sleep backup: weights {host['engine weights backup'] / GIB:.2f} + "

@@ -59,6 +59,7 @@ class RewardOutput:
     num_timeouts: int  # calls stopped at timeout_s (each scored 0)
     error_samples: list[str] = field(default_factory=list)  # up to 5 messages, for the log
     num_failed_responses: int = 0  # responses with at least one errored or timed-out call (reward.max_error_fraction)
+    model_metrics: dict[str, float] = field(default_factory=dict)  # the model scorers' counters (local sums), added by the trainer
 
 
 def _as_score(value) -> tuple[float, dict]:

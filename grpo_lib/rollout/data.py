@@ -183,7 +183,7 @@ class PromptDataset:
     num_filtered: int  # prompts dropped as longer than data.max_prompt_length
     num_truncated: int  # prompts cut to data.max_prompt_length by data.truncation
     num_invalid: int = 0  # rows dropped for a missing / None / NaN / empty ground truth (data.invalid_rows=drop)
-    messages: list[list[dict]] = field(default_factory=list)  # [rows][messages] kept for multi-turn runs only, else []
+    messages: list[list[dict]] = field(default_factory=list)  # [rows][messages] kept for multi-turn runs and text scorers, else []
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -234,9 +234,11 @@ def usable_ground_truth(value) -> bool:
     return True
 
 
-def load_prompts(files: list[str] | str, tokenizer, cfg, *, tools: list[dict] | None = None) -> PromptDataset:
+def load_prompts(files: list[str] | str, tokenizer, cfg, *, tools: list[dict] | None = None,
+                 keep_messages: bool = False) -> PromptDataset:
     """Read, render and tokenize every file of `files` (in order) with the `data` config section `cfg`; with `tools`
-    (a multi-turn run's tool schemas) the template lists them and each row's messages are kept.
+    (a multi-turn run's tool schemas) the template lists them and each row's messages are kept, as with `keep_messages`
+    (the reward model re-rendering a response with its own template, the judge quoting the prompt).
 
     Raises DataError (missing / empty / unreadable file, missing column, bad row, overlong prompt with
     truncation=error, nothing left after filtering). Warns with the count of dropped / truncated prompts.
@@ -274,7 +276,7 @@ def load_prompts(files: list[str] | str, tokenizer, cfg, *, tools: list[dict] | 
                 texts.append(render_text(_plain(row[cfg.prompt_key]), tokenizer, apply_chat_template=cfg.apply_chat_template,
                                          system_prompt=cfg.system_prompt, chat_template_kwargs=cfg.apply_chat_template_kwargs,
                                          tools=tools))
-                if tools is not None:
+                if tools is not None or keep_messages:
                     chats.append(prompt_messages(_plain(row[cfg.prompt_key]), system_prompt=cfg.system_prompt))
             except Exception as error:  # a malformed message list, or the chat template rejecting it
                 raise DataError(f"{_where(file, row_index)}: cannot render column {cfg.prompt_key!r} "
@@ -296,7 +298,7 @@ def load_prompts(files: list[str] | str, tokenizer, cfg, *, tools: list[dict] | 
                 ids = ids[-limit:] if cfg.truncation == "left" else ids[:limit]
                 out.num_truncated += 1
             out.prompt_ids.append(list(ids))
-            if tools is not None:
+            if tools is not None or keep_messages:
                 out.messages.append(chats[position])
             out.uids.append(f"{file_index}:{stem}:{row_index}")
             out.data_sources.append(data_source)

@@ -358,7 +358,7 @@ def rollout_metrics(stats: RoundStats, groups: GroupFilter, *, step: int, episod
     reduction.max("response/length_max", sums.pop("response/length_max"))
     names = {"reward/sum": "reward/mean", "response/length_sum": "response/length_mean", "response/clipped": "response/clip_ratio"}
     for k, v in sums.items():
-        if k in ("reward/errors", "reward/timeouts", "rollout/preemptions"):  # counts
+        if k in ("reward/errors", "reward/timeouts", "rollout/preemptions") or k.startswith(("reward_model/", "judge/")):  # counts
             reduction.sum(k, v)
         else:  # means over the responses
             reduction.mean(names.get(k, k), v, over="samples")

@@ -70,6 +70,7 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
                      for p, (_, g) in zip(meta, rows)],
         truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
         token_versions=token_versions,
+        prompt_messages=[prompts.messages[p] for p in meta] if prompts.messages else None,
     )
 
 
@@ -101,7 +102,24 @@ def reward_output(scorer, batch: RolloutBatch, *, rewards=None, timings: dict | 
     out = rewards.finish(**lists) if rewards is not None else scorer.score(**lists)
     if timings is not None:
         timings["timing_s/reward_exposed"] = timings.get("timing_s/reward_exposed", 0.0) + time.perf_counter() - start
+    add_model_scores(scorer, batch, out, timings=timings)
     return out
+
+
+def add_model_scores(scorer, batch: RolloutBatch, out, *, timings: dict | None = None) -> None:
+    """The learned scorers attached to `scorer` (`scorer.models`: the reward model, the judge) score `batch` after the rules;
+    each one's raw score goes to out.per_function[name] (reward/<name>/mean) and weight x score is added to out.scores
+    (docs/TRAINING.md, "Reward models and judges"); their own counters to out.extra["<name>/..."] (one number per batch).
+    Every trainer process calls this for each batch it scores (the reward model's forwards are collectives)."""
+    for name, model in getattr(scorer, "models", {}).items():
+        start = time.perf_counter()
+        values = model.score(batch)
+        out.per_function[name] = values
+        weight = scorer.weights[name]
+        out.scores = [total + weight * value for total, value in zip(out.scores, values)]
+        out.model_metrics.update(model.metrics)
+        if timings is not None:
+            timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
 def score(scorer, batch: RolloutBatch, *, overlong_buffer=None, max_response_length: int | None = None, rewards=None,
@@ -134,6 +152,7 @@ def score(scorer, batch: RolloutBatch, *, overlong_buffer=None, max_response_len
             penalty_factor=overlong_buffer.penalty_factor)  # [B]
         batch.scores = batch.scores + batch.overlong_penalties  # [B]
         sums["reward/overlong_penalty_mean"] = float(batch.overlong_penalties.sum())
+    sums.update(out.model_metrics)  # the model scorers' counters (reward_model/truncated, judge/unparsed), summed
     sums["reward/errors"] = float(out.num_errors)
     sums["reward/timeouts"] = float(out.num_timeouts)
     sums["reward/error_fraction"] = float(out.num_failed_responses)  # divided by the response count on reduction

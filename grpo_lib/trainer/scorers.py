@@ -1,0 +1,36 @@
+"""The learned scorers beside the rule rewards, set up for a run: the reward model (reward_model.enable,
+grpo_lib/model/reward_model.py) and the generative judge (judge.enable, grpo_lib/rollout/judge.py). `problems` runs before
+any weight loads (tokenizers, the fit on the GPU); `attach` builds them and hands them to the rule scorer
+(`RewardScorer.models`), whose every scoring call then adds their weighted scores (grpo_lib/trainer/step.py
+`add_model_scores`)."""
+
+from __future__ import annotations
+
+
+def keeps_messages(cfg) -> bool:
+    """The prompts' chat messages must be kept: the reward model re-renders responses as text, or the judge quotes them."""
+    return (cfg.reward_model.enable and cfg.reward_model.model.input_tokenizer is not None) or cfg.judge.enable
+
+
+def problems(cfg, tokenizer, *, world_size: int, gpu_bytes: float | None) -> list[str]:
+    """Before anything loads: the reward model's tokenizer against the policy's, and its fit in the memory plan."""
+    found = []
+    if cfg.reward_model.enable:
+        from grpo_lib.model.reward_model import tokenizer_problem
+        from grpo_lib.planning.memory import scorer_fit_problem
+
+        found += [p for p in (tokenizer_problem(cfg, tokenizer),
+                              scorer_fit_problem(cfg, world_size=world_size, gpu_bytes=gpu_bytes)) if p]
+    return found
+
+
+def attach(cfg, scorer, *, device, tokenizer, on_cpu: bool) -> None:
+    """Build the enabled scorers (every trainer process: the reward model is sharded over them) into `scorer.models`."""
+    if cfg.reward_model.enable:
+        from grpo_lib.model.reward_model import RewardModel
+
+        scorer.models["reward_model"] = RewardModel(cfg, device=device, policy_tokenizer=tokenizer)
+    if cfg.judge.enable:
+        from grpo_lib.rollout.judge import Judge
+
+        scorer.models["judge"] = Judge.from_config(cfg, on_cpu=on_cpu)
