@@ -41,6 +41,9 @@ def mini_batch_sizes(train_batch_size: int, ppo_mini_batch_size: int) -> list[in
     return [ppo_mini_batch_size] * full + ([rest] if rest else [])
 
 
+VLLM_LORA_UNSERVABLE = ("embed_tokens", "lm_head")  # target modules an adapter push cannot carry (rollout.lora_mode=adapter)
+
+
 def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     """Fill every derived default in place, once (a None field means "derive it"); the code then reads the fields.
 
@@ -73,6 +76,11 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     if t.n_gpus_per_node is not None and t.nnodes is None:
         t.nnodes = 1  # verl's default
     add_model_functions(cfg)  # an enabled reward model / judge joins reward.functions (weight 1.0) unless listed
+    unservable = sorted(set(cfg.model.target_modules) & set(VLLM_LORA_UNSERVABLE))
+    if cfg.model.lora_rank > 0 and cfg.rollout.lora_mode == "adapter" and unservable:  # the same math: merged pushes
+        cfg.rollout.lora_mode = "merged"
+        cfg.ignored["rollout.lora_mode=adapter"] = (f"model.target_modules has {unservable}, which vLLM's LoRA layers do not "
+                                                    "take as an in-memory adapter: the merged push serves the same weights")
     dl = cfg.distillation.distillation_loss  # verl's fallback: clip_ratio_low / high default to clip_ratio
     if dl.clip_ratio_low is None:
         dl.clip_ratio_low = dl.clip_ratio
@@ -292,10 +300,15 @@ def validate(cfg: Config, *, world_size: int = 1) -> list[str]:
     if m.lora_rank > 0 and not m.target_modules:
         p.append("model.target_modules is empty: use all-linear or a list of module names such as [q_proj, v_proj]")
     if m.lora_rank > 0 and r.lora_mode == "adapter":
-        p.append("rollout.lora_mode=adapter is not supported: vLLM 0.32's LoRARequest loads an adapter only from a folder "
-                 "on disk (lora_path is required), so every push would write the adapter and make the engine reload it, "
-                 "against the rule that nothing reloads weights from disk after a push; use rollout.lora_mode=merged "
-                 "(the default), which pushes base + adapter like a full fine-tuning push")
+        if r.name != "vllm":
+            p.append(f"rollout.lora_mode=adapter with rollout.name={r.name}: that engine cannot serve a LoRA adapter (only vLLM "
+                     "can); use rollout.lora_mode=merged (the default: base + adapter pushed like full weights) or rollout.name=vllm")
+        if r.n_gpus_per_node > 0:
+            p.append("rollout.lora_mode=adapter with rollout.n_gpus_per_node (one-step-off on split GPUs) is not built: the "
+                     "split engine takes full weights; use rollout.lora_mode=merged")
+        if m.lora_rank > 512:
+            p.append(f"rollout.lora_mode=adapter with model.lora_rank={m.lora_rank}: vLLM serves adapters up to rank 512; "
+                     "use rollout.lora_mode=merged")
     if m.lora_adapter_path is not None and m.lora_rank == 0:
         p.append(f"model.lora_adapter_path={m.lora_adapter_path!r} needs LoRA on: set model.lora_rank to the adapter's rank")
     if r.n_gpus_per_node == 0 and (r.tensor_model_parallel_size < 1 or world_size % r.tensor_model_parallel_size):

@@ -133,7 +133,10 @@ class RolloutConfig:
     (resolved at load). `auto`: the largest no-grad budget that fits the device (memory plan, at setup)."""
     lora_mode: Literal["merged", "adapter"] = "merged"
     """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
-    like full weights (exact, any engine)."""
+    like full weights (exact, any engine). adapter (vLLM only): the engine keeps model.path's base weights and each push
+    hands it the adapter alone (tens of MB instead of the whole model), served through vLLM's LoRA layers as a new
+    adapter per push (docs/TRAINING.md "LoRA"); target modules vLLM cannot take (embed_tokens, lm_head) fall back to
+    merged, said at start."""
     enable_chunked_prefill: bool = may_change_on_resume(True)
     """vLLM chunked prefill (verl's key and default True): long prompts are prefilled in pieces of at most
     max_num_batched_tokens, next to running decodes. Always off on CPU: a chunked prefill rewinds the request's seeded

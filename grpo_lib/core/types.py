@@ -179,3 +179,17 @@ class RolloutBatch:
             else:  # None: a field not filled yet
                 out[f.name] = None
         return RolloutBatch(**out)
+
+
+@dataclass
+class AdapterWeights:
+    """A LoRA adapter pushed on its own (rollout.lora_mode=adapter): the engine keeps its base weights and serves
+    base + this adapter. `tensors`: PEFT's saved names (`base_model.model.<module>.lora_A.weight`, [r, in]; lora_B [out, r]),
+    full (gathered from the shards), on the host; `config`: its peft LoraConfig as a dict (r, lora_alpha, target_modules)."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

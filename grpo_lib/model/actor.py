@@ -265,6 +265,14 @@ class Actor:
         self.load_params()
         yield from self.weights.named_weights(self.model)
 
+    def engine_weights(self):
+        """What a push hands the engine (rollout/weight_sync.py): `named_weights` (lazy: gathered while the engine takes
+        them), or with rollout.lora_mode=adapter the adapter alone (`core.types.AdapterWeights`, gathered now: a collective)."""
+        if not self.weights.pushes_adapter:
+            return self.named_weights()
+        self.load_params()
+        return self.weights.adapter(self.model)
+
     # -- update ----------------------------------------------------------------------------------------
 
     def micro_batch_loss(self, mb: RolloutBatch, *, num_tokens: float, num_seqs: float, compute_entropy: bool,

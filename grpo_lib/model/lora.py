@@ -16,9 +16,9 @@ gradients and are averaged over processes. What follows from that:
 Every function here takes the model (or the config); nothing here knows the actor. Whether a run uses LoRA at all is
 decided once, in `grpo_lib.model.weights.weights_for`.
 
-Departure from verl: verl can also push the adapter through vLLM's LoRA path (patching vLLM to take tensors); here
-`rollout.lora_mode=adapter` is refused by config validation with the reason: merged pushes are exact
-and cost one extra [out, r] x [r, in] matmul per layer per push.
+Adapter-only push (rollout.lora_mode=adapter, vLLM only): `adapter_push` hands the engine the adapter tensors alone
+(tens of MB where the merged model is GB); the engine keeps its base weights and serves base + adapter through vLLM's
+LoRA layers (grpo_lib/rollout/engines/vllm_lora.py), as verl does. merged (the default) stays: any engine, any module.
 Run the tests: `python -m pytest tests/model/test_lora.py`.
 """
 
@@ -164,6 +164,20 @@ def reference_note(cfg) -> str:
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only (peft names, full, on CPU); a collective under FSDP2 like `merged_named_weights`."""
     return {name: full_tensor(t.detach()).cpu() for name, t in model.state_dict().items() if _ADAPTER_PARAM.search(name)}
+
+
+def adapter_push(model: torch.nn.Module):
+    """The adapter alone for the engine (rollout.lora_mode=adapter, grpo_lib/rollout/engines/vllm_lora.py): its tensors
+    under PEFT's saved names (the adapter name dropped: `...q_proj.lora_A.weight`), full and on the host, and the LoRA
+    config vLLM needs. A collective under FSDP2, like `merged_named_weights`."""
+    from grpo_lib.core.types import AdapterWeights
+
+    peft_config = model.peft_config[model.active_adapter]
+    tensors = {name.replace(f".{model.active_adapter}.", "."): t for name, t in adapter_state(model).items()}
+    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    config = {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha, "target_modules": targets, "bias": "none",
+              "use_rslora": bool(getattr(peft_config, "use_rslora", False)), "use_dora": bool(getattr(peft_config, "use_dora", False))}
+    return AdapterWeights(tensors=tensors, config=config)
 
 
 def save_lora_checkpoint(model: torch.nn.Module, tokenizer, path: Path, *, export_dtype: torch.dtype, save_merged_folder: bool,

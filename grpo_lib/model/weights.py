@@ -37,6 +37,8 @@ class FullWeights:
         """(Hugging Face name, full tensor), gathered one at a time; with tied embeddings `lm_head.weight` is included."""
         return fsdp.gathered_state(model)
 
+    pushes_adapter = False  # the engine is pushed every weight (`named_weights`)
+
     def save_hf(self, model: torch.nn.Module, path: Path, tokenizer, *, export_dtype: torch.dtype, write: bool) -> None:
         """One Hugging Face folder at `path`, in `export_dtype`. Every process calls it (the shards are gathered one by
         one); the process with `write` (process 0) keeps a CPU copy of each and writes."""
@@ -66,6 +68,15 @@ class LoraWeights:
     def named_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Base + scaled adapters under the base model's Hugging Face names, new tensors (the base is not modified)."""
         return lora.merged_named_weights(model)
+
+    @property
+    def pushes_adapter(self) -> bool:
+        """rollout.lora_mode=adapter: the engine is pushed the adapter alone (`adapter`), not the merged weights."""
+        return self.cfg.rollout.lora_mode == "adapter"
+
+    def adapter(self, model: torch.nn.Module):
+        """The adapter for the engine (`lora.adapter_push`: its tensors and config; the engine keeps its base weights)."""
+        return lora.adapter_push(model)
 
     def save_hf(self, model: torch.nn.Module, path: Path, tokenizer, *, export_dtype: torch.dtype, write: bool) -> None:
         """`path/adapter` (peft format) and, with trainer.save_merged, `path/merged` (`lora.save_lora_checkpoint`)."""

