@@ -173,7 +173,9 @@ def adapter_push(model: torch.nn.Module):
     from grpo_lib.core.types import AdapterWeights
 
     peft_config = model.peft_config[model.active_adapter]
-    tensors = {name.replace(f".{model.active_adapter}.", "."): t for name, t in adapter_state(model).items()}
+    # copies, never the actor's own storage (on CPU `adapter_state` may return the parameters themselves): vLLM folds the
+    # scaling into lora_B in place (`LoRALayerWeights.optimize`), which would scale the actor's trained B with it
+    tensors = {name.replace(f".{model.active_adapter}.", "."): t.to("cpu", copy=True) for name, t in adapter_state(model).items()}
     targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
     config = {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha, "target_modules": targets, "bias": "none",
               "use_rslora": bool(getattr(peft_config, "use_rslora", False)), "use_dora": bool(getattr(peft_config, "use_dora", False))}

