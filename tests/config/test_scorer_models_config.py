@@ -123,3 +123,28 @@ def test_the_command_line_exits_2_naming_the_key(monkeypatch, tiny_model_dir, ar
     result = run_main(monkeypatch, *common, "judge.enable=true", f"judge.model_path={tiny_model_dir}",
                       f"judge.prompt_template={template(tmp_path, 'Grade: {prompt}')}")
     assert result.returncode == 2 and "has no {response} placeholder" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"rollout__name": "hf"}, "rollout.lora_mode=adapter with rollout.name=hf: that engine cannot serve a LoRA adapter"),
+    ({"rollout__n_gpus_per_node": 1}, "rollout.lora_mode=adapter with rollout.n_gpus_per_node (one-step-off on split GPUs) is not built"),
+    ({"model__lora_rank": 1024}, "vLLM serves adapters up to rank 512"),
+])
+def test_adapter_sync_with_an_engine_that_cannot_serve_it_is_named(keys, words):
+    cfg = base(**{"model__lora_rank": 8, "rollout__lora_mode": "adapter", **keys})
+    problems = validate(cfg, world_size=2)
+    assert any(words in p for p in problems), problems
+    assert validate(base(model__lora_rank=8, rollout__lora_mode="adapter")) == []
+
+
+def test_adapter_sync_falls_back_to_merged_for_modules_vllm_cannot_take_and_says_so():
+    cfg = base(model__lora_rank=8, rollout__lora_mode="adapter", model__target_modules=["q_proj", "lm_head"])
+    assert validate(cfg) == []
+    assert cfg.rollout.lora_mode == "merged"
+    assert "['lm_head'], which vLLM's LoRA layers do not take" in cfg.ignored["rollout.lora_mode=adapter"]
+
+
+def test_the_command_line_exits_2_for_adapter_sync_on_the_hf_engine(monkeypatch, tiny_model_dir, arith_data, tmp_path):
+    result = run_main(monkeypatch, "recipes/tiny_cpu.yaml", f"model.path={tiny_model_dir}", f"data.train_files=[{arith_data['train']}]",
+                      f"trainer.default_local_dir={tmp_path}", "model.lora_rank=8", "rollout.lora_mode=adapter", "rollout.name=hf")
+    assert result.returncode == 2 and "that engine cannot serve a LoRA adapter" in result.stderr, result.stderr

@@ -56,8 +56,8 @@ def trained(model_dir):
 def test_config_rejects_bad_lora_values(model_dir):
     with pytest.raises(ConfigError, match="model.lora_rank=-1"):
         case.make_config(model_dir, extra=("model.lora_rank=-1",))
-    with pytest.raises(ConfigError, match="rollout.lora_mode=adapter is not supported"):
-        case.make_config(model_dir, extra=LORA + ("rollout.lora_mode=adapter",))
+    with pytest.raises(ConfigError, match="rollout.lora_mode=adapter with rollout.name=hf: that engine cannot serve"):
+        case.make_config(model_dir, extra=LORA + ("rollout.lora_mode=adapter", "rollout.name=hf"))
     with pytest.raises(ConfigError, match="model.lora_adapter_path"):
         case.make_config(model_dir, extra=("model.lora_adapter_path=somewhere",))
 
