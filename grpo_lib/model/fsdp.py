@@ -164,7 +164,10 @@ def shard(model: nn.Module, *, device: torch.device, param_dtype: torch.dtype, r
     # the first forward runs here, on every process (it all-gathers), while the trainable set is the real one.
     with torch.no_grad():
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # [1, 2]
-        policy(ids, torch.ones_like(ids))
+        if model.get_output_embeddings() is None:  # a classifier (the reward model): no logprobs, its own forward
+            in_root_forward(policy, lambda hf_model: hf_model(input_ids=ids, attention_mask=torch.ones_like(ids)))
+        else:
+            policy(ids, torch.ones_like(ids))
     release_freed_host_memory()  # process 0's full copy and, on CPU, the forward's gathered units (host memory there)
     return policy
 
