@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: demo demo-lora demo-tool demo-python-tool demo-distill test test-fast venv clean
+.PHONY: demo demo-lora demo-tool demo-python-tool demo-distill demo-rm demo-judge test test-fast venv clean
 
 $(STAMP): requirements-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -65,6 +65,21 @@ artifacts/tiny_qwen3_teacher/config.json: $(STAMP) data_prep/tiny_model.py data_
 
 demo-distill: artifacts/tiny_qwen3/config.json artifacts/tiny_qwen3_teacher/config.json artifacts/data/arith/train.parquet
 	$(VPY) train_grpo.py recipes/tiny_cpu_distill.yaml
+
+# the models beside the policy: a tiny reward model and a tiny generative judge built from make demo's policy (both
+# prefer an even final answer, which recipes/rewards/even_answer.py also checks; data_prep/tiny_reward_model.py)
+artifacts/tiny_rm/config.json: artifacts/tiny_qwen3/config.json data_prep/tiny_reward_model.py
+	$(VPY) data_prep/tiny_reward_model.py --policy artifacts/tiny_qwen3 --out artifacts/tiny_rm
+
+artifacts/tiny_judge/config.json: artifacts/tiny_qwen3/config.json data_prep/tiny_reward_model.py recipes/judge/tiny_judge_template.txt
+	$(VPY) data_prep/tiny_reward_model.py --policy artifacts/tiny_qwen3 --out artifacts/tiny_judge --judge \
+		--template recipes/judge/tiny_judge_template.txt
+
+demo-rm: artifacts/tiny_rm/config.json artifacts/data/arith/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu_rm.yaml
+
+demo-judge: artifacts/tiny_judge/config.json artifacts/data/arith/train.parquet
+	$(VPY) train_grpo.py recipes/tiny_cpu_judge.yaml
 
 # The suite in two phases: everything but the wall-clock-bound tests on $(TEST_WORKERS) pytest-xdist workers, one test
 # file per worker at a time (--dist loadfile keeps a file's module-scoped runs shared by its tests), then the
