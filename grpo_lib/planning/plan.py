@@ -7,7 +7,7 @@ config validation resolved it, the verl keys accepted without effect, and a memo
 `config.json` (a local folder, the Hugging Face hub cache, or `--model-config FILE`).
 
 Flags: `--num-processes N` (default: trainer.n_gpus_per_node x trainer.nnodes when given, else the current
-launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--teacher-model-config FILE` (the
+launch's WORLD_SIZE), `--gpu-memory-gb G` (default 80), `--model-config FILE`, `--teacher-model-config FILE`, `--reward-model-config FILE` (the reward model's; default: its path's) (the
 distillation teacher's config.json; default: its model_path's), `--measure` (the training phase measured on fake
 tensors; train_grpo.py or `python -m grpo_lib.planning.measure` passes the measuring function in, so this module imports
 neither torch nor transformers).
@@ -213,11 +213,11 @@ def resolved_lines(cfg: Config) -> list[str]:
 
 
 def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: float,
-                 teacher_config: str | None = None) -> tuple[list[str], bool]:
+                 teacher_config: str | None = None, reward_model_config: str | None = None) -> tuple[list[str], bool]:
     """The memory plan's lines and whether its peak fits in `gpu_gb` GiB; `teacher_config`: the distillation teacher's
     config.json (--teacher-model-config; default: its model_path's)."""
     teacher, teacher_where = teacher_sizes(cfg, teacher_config)
-    rm, rm_where = reward_model_sizes(cfg)
+    rm, rm_where = reward_model_sizes(cfg, reward_model_config)
     parts = memory_plan(cfg, sizes, world_size=world_size, gpu_bytes=gpu_gb * GIB, teacher=teacher, reward_model=rm)
     lines = [f"model: {sizes.params / 1e9:.2f}B parameters ({sizes.layers} layers, hidden {sizes.hidden}, vocab {sizes.vocab}); "
              f"sharded over {world_size} processes"]
@@ -247,9 +247,10 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
     if "scoring phase" in parts:
+        added = (["the reward model's units gathered one at a time and its no-grad activations"] if cfg.reward_model.enable else []) \
+            + (["the judge engine's share"] if cfg.judge.enable else [])
         lines.append(f"  scoring phase              {parts['scoring phase'] / GIB:7.2f} GiB (right after generation, the policy's "
-                     "engine still awake: + the reward model's units gathered one at a time and its no-grad activations"
-                     + (", + the judge engine's share" if cfg.judge.enable else "") + ")")
+                     f"engine still awake: + {' + '.join(added)})")
     if "teacher pass" in parts:
         lines.append(f"  teacher pass               {parts['teacher pass'] / GIB:7.2f} GiB (the engine asleep: the actor and AdamW as "
                      "held, the teacher's units gathered one at a time, its head chunk and no-grad activations)")
@@ -351,7 +352,8 @@ def collective_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb:
 
 _MISSING = "<missing>"  # the value of a flag given last, without one
 _EXAMPLE = {"--num-processes": "4", "--gpu-memory-gb": "80", "--model-config": "tests/data/qwen3_4b_config.json",
-            "--teacher-model-config": "tests/data/qwen3_8b_config.json"}
+            "--teacher-model-config": "tests/data/qwen3_8b_config.json",
+            "--reward-model-config": "tests/data/qwen3_1_7b_config.json"}
 
 
 def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
@@ -363,12 +365,12 @@ def check_flags(flags: dict[str, str | None]) -> tuple[dict, list[str]]:
     values: dict = {"--num-processes": None, "--gpu-memory-gb": None, "--model-config": None}
     problems = [f"{flag} needs a value (for example {flag} {_EXAMPLE[flag]})" for flag, given in flags.items() if given == _MISSING]
     processes, gpu_gb, config_file = (None if flags.get(f) == _MISSING else flags.get(f) for f in values)
-    teacher_file = flags.get("--teacher-model-config")
-    if teacher_file not in (None, _MISSING):
-        values["--teacher-model-config"] = teacher_file
-        if not Path(teacher_file).expanduser().is_file():
-            problems.append(f"--teacher-model-config {teacher_file!r}: no such file; give the distillation teacher's "
-                            "config.json (for example --teacher-model-config tests/data/qwen3_8b_config.json)")
+    for flag, whose in (("--teacher-model-config", "the distillation teacher's"), ("--reward-model-config", "the reward model's")):
+        given = flags.get(flag)
+        if given not in (None, _MISSING):
+            values[flag] = given
+            if not Path(given).expanduser().is_file():
+                problems.append(f"{flag} {given!r}: no such file; give {whose} config.json (for example {flag} {_EXAMPLE[flag]})")
     if processes is not None:
         try:
             values["--num-processes"] = int(processes)
@@ -400,7 +402,8 @@ def print_plan(argv: list[str], measure=None) -> int:
     training phase (grpo_lib.planning.measure.measure_lines; passed in by train_grpo.py / `python -m grpo_lib.planning.measure`,
     so this module stays light). The engine's settings against its installed library (grpo_lib/rollout/engines/settings.py,
     torch-free) are noted like the installation checks."""
-    args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None, "--teacher-model-config": None}
+    args, flags = [], {"--num-processes": None, "--gpu-memory-gb": "80", "--model-config": None, "--teacher-model-config": None,
+                       "--reward-model-config": None}
     wants_measure = "--measure" in argv
     if wants_measure and measure is None:
         print("error: --measure needs the measuring module: python train_grpo.py RECIPE --print-plan --measure, or "
@@ -475,7 +478,8 @@ def print_plan(argv: list[str], measure=None) -> int:
         out += [f"  the memory plan needs the model's config.json: {where}; pass --model-config FILE"]
     else:
         lines, fits = memory_lines(cfg, sizes, world_size=world_size, gpu_gb=gpu_gb,
-                                   teacher_config=values.get("--teacher-model-config"))
+                                   teacher_config=values.get("--teacher-model-config"),
+                                   reward_model_config=values.get("--reward-model-config"))
         if split > 0:
             share = engine_cfg.rollout.gpu_memory_utilization * gpu_gb
             out += [f"  engine GPUs ({split}, processes {world_size}-{launch - 1}): vLLM's share {share:.2f} GiB each "

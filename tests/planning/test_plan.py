@@ -167,6 +167,8 @@ def test_every_recipe_passes_print_plan(recipe, capsys):
     extra = ["--model-config", str(model_config[0])] if model_config else []
     if "_from_8b_" in recipe.name:  # a distillation recipe: its teacher's config.json too
         extra += ["--teacher-model-config", str(DATA / "qwen3_8b_config.json")]
+    if recipe.name.endswith("_rm.yaml") and model_config:  # a reward model recipe: its reward model's config.json too
+        extra += ["--reward-model-config", str(DATA / "qwen3_1_7b_config.json")]
     code, out = plan(capsys, str(recipe), *extra)
     whole = "peak per GPU" in out  # a tiny recipe's model folder may not exist yet (data_prep makes it)
     assert code == (0 if whole else 5), out
