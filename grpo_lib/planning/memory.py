@@ -131,6 +131,16 @@ def lora_params(sizes: ModelSizes, rank: int) -> int:
     return sizes.layers * per_layer
 
 
+def push_bytes(cfg: Config, sizes: ModelSizes) -> dict[str, float]:
+    """Bytes one weight push hands the engine: merged (every weight in the engine's dtype, rollout.dtype) and, with LoRA,
+    the adapter alone (rollout.lora_mode=adapter: float32 A and B of every all-linear layer, `lora_params`).
+    Example: Qwen3-4B in bf16: merged 2 x 4.02e9 = 7.5 GiB; rank 64: 4 x 132M = 504 MiB; rank 16: 126 MiB."""
+    out = {"merged": float(gpu_dtype_bytes(cfg.rollout.dtype) * sizes.params)}
+    if cfg.model.lora_rank > 0:
+        out["adapter"] = float(4 * lora_params(sizes, cfg.model.lora_rank))
+    return out
+
+
 HEAD_BYTES_PER_LOGIT = 12  # the output head's recompute, per logit of one chunk (see the module docstring)
 HEAD_BYTES_PER_LOGIT_ENTROPY_GRAD = 24  # the same with an entropy bonus (actor.entropy_coeff != 0)
 CUDA_CONTEXT_BYTES = 1.0 * GIB  # CUDA context, loaded kernels, cuBLAS / cuBLASLt workspaces per process (an estimate)

@@ -36,7 +36,8 @@ from grpo_lib.rollout.engines.settings import library_problems as engine_library
 from grpo_lib.planning.memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, context_terms, find_model_config, fitting_budget,
                                   fitting_logprob_budget, gpu_dtype_bytes, host_memory, lora_params, memory_plan,
-                                  model_sizes, resolve_auto_budgets, reward_model_sizes, teacher_sizes)
+                                  model_sizes, push_bytes, resolve_auto_budgets, reward_model_sizes,
+                                  teacher_sizes)
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb
@@ -235,6 +236,11 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     if cfg.judge.enable:
         lines.append(f"judge: its own vLLM engine ({cfg.judge.model_path}), judge.gpu_memory_utilization="
                      f"{cfg.judge.gpu_memory_utilization} of the GPU while it scores, asleep while the policy generates")
+    if cfg.model.lora_rank > 0:  # what a push moves (bench/bench_lora_push.py measures both)
+        push = push_bytes(cfg, sizes)
+        mode = cfg.rollout.lora_mode
+        lines.append(f"push per step: merged {push['merged'] / GIB:.2f} GiB, adapter (rank {cfg.model.lora_rank}) "
+                     f"{push['adapter'] / 2**20:.1f} MiB; this run pushes {mode} (rollout.lora_mode)")
     lines += [f"  {name:<26} {value / GIB:7.2f} GiB" for name, value in parts.items() if name not in PHASES]
     if parts["CUDA context + NCCL"]:  # its parts, each an estimate (grpo_lib/planning/memory.py says from what)
         context = context_terms(cfg, world_size=world_size)
