@@ -79,15 +79,15 @@ def _safetensors_params(path: Path) -> int:
     return sum(math.prod(t["shape"]) for t in safetensors_header(path, check_size=False).values())
 
 
-def check_model_folder(model_path: str) -> list[str]:
+def check_model_folder(model_path: str, key: str = "model.path") -> list[str]:
     """Problems of a local model folder (see the module docstring), each naming the file and the fix; [] for a hub name
-    or a path that is not a folder (the tokenizer load reports those)."""
+    or a path that is not a folder (the tokenizer load reports those). `key`: the config key that names it."""
     folder = Path(model_path).expanduser()
     if not folder.is_dir():
         return []
-    fix = ("download or copy the model again (huggingface-cli download NAME --local-dir FOLDER), or point model.path at "
+    fix = (f"download or copy the model again (huggingface-cli download NAME --local-dir FOLDER), or point {key} at "
            "a complete Hugging Face model folder")
-    where = f"model.path={model_path!r}"
+    where = f"{key}={model_path!r}"
     problems = []
     config = folder / "config.json"
     if not config.is_file():

@@ -47,6 +47,9 @@ def main(argv: list[str], *, trainer_class, usage: str) -> int:
     from grpo_lib.core.preflight import check_model_folder, check_run_folder  # before anything heavy
 
     folder_problems = check_model_folder(cfg.model.path) + check_run_folder(cfg)  # weights complete; writable, room
+    for key, path, on in (("reward_model.model.path", cfg.reward_model.model.path, cfg.reward_model.enable),
+                          ("judge.model_path", cfg.judge.model_path, cfg.judge.enable)):
+        folder_problems += check_model_folder(path, key) if on and path else []  # the models beside the policy too
     if folder_problems:
         print("error: " + "\n".join(folder_problems), file=sys.stderr)
         return 2

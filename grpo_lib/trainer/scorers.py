@@ -15,6 +15,18 @@ def keeps_messages(cfg) -> bool:
 def problems(cfg, tokenizer, *, world_size: int, gpu_bytes: float | None) -> list[str]:
     """Before anything loads: the reward model's tokenizer against the policy's, and its fit in the memory plan."""
     found = []
+    if cfg.judge.enable:  # the judge's tokenizer renders its prompts: loadable, with a chat template
+        from transformers import AutoTokenizer
+
+        try:
+            judge_tokenizer = AutoTokenizer.from_pretrained(cfg.judge.model_path)
+        except (OSError, ValueError) as exc:
+            found.append(f"judge.model_path={cfg.judge.model_path!r}: cannot load a tokenizer from it ({exc}); point it at a "
+                         "Hugging Face model folder or hub name")
+        else:
+            if not judge_tokenizer.chat_template:
+                found.append(f"judge.model_path={cfg.judge.model_path!r}: its tokenizer has no chat template, so the judge "
+                             "prompt cannot be rendered as a user message; use a chat (instruct) model")
     if cfg.reward_model.enable:
         from grpo_lib.model.reward_model import tokenizer_problem
         from grpo_lib.planning.memory import scorer_fit_problem

@@ -603,3 +603,15 @@ def test_pool_workers_are_ready_after_construction(custom_file):
     with RewardScorer(functions=[{"name": "custom"}], custom_path=custom_file, num_workers=2) as scorer:
         assert len(scorer._pool._workers) == 2 and all(w.ready for w in scorer._pool._workers)
         assert _score(scorer, ["7", "8"]).scores == [1.0, 0.0]
+
+
+def test_with_a_model_scorer_rows_without_a_rule_get_no_rule_call_and_no_error():
+    """rule_sources (a reward model or judge on): a row whose data_source has no built-in rule is left to the models: its
+    rule functions score 0 and count no error; a row with a rule is scored as before."""
+    scorer = RewardScorer(functions=[{"name": "accuracy", "weight": 1.0}, {"name": "reward_model", "weight": 0.5}],
+                          num_workers=0, rule_sources={"openai/gsm8k"})
+    out = scorer.score(responses=["#### 7", "#### 7"], data_sources=["openai/gsm8k", "my/open_ended"], ground_truths=["7", "x"],
+                       extra_infos=[None, None])
+    assert out.per_function == {"accuracy": [1.0, 0.0]} and out.scores == [1.0, 0.0]
+    assert out.num_errors == 0 and out.num_failed_responses == 0
+    assert scorer.rule_names == ["accuracy"], "the reward model is the trainer's to score, not the rule workers'"
