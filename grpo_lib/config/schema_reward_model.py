@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo_lib.config.fields import may_change_on_resume
+
 
 @dataclass
 class RewardModelFSDPConfig:
-    param_offload: bool = False
+    param_offload: bool = may_change_on_resume(False)
     """Keep the reward model's shards in CPU memory between uses (each FSDP unit copied to the GPU only for its own
     forward, as ref.fsdp_config.param_offload): frees its bf16 shards from the GPU while the policy's engine generates."""
 
@@ -47,11 +49,11 @@ class RewardModelConfig:
     """Score every response with a learned reward model (reward_model.model.path) beside the rule rewards; its weight is
     reward.functions' `reward_model` entry (added with weight 1.0 when not listed)."""
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: int = 8
+    micro_batch_size_per_gpu: int = may_change_on_resume(8)
     """Responses per reward-model forward on one process (without use_dynamic_bsz)."""
-    use_dynamic_bsz: bool = False
+    use_dynamic_bsz: bool = may_change_on_resume(False)
     """Cut the reward model's forwards by tokens (forward_max_token_len_per_gpu) instead of by rows."""
-    forward_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = may_change_on_resume(32768)
     """Token budget of one reward-model forward per process (prompt + response tokens, with use_dynamic_bsz)."""
     max_length: int | None = None
     """Longest input the reward model reads, in its own tokens. null: its config's max_position_embeddings. It must hold
@@ -83,8 +85,8 @@ class JudgeConfig:
     """Tokens the judge may write per response (its reasoning and the score)."""
     temperature: float = 0.0
     """The judge's sampling temperature (0: greedy, the same text for the same response)."""
-    gpu_memory_utilization: float = 0.15
+    gpu_memory_utilization: float = may_change_on_resume(0.15)
     """The judge engine's share of the GPU while it scores (vLLM's own key; the plan counts it beside the policy's
     engine share of rollout.gpu_memory_utilization, which is asleep then)."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = may_change_on_resume(None)
     """The judge engine's KV cache in bytes (vLLM's own key; on CPU the default is 64 MiB)."""

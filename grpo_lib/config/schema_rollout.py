@@ -131,7 +131,7 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | Literal["auto"] | None = may_change_on_resume(None)
     """Token budget (prompt + response) of the old-logprob pass per process. None: actor.ppo_max_token_len_per_gpu
     (resolved at load). `auto`: the largest no-grad budget that fits the device (memory plan, at setup)."""
-    lora_mode: Literal["merged", "adapter"] = "merged"
+    lora_mode: Literal["merged", "adapter"] = may_change_on_resume("merged")
     """With model.lora_rank > 0: how the engine gets the adapters. merged: base + scaled B @ A per weight, pushed
     like full weights (exact, any engine). adapter (vLLM only): the engine keeps model.path's base weights and each push
     hands it the adapter alone (tens of MB instead of the whole model), served through vLLM's LoRA layers as a new

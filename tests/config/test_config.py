@@ -112,7 +112,7 @@ def test_config_layers_import_one_way():
     import ast
 
     allowed = {"fields": set(), "schema": {"fields", "schema_distillation", "schema_reward_model", "schema_rollout"},
-               "schema_distillation": set(), "schema_reward_model": set(),
+               "schema_distillation": set(), "schema_reward_model": {"fields"},
                "schema_rollout": {"fields"}, "verl_keys": set(), "ranges": {"schema"}, "scorer_models": {"schema"},
                "checks": {"ranges", "schema", "scorer_models"},
                "load": {"schema", "checks", "verl_keys"}, "__main__": {"reference"},
