@@ -76,7 +76,7 @@ def resolve_defaults(cfg: Config, world_size: int = 1) -> None:
     if t.n_gpus_per_node is not None and t.nnodes is None:
         t.nnodes = 1  # verl's default
     add_model_functions(cfg)  # an enabled reward model / judge joins reward.functions (weight 1.0) unless listed
-    unservable = sorted(set(cfg.model.target_modules) & set(VLLM_LORA_UNSERVABLE))
+    unservable = sorted(t for t in cfg.model.target_modules if t.rsplit(".", 1)[-1] in VLLM_LORA_UNSERVABLE)
     if cfg.model.lora_rank > 0 and cfg.rollout.lora_mode == "adapter" and unservable:  # the same math: merged pushes
         cfg.rollout.lora_mode = "merged"
         cfg.ignored["rollout.lora_mode=adapter"] = (f"model.target_modules has {unservable}, which vLLM's LoRA layers do not "

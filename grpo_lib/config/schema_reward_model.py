@@ -66,7 +66,7 @@ class RewardModelConfig:
 class JudgeConfig:
     enable: bool = False
     """Score every response with a generative judge: a second model (judge.model_path) served by its own vLLM engine in
-    each trainer process, asleep while the policy generates. Its weight is reward.functions' `judge` entry (added with
+    each trainer process, resident beside the policy's (vLLM's sleep mode is one allocator per process). Its weight is reward.functions' `judge` entry (added with
     weight 1.0 when not listed)."""
     model_path: str | None = None
     """The judge's Hugging Face folder or hub name (a chat model; any tokenizer: it reads text)."""
@@ -86,7 +86,7 @@ class JudgeConfig:
     temperature: float = 0.0
     """The judge's sampling temperature (0: greedy, the same text for the same response)."""
     gpu_memory_utilization: float = may_change_on_resume(0.15)
-    """The judge engine's share of the GPU while it scores (vLLM's own key; the plan counts it beside the policy's
-    engine share of rollout.gpu_memory_utilization, which is asleep then)."""
+    """The judge engine's share of the GPU (vLLM's own key), resident through the run: the plan counts it in every phase
+    beside the policy engine's rollout.gpu_memory_utilization."""
     kv_cache_memory_bytes: int | None = may_change_on_resume(None)
     """The judge engine's KV cache in bytes (vLLM's own key; on CPU the default is 64 MiB)."""

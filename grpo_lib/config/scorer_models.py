@@ -13,7 +13,8 @@ from pathlib import Path
 from grpo_lib.config.schema import Config
 
 SCORE_PARSERS = ("last_number_in_tag", "last_number")  # judge.score_parser's named functions (or FILE.py:FUNCTION)
-TEMPLATE_FIELDS = ("response", "prompt", "ground_truth")  # the judge template's placeholders ({response} required)
+TEMPLATE_FIELDS = ("response", "prompt", "ground_truth")
+JUDGE_TEMPLATE_TOKENS = 1024  # the judge's context beyond prompt + response + its answer (grpo_lib/rollout/judge.py's)  # the judge template's placeholders ({response} required)
 
 
 def add_model_functions(cfg: Config) -> None:
@@ -100,6 +101,14 @@ def scorer_model_problems(cfg: Config) -> list[str]:
             p.append(f"judge.temperature={judge.temperature}: must be >= 0 (0: greedy)")
         if not 0 < judge.gpu_memory_utilization < 1:
             p.append(f"judge.gpu_memory_utilization={judge.gpu_memory_utilization}: a share of the GPU in (0, 1)")
+        judge_config = read_config_json(judge.model_path) if judge.model_path else None
+        need = cfg.data.max_prompt_length + cfg.data.max_response_length + judge.max_tokens
+        limit = (judge_config or {}).get("max_position_embeddings")
+        if isinstance(limit, int) and limit < need + JUDGE_TEMPLATE_TOKENS:
+            p.append(f"judge.model_path={judge.model_path!r} reads {limit} tokens (max_position_embeddings), below "
+                     f"data.max_prompt_length + data.max_response_length + judge.max_tokens + {JUDGE_TEMPLATE_TOKENS} for the "
+                     f"template = {need + JUDGE_TEMPLATE_TOKENS}: lower judge.max_tokens or those lengths, or pick a judge with a "
+                     "longer context")
         if cfg.rollout.tensor_model_parallel_size > 1:
             p.append("judge.enable with rollout.tensor_model_parallel_size > 1 is not built: the judge engine runs on each "
                      "process alone; use tensor_model_parallel_size=1")

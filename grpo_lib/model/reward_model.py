@@ -15,7 +15,8 @@ Inputs: with reward_model.model.input_tokenizer null, the row's own token ids (p
 rendered them; the tokenizers are checked to match at start). With input_tokenizer set (the policy's tokenizer), the
 response is decoded to text (special tokens dropped) and the chat [prompt messages..., {"role": "assistant", "content":
 response}] is rendered with the reward model's own chat template (verl's `_switch_chat_template`); an input longer than
-the reward model's max length keeps its last max_length tokens (counted: reward_model/truncated).
+the reward model's max length (or, with use_dynamic_bsz, than its token budget) keeps its last tokens (counted:
+reward_model/truncated).
 """
 
 from __future__ import annotations
@@ -72,13 +73,18 @@ class RewardModel(FrozenModel):
         self.policy_tokenizer = policy_tokenizer
         self.rerender = rm.model.input_tokenizer is not None
         self.max_length = rm.max_length or int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        if rm.use_dynamic_bsz:  # a row over the token budget could not be placed in any micro-batch
+            self.max_length = min(self.max_length, rm.forward_max_token_len_per_gpu)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.budget = dict(max_tokens=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
                            micro_batch_size=rm.micro_batch_size_per_gpu)
         self.metrics: dict[str, float] = {}
 
     def inputs(self, batch: RolloutBatch) -> tuple[list[list[int]], int]:
-        """Each row's input ids for the reward model and how many were cut to max_length (from the left)."""
+        """Each row's input ids for the reward model and how many were cut to max_length (from the left; with
+        use_dynamic_bsz also to forward_max_token_len_per_gpu)."""
+        if len(batch) == 0:  # a process without rows (it still joins the forwards: `score` runs dummies)
+            return [], 0
         if not self.rerender:
             rows = [batch.input_ids[i][batch.attention_mask[i] > 0].tolist() for i in range(len(batch))]
         else:

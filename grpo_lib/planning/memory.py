@@ -263,11 +263,11 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
         parts.update(teacher_terms(cfg, teacher, world_size=world_size, compute_bytes=compute_bytes, sharded=sharded))
     if reward_model is not None and cfg.reward_model.enable:
         parts.update(reward_model_terms(cfg, reward_model, world_size=world_size, compute_bytes=compute_bytes, sharded=sharded))
-    if cfg.judge.enable:  # the judge's own vLLM engine, awake while it scores (beside the policy's engine, before it sleeps)
+    if cfg.judge.enable:  # the judge's own vLLM engine, resident through every phase (grpo_lib/rollout/judge.py says why)
         parts["judge engine share"] = cfg.judge.gpu_memory_utilization * gpu_bytes if with_engine else 0.0
     weights, grads, adam = parts["actor master weights"], parts["gradients"], parts["AdamW state"]
     # frozen models resident on the GPU through every phase
-    ref = parts["reference"] + parts.get("teacher", 0.0) + parts.get("reward model", 0.0)
+    ref = parts["reference"] + parts.get("teacher", 0.0) + parts.get("reward model", 0.0) + parts.get("judge engine share", 0.0)
     engine_in_training = 0.0 if cfg.rollout.free_cache_engine else parts["vLLM share"]
     held = weights + grads + (0.0 if optim_offload else adam) + ref + engine_in_training + ctx
     phases = {
@@ -283,8 +283,8 @@ def memory_plan(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_bytes: f
                                   + engine_in_training + ctx + parts["teacher gathered units"]
                                   + parts["teacher head chunk"] + parts["teacher activations"])
     scoring = parts.get("reward model gathered units", 0.0) + parts.get("reward model activations", 0.0)
-    if scoring or "judge engine share" in parts:  # right after generation, the policy's engine still awake
-        parts["scoring phase"] = parts["generation phase"] + scoring + parts.get("judge engine share", 0.0)
+    if scoring:  # the reward model's pass right after generation, the policy's engine still awake
+        parts["scoring phase"] = parts["generation phase"] + scoring
     parts.update(phases)
     parts["training phase"] = max(phases.values())
     parts["training phase at"] = max(phases, key=phases.get)  # type: ignore[assignment]  (a name, not bytes)
@@ -352,22 +352,28 @@ def reward_model_sizes(cfg: Config, explicit: str | None = None) -> tuple[ModelS
 
 
 def scorer_fit_problem(cfg: Config, *, world_size: int, gpu_bytes: float | None) -> str | None:
-    """At setup, before any weight loads: why the reward model does not fit this GPU beside the policy (the plan's peak
-    with it above the GPU), or None (it fits, no GPU, no config.json to plan from)."""
-    if gpu_bytes is None or not cfg.reward_model.enable:
+    """At setup, before any weight loads: why the reward model and / or the judge engine do not fit this GPU beside the
+    policy (the plan's peak with them, and the teacher with distillation, above the GPU), or None (it fits, no GPU, no
+    config.json to plan from)."""
+    if gpu_bytes is None or not (cfg.reward_model.enable or cfg.judge.enable):
         return None
     policy_json, _ = find_model_config(cfg.model.path, None)
     rm, where = reward_model_sizes(cfg)
-    if policy_json is None or rm is None:
+    teacher, _ = teacher_sizes(cfg)
+    if policy_json is None or (cfg.reward_model.enable and rm is None):
         return None
-    plan = memory_plan(cfg, model_sizes(policy_json), world_size=world_size, gpu_bytes=gpu_bytes, reward_model=rm)
+    plan = memory_plan(cfg, model_sizes(policy_json), world_size=world_size, gpu_bytes=gpu_bytes, reward_model=rm, teacher=teacher)
     if plan["peak"] <= gpu_bytes:
         return None
-    return (f"reward_model.model.path={cfg.reward_model.model.path!r} ({rm.params / 1e9:.2f}B parameters, {where}) does not "
-            f"fit beside the policy: the memory plan's peak is {plan['peak'] / GIB:.1f} GiB per GPU of {gpu_bytes / GIB:.0f} GiB "
-            f"(reward model shards {plan['reward model'] / GIB:.1f} GiB); keep its shards on the host "
-            "(reward_model.model.fsdp_config.param_offload=true), lower reward_model.micro_batch_size_per_gpu or launch more "
-            "processes (`--print-plan` shows every term)")
+    what = ([f"reward_model.model.path={cfg.reward_model.model.path!r} ({rm.params / 1e9:.2f}B parameters, {where}; shards "
+             f"{plan['reward model'] / GIB:.1f} GiB)"] if cfg.reward_model.enable else []) + \
+        ([f"judge.gpu_memory_utilization={cfg.judge.gpu_memory_utilization} ({plan['judge engine share'] / GIB:.1f} GiB, "
+          "resident)"] if cfg.judge.enable else [])
+    return (f"{' and '.join(what)} do not fit beside the policy: the memory plan's peak is {plan['peak'] / GIB:.1f} GiB per "
+            f"GPU of {gpu_bytes / GIB:.0f} GiB; keep the reward model's shards on the host "
+            "(reward_model.model.fsdp_config.param_offload=true), lower reward_model.micro_batch_size_per_gpu, "
+            "judge.gpu_memory_utilization or rollout.gpu_memory_utilization, or launch more processes (`--print-plan` shows "
+            "every term)")
 
 
 def teacher_sizes(cfg: Config, explicit: str | None = None) -> tuple[ModelSizes | None, str]:

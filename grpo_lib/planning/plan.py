@@ -235,7 +235,7 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
                      if rm is not None else f"reward model: not planned ({rm_where}); its memory is missing from the plan below")
     if cfg.judge.enable:
         lines.append(f"judge: its own vLLM engine ({cfg.judge.model_path}), judge.gpu_memory_utilization="
-                     f"{cfg.judge.gpu_memory_utilization} of the GPU while it scores, asleep while the policy generates")
+                     f"{cfg.judge.gpu_memory_utilization} of the GPU, resident in every phase (one sleep allocator per process)")
     if cfg.model.lora_rank > 0:  # what a push moves (bench/bench_lora_push.py measures both)
         push = push_bytes(cfg, sizes)
         mode = cfg.rollout.lora_mode
@@ -248,15 +248,14 @@ def memory_lines(cfg: Config, sizes: ModelSizes, *, world_size: int, gpu_gb: flo
     sleep = "KV cache freed, weights offloaded" if cfg.rollout.free_cache_engine else "engine stays resident"
     offloaded = [name for name, on in (("actor weights", cfg.actor.fsdp_config.param_offload),
                                        ("AdamW", cfg.actor.fsdp_config.optimizer_offload)) if on]
-    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference", "vLLM share",
+    held = " + ".join([n for n in ("actor weights", "AdamW") if n not in offloaded] + ["reference"]
+                      + (["judge engine"] if cfg.judge.enable else []) + ["vLLM share",
                                                                                       "CUDA context + NCCL"])
     lines.append(f"  generation phase           {parts['generation phase'] / GIB:7.2f} GiB ({held}"
                  + (f"; offloaded: {', '.join(offloaded)})" if offloaded else ")"))
     if "scoring phase" in parts:
-        added = (["the reward model's units gathered one at a time and its no-grad activations"] if cfg.reward_model.enable else []) \
-            + (["the judge engine's share"] if cfg.judge.enable else [])
         lines.append(f"  scoring phase              {parts['scoring phase'] / GIB:7.2f} GiB (right after generation, the policy's "
-                     f"engine still awake: + {' + '.join(added)})")
+                     "engine still awake: + the reward model's units gathered one at a time and its no-grad activations)")
     if "teacher pass" in parts:
         lines.append(f"  teacher pass               {parts['teacher pass'] / GIB:7.2f} GiB (the engine asleep: the actor and AdamW as "
                      "held, the teacher's units gathered one at a time, its head chunk and no-grad activations)")

@@ -1,19 +1,21 @@
 """The generative judge (judge.enable): a second model, served by its own vLLM engine in each trainer process, reads every
 response through a prompt template and writes a score.
 
-    judge = Judge.from_config(cfg, on_cpu=True)     # its engine built, then put to sleep
+    judge = Judge.from_config(cfg, on_cpu=True)     # its engine built (resident)
     judge.score(batch)                             # -> one float per row; judge.metrics: judge/unparsed, judge/overlong
 
 Its engine is a `VLLMEngine` of judge.model_path with the judge's own memory keys (judge.gpu_memory_utilization,
-judge.kv_cache_memory_bytes), sleep level 1 (its weights wait in host memory) and the policy engine's other settings
-(dtype, eager mode, engine_kwargs). It sleeps while the policy generates and trains, and is woken only to score a batch
-(right after generation, so the plan counts its share beside the policy engine's: `planning.memory`'s scoring phase).
-Both engines live in one process: vLLM keeps one set of process groups per process, so they share them and must have
-the same tensor-parallel size (the judge runs at 1, so the policy must too: checked with the config).
+judge.kv_cache_memory_bytes), the policy engine's dtype and eager mode, none of its engine_kwargs, and room for a whole
+judge prompt in one engine step. It stays RESIDENT (weights and KV cache on the device through the whole run: the plan
+counts its share in every phase): vLLM's sleep mode is one allocator per process (`CuMemAllocator`), whose sleep and
+wake unmap and map every engine's memory at once, so a second engine cannot sleep on its own without putting the
+policy's to sleep with it. Both engines live in one process: vLLM keeps one set of process groups per process, so they
+share them and must have the same tensor-parallel size (the judge runs at 1, so the policy must too: checked with the
+config).
 
 Per row the template (judge.prompt_template, `str.format` fields {response}, {prompt}: the policy's last user message,
 {ground_truth}) becomes the judge's user message, rendered with the judge's chat template; it writes up to judge.max_tokens
-tokens (judge.temperature, seeded per row: the same text for the same row and step). The score is read by
+tokens (judge.temperature, seeded per row: the same text for the same row). The score is read by
 judge.score_parser (`last_number_in_tag`: the last number inside the last <score_tag>...</score_tag>; `last_number`;
 or FILE.py:FUNCTION) and divided by judge.score_scale. A text without a score, or a judge prompt longer than the engine's
 context, scores 0 and is counted; one unparsed text per call is logged as a sample.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +35,12 @@ from grpo_lib.core.types import RolloutBatch
 logger = logging.getLogger(__name__)
 
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
-TEMPLATE_OVERHEAD_TOKENS = 1024  # room in the judge's context for the template and its chat rendering
+TEMPLATE_OVERHEAD_TOKENS = 1024  # room in the judge's context for the template (config.scorer_models.JUDGE_TEMPLATE_TOKENS)
+
+
+def judge_context(cfg) -> int:
+    """The judge engine's context: the policy's prompt + response, the judge's answer, and room for the template."""
+    return cfg.data.max_prompt_length + cfg.data.max_response_length + cfg.judge.max_tokens + TEMPLATE_OVERHEAD_TOKENS
 
 
 def last_number(text: str) -> float | None:
@@ -63,12 +71,11 @@ def make_parser(name: str, *, tag: str) -> Callable[[str], float | None]:
 class Judge:
     """The judge: `score(batch)` -> a float per row; `metrics` holds the last call's counters (local sums)."""
 
-    def __init__(self, engine, tokenizer, *, template: str, parse: Callable[[str], float | None], cfg, max_model_len: int):
+    def __init__(self, engine, tokenizer, *, template: str, parse: Callable[[str], float | None], cfg, max_model_len: int,
+                 seed: int = 0):
         self.engine, self.tokenizer, self.template, self.parse = engine, tokenizer, template, parse
-        self.cfg, self.max_model_len = cfg, max_model_len
+        self.cfg, self.max_model_len, self.seed = cfg, max_model_len, seed
         self.metrics: dict[str, float] = {}
-        self.calls = 0  # seeds: a row's text is the same for the same call count and row
-        engine.release()  # asleep until it scores
 
     @classmethod
     def from_config(cls, cfg, *, on_cpu: bool, llm_factory=None) -> Judge:
@@ -77,15 +84,16 @@ class Judge:
         from grpo_lib.rollout.engines.vllm import VLLMEngine
 
         j = cfg.judge
+        max_model_len = judge_context(cfg)
         settings = dataclasses.replace(cfg.rollout, gpu_memory_utilization=j.gpu_memory_utilization,
                                        kv_cache_memory_bytes=j.kv_cache_memory_bytes, tensor_model_parallel_size=1,
-                                       free_cache_engine=True, sleep_level=1)
-        max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length + j.max_tokens + TEMPLATE_OVERHEAD_TOKENS
+                                       free_cache_engine=False, engine_kwargs={},
+                                       max_num_batched_tokens=max(cfg.rollout.max_num_batched_tokens, max_model_len))
         engine = VLLMEngine(model_path=j.model_path, cfg=settings, max_model_len=max_model_len, seed=cfg.trainer.seed,
                             on_cpu=on_cpu, world_size=world_size(), llm_factory=llm_factory)
         template = Path(j.prompt_template).expanduser().read_text(encoding="utf-8")
         return cls(engine, engine.llm.get_tokenizer(), template=template, parse=make_parser(j.score_parser, tag=j.score_tag),
-                   cfg=j, max_model_len=max_model_len)
+                   cfg=j, max_model_len=max_model_len, seed=cfg.trainer.seed)
 
     def prompt_ids(self, batch: RolloutBatch, i: int) -> list[int]:
         """Row i's judge prompt: the template filled, as the judge's user message, rendered with its chat template."""
@@ -97,20 +105,16 @@ class Judge:
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
     def score(self, batch: RolloutBatch) -> list[float]:
-        """The judge's score of every row of `batch` (0 for an unparsed text or an overlong prompt, counted)."""
-        self.calls += 1
+        """The judge's score of every row of `batch` (0 for an unparsed text or an overlong prompt, counted). Each row is
+        seeded from trainer.seed and its judge prompt: the same response gets the same text, in a resumed run too."""
         prompts = [self.prompt_ids(batch, i) for i in range(len(batch))]
         fits = [len(p) + self.cfg.max_tokens <= self.max_model_len for p in prompts]
         texts: list[str | None] = [None] * len(batch)
         todo = [i for i in range(len(batch)) if fits[i]]
         if todo:
-            self.engine.prepare_for_generation()  # asleep -> ready (its own weights, never pushed)
-            try:
-                out = self.engine.generate([prompts[i] for i in todo], n=1, temperature=self.cfg.temperature,
-                                           max_tokens=self.cfg.max_tokens, logprobs=False,
-                                           seeds=[self.calls * 100_003 + i for i in todo])
-            finally:
-                self.engine.release()
+            out = self.engine.generate([prompts[i] for i in todo], n=1, temperature=self.cfg.temperature,
+                                       max_tokens=self.cfg.max_tokens, logprobs=False,
+                                       seeds=[zlib.crc32(str(prompts[i]).encode(), self.seed) for i in todo])
             for i, group in zip(todo, out):
                 texts[i] = group[0].text
         scores, unparsed, sample = [], 0, None

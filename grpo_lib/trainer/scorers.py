@@ -29,10 +29,12 @@ def problems(cfg, tokenizer, *, world_size: int, gpu_bytes: float | None) -> lis
                              "prompt cannot be rendered as a user message; use a chat (instruct) model")
     if cfg.reward_model.enable:
         from grpo_lib.model.reward_model import tokenizer_problem
+
+        found += [p for p in (tokenizer_problem(cfg, tokenizer),) if p]
+    if cfg.reward_model.enable or cfg.judge.enable:
         from grpo_lib.planning.memory import scorer_fit_problem
 
-        found += [p for p in (tokenizer_problem(cfg, tokenizer),
-                              scorer_fit_problem(cfg, world_size=world_size, gpu_bytes=gpu_bytes)) if p]
+        found += [p for p in (scorer_fit_problem(cfg, world_size=world_size, gpu_bytes=gpu_bytes),) if p]
     return found
 
 

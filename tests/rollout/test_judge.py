@@ -1,6 +1,6 @@
 """The generative judge (grpo_lib/rollout/judge.py): the template filled per row, the score parsed by the named function
 and scaled, an unparseable text scored 0, counted and logged with a sample, an overlong judge prompt skipped and counted,
-the engine asleep except while it scores; end to end (slow) with a real second vLLM engine in the trainer's process."""
+one engine call per batch, rows seeded from their prompts; end to end (slow) with a real second vLLM engine in the trainer's process."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class FakeEngine:
     def generate(self, prompt_ids, *, n, temperature, max_tokens, logprobs, seeds):
         self.events.append("generate")
         self.prompts += prompt_ids
+        self.seeds = seeds
         return [[Generation(token_ids=[1], logprobs=[0.0], text=self.texts.pop(0), finish_reason="stop")] for _ in prompt_ids]
 
 
@@ -73,13 +74,17 @@ def test_scores_are_parsed_scaled_and_an_unparsed_text_is_counted_and_logged(tin
     engine = FakeEngine(["fine <score>7</score>", "I cannot tell", "<score>10</score>"])
     judge = Judge(engine, tokenizer, template="P: {prompt} R: {response} G: {ground_truth}",
                   parse=make_parser("last_number_in_tag", tag="score"), cfg=JudgeSettings(), max_model_len=4096)
-    assert engine.events == ["release"], "asleep from the start"
     with caplog.at_level(logging.WARNING, logger="grpo_lib.rollout.judge"):
         scores = judge.score(batch(tokenizer, ["r0", "r1", "r2"]))
     assert scores == [0.7, 0.0, 1.0]
     assert judge.metrics == {"judge/unparsed": 1.0, "judge/overlong": 0.0}
     assert "1 of 3 texts had no score (scored 0); a sample: 'I cannot tell'" in caplog.text
-    assert engine.events == ["release", "wake", "generate", "release"], "woken only to score, asleep again after"
+    assert engine.events == ["generate"], "one engine call per batch, no sleep or wake (resident: judge.py says why)"
+    assert len(set(engine.seeds)) == 3, "each row its own seed"
+    again = FakeEngine(["<score>7</score>"] * 3)
+    Judge(again, tokenizer, template="P: {prompt} R: {response} G: {ground_truth}", parse=last_number, cfg=JudgeSettings(),
+          max_model_len=4096).score(batch(tokenizer, ["r0", "r1", "r2"]))
+    assert again.seeds == engine.seeds, "a row's seed comes from its judge prompt: the same in another call or a resumed run"
     first = tokenizer.decode(engine.prompts[0])
     assert "P: Q0? R: r0 G: gt0" in first, "the last user message, the response, the ground truth, in the judge's chat"
 
