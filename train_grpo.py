@@ -173,7 +173,7 @@ class GRPOTrainer:
                     print(note, file=sys.stderr)
             if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load
                 from grpo_lib.model.teacher import tokenizer_problem
-                from grpo_lib.planning.memory import teacher_fit_problem
+                from grpo_lib.planning.beside import teacher_fit_problem
 
                 if problem := tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(cfg, world_size=self.world_size,
                                                                                        gpu_bytes=gpu_bytes):

@@ -266,8 +266,7 @@ class Actor:
         yield from self.weights.named_weights(self.model)
 
     def engine_weights(self):
-        """What a push hands the engine (rollout/weight_sync.py): `named_weights` (lazy: gathered while the engine takes
-        them), or with rollout.lora_mode=adapter the adapter alone (`core.types.AdapterWeights`, gathered now: a collective)."""
+        """What a push hands the engine: `named_weights` (lazy), or with lora_mode=adapter the adapter (gathered now)."""
         if not self.weights.pushes_adapter:
             return self.named_weights()
         self.load_params()

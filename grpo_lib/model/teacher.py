@@ -9,7 +9,7 @@ the loss tokens only: their logprobs and, for forward_kl_topk, the teacher's k m
 log-probabilities, from the same head call.
 
 Before anything loads (train_grpo.py's setup, with the plan's fit check beside it): `tokenizer_problem` refuses a teacher whose tokenizer is not the
-student's, naming both; `grpo_lib.planning.memory.teacher_fit_problem` refuses a teacher that does not fit the GPU.
+student's, naming both; `grpo_lib.planning.beside.teacher_fit_problem` refuses a teacher that does not fit the GPU.
 The per-token math is grpo_lib/algorithms/distillation.py; the term joins the loss in `distillation.micro_batch_loss`.
 """
 

@@ -36,8 +36,8 @@ from grpo_lib.rollout.engines.settings import library_problems as engine_library
 from grpo_lib.planning.memory import (CPU_AUTO_BUDGET, FIT_FRACTION, GIB, PHASES, ModelSizes, activation_bytes_per_token,
                                   all_gathers_per_mini_batch, context_terms, find_model_config, fitting_budget,
                                   fitting_logprob_budget, gpu_dtype_bytes, host_memory, lora_params, memory_plan,
-                                  model_sizes, push_bytes, resolve_auto_budgets, reward_model_sizes,
-                                  teacher_sizes)
+                                  model_sizes, push_bytes, resolve_auto_budgets)
+from grpo_lib.planning.beside import reward_model_sizes, teacher_sizes
 
 
 EXIT_DOES_NOT_FIT = 4  # --print-plan's exit code when the memory plan's peak per GPU exceeds --gpu-memory-gb

