@@ -178,7 +178,10 @@ def adapter_push(model: torch.nn.Module):
     tensors = {name.replace(f".{model.active_adapter}.", "."): t.to("cpu", copy=True) for name, t in adapter_state(model).items()}
     targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
     config = {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha, "target_modules": targets, "bias": "none",
-              "use_rslora": bool(getattr(peft_config, "use_rslora", False)), "use_dora": bool(getattr(peft_config, "use_dora", False))}
+              "use_rslora": bool(getattr(peft_config, "use_rslora", False)), "use_dora": bool(getattr(peft_config, "use_dora", False)),
+              # per-module ranks / alphas of an adapter loaded from model.lora_adapter_path (vLLM's PEFTHelper reads them)
+              "rank_pattern": dict(getattr(peft_config, "rank_pattern", None) or {}),
+              "alpha_pattern": dict(getattr(peft_config, "alpha_pattern", None) or {})}
     return AdapterWeights(tensors=tensors, config=config)
 
 
