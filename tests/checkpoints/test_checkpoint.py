@@ -219,6 +219,10 @@ HAND_LIST_BEFORE_METADATA = (
     "trainer.tune_allocator", "actor.use_torch_compile", "rollout.hf_use_torch_compile",
     "ignored.",
     "rollout.enable_chunked_prefill", "rollout.max_num_batched_tokens", "rollout.engine_kwargs.",  # vLLM's scheduling / LLM() args
+    # issue 44: how LoRA reaches the engine (the same weights served), the learned scorers' memory and batching keys
+    "rollout.lora_mode", "reward_model.model.fsdp_config.param_offload", "reward_model.micro_batch_size_per_gpu",
+    "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu", "judge.gpu_memory_utilization",
+    "judge.kv_cache_memory_bytes",
 )
 
 
