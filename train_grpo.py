@@ -171,14 +171,8 @@ class GRPOTrainer:
             for note in auto_budget_notes(cfg, world_size=self.world_size, gpu_bytes=gpu_bytes):  # `auto`: the largest that fit
                 if rank == 0:
                     print(note, file=sys.stderr)
-            if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit: checked before any load
-                from grpo_lib.model.teacher import tokenizer_problem
-                from grpo_lib.planning.beside import teacher_fit_problem
-
-                if problem := tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(cfg, world_size=self.world_size,
-                                                                                       gpu_bytes=gpu_bytes):
-                    raise SetupError(problem)
-            if found := scorers.problems(cfg, tokenizer, world_size=self.world_size, gpu_bytes=gpu_bytes):  # RM / judge
+            # the teacher, the reward model, the judge: their tokenizers and their fit, checked before any load
+            if found := scorers.problems(cfg, tokenizer, world_size=self.world_size, gpu_bytes=gpu_bytes):
                 raise SetupError("; ".join(found))
             # ready, holding model.path's weights; on CPU its KV cache sized for this run's batch (the engine's own value)
             # (split roles, rollout.n_gpus_per_node: the engine processes, seen from here)
@@ -187,12 +181,8 @@ class GRPOTrainer:
             actor = Actor(cfg, device=device)
             need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             reference = make_reference(actor) if need_ref else None  # a frozen copy; with LoRA the actor with adapters off
-            teacher = None
-            if cfg.distillation.enabled:  # sharded and offloaded like the reference (grpo_lib/model/teacher.py)
-                from grpo_lib.model.teacher import Teacher
-
-                teacher = Teacher(cfg, device=device)
-            scorers.attach(cfg, scorer, device=device, tokenizer=tokenizer, on_cpu=device.type == "cpu")  # RM, judge
+            # the distillation teacher; the reward model and the judge join the rule scorer
+            teacher = scorers.build(cfg, scorer, device=device, tokenizer=tokenizer, on_cpu=device.type == "cpu")
             probe = WeightProbe(train.prompt_ids[0], dtypes=(dtypes.torch_dtype(cfg.rollout.dtype, device), actor.compute_dtype)) \
                 if cfg.trainer.weight_probe else None  # after every push: does the engine serve the actor's weights?
             logger = MetricLogger(sinks=cfg.trainer.logger, log_dir=cfg.trainer.default_local_dir, enabled=rank == 0,

@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_step import Worker, build_fixtures, machine, median, overrides, reply, wait_for_idle  # noqa: E402
+from bench.bench_step import (Worker, build_fixtures, json_rows, machine, median, overrides, reply,  # noqa: E402
+                              wait_for_idle, write_report_lines)
 
 CAP = 512
 MODES = {"sync": [], "carry": ["rollout.partial_rollout.enable=true", "rollout.partial_rollout.active_batch_size=32",
@@ -254,12 +255,8 @@ def report(path: Path, info: str, args, rows: dict[str, list[dict]]) -> None:
               "| mode | engine steps | re-prefilled tokens |", "|---|---|---|",
               *(f"| {m} | {v['engine_steps']:.0f} | {v['prefill_tokens']:.0f} |" for m, v in sim.items()), "",
               f"engine steps carry / sync: {sim_ratio:.2f}x.", "", "Raw rows:", "", "```"]
-    for m in MODES:
-        for r in rows[m]:
-            lines.append(json.dumps({"mode": m, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}}))
-    lines += ["```", ""]
-    path.write_text("\n".join(lines))
-    print("\n".join(lines))
+    lines += [*json_rows("mode", {m: rows[m] for m in MODES}), "```", ""]
+    write_report_lines(path, lines)
 
 
 if __name__ == "__main__":

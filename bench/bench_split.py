@@ -30,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_step import build_fixtures, machine, median, overrides, wait_for_idle  # noqa: E402
+from bench.bench_step import (build_fixtures, json_rows, machine, median, overrides, wait_for_idle,  # noqa: E402
+                              write_report_lines)
 
 LAYOUTS = ("sync", "split")
 PHASES = ("timing_s/step", "timing_s/gen", "timing_s/update", "timing_s/push", "timing_s/old_logprob", "timing_s/wait_engine",
@@ -126,12 +127,8 @@ def report(path: Path, info: str, args, runs: dict[str, list[dict]]) -> None:
     ratio = median([s["timing_s/step"] for s in runs["split"]]) / median([s["timing_s/step"] for s in runs["sync"]])
     lines += ["", f"split / sync step time: {ratio:.2f}x; target <= 0.8x: **{'met' if ratio <= 0.8 else 'not met'}**.", "",
               "Per run:", "", "```"]
-    for layout, summaries in runs.items():
-        for s in summaries:
-            lines.append(json.dumps({"layout": layout, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}}))
-    lines += ["```", ""]
-    path.write_text("\n".join(lines))
-    print("\n".join(lines))
+    lines += [*json_rows("layout", runs), "```", ""]
+    write_report_lines(path, lines)
 
 
 if __name__ == "__main__":

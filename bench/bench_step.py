@@ -349,6 +349,18 @@ def median(values: list[float]) -> float:
     return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
 
 
+def json_rows(key: str, groups: dict) -> list[str]:
+    """A results file's raw rows: one JSON line per row of each group, tagged {key: group name}, floats to 4 places."""
+    return [json.dumps({key: name, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}})
+            for name, rows in groups.items() for row in rows]
+
+
+def write_report_lines(path: Path, lines: list[str]) -> None:
+    """Write a results file's lines to `path` and print them."""
+    path.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     keep = [line for line in lscpu if line.split(":")[0].strip() in ("Model name", "CPU(s)", "Thread(s) per core", "L3 cache")]

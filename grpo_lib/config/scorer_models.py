@@ -11,10 +11,10 @@ import string
 from pathlib import Path
 
 from grpo_lib.config.schema import Config
+from grpo_lib.core.names import JUDGE_TEMPLATE_TOKENS
 
 SCORE_PARSERS = ("last_number_in_tag", "last_number")  # judge.score_parser's named functions (or FILE.py:FUNCTION)
-TEMPLATE_FIELDS = ("response", "prompt", "ground_truth")
-JUDGE_TEMPLATE_TOKENS = 1024  # the judge's context beyond prompt + response + its answer (grpo_lib/rollout/judge.py's)  # the judge template's placeholders ({response} required)
+TEMPLATE_FIELDS = ("response", "prompt", "ground_truth")  # the judge template's placeholders ({response} required)
 
 
 def add_model_functions(cfg: Config) -> None:

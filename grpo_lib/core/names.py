@@ -48,6 +48,9 @@ ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token", "sequence")
 """algorithm.rollout_correction.mode."""
 ENGINE_NAMES: tuple[str, ...] = ("vllm", "hf")
 """rollout.name (grpo_lib/rollout/engines/__init__.py maps each to its class)."""
+JUDGE_TEMPLATE_TOKENS = 1024
+"""The judge engine's context beyond prompt + response + its answer: room for the template (grpo_lib/rollout/judge.py's
+engine, the config's check of the judge's max_position_embeddings)."""
 MODEL_REWARD_FUNCTIONS: tuple[str, ...] = ("reward_model", "judge")
 """reward.functions[].name of the learned scorers (reward_model:, judge:), scored in the trainer's processes, not by the
 rule workers (grpo_lib/trainer/step.py adds them)."""

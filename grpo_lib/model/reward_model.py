@@ -93,9 +93,9 @@ class RewardModel(FrozenModel):
             for i in range(len(batch)):
                 response_ids = batch.input_ids[i][batch.response_mask[i] > 0].tolist()
                 response = self.policy_tokenizer.decode(response_ids, skip_special_tokens=True)
-                chat = [*batch.prompt_messages[i], {"role": "assistant", "content": response}]
-                rows.append(self.tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=False))
-            rows = [list(r["input_ids"]) if isinstance(r, dict) or hasattr(r, "keys") else list(r) for r in rows]
+                chat = self.tokenizer.apply_chat_template([*batch.prompt_messages[i], {"role": "assistant", "content": response}],
+                                                          tokenize=False, add_generation_prompt=False)
+                rows.append(self.tokenizer(chat, add_special_tokens=False)["input_ids"])  # as load_prompts tokenizes a render
         cut = sum(len(r) > self.max_length for r in rows)
         return [r[-self.max_length:] for r in rows], cut
 

@@ -30,17 +30,18 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from grpo_lib.core.names import JUDGE_TEMPLATE_TOKENS
 from grpo_lib.core.types import RolloutBatch
+from grpo_lib.rollout.data import render_text
 
 logger = logging.getLogger(__name__)
 
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
-TEMPLATE_OVERHEAD_TOKENS = 1024  # room in the judge's context for the template (config.scorer_models.JUDGE_TEMPLATE_TOKENS)
 
 
 def judge_context(cfg) -> int:
     """The judge engine's context: the policy's prompt + response, the judge's answer, and room for the template."""
-    return cfg.data.max_prompt_length + cfg.data.max_response_length + cfg.judge.max_tokens + TEMPLATE_OVERHEAD_TOKENS
+    return cfg.data.max_prompt_length + cfg.data.max_response_length + cfg.judge.max_tokens + JUDGE_TEMPLATE_TOKENS
 
 
 def last_number(text: str) -> float | None:
@@ -101,8 +102,8 @@ class Judge:
         users = [m.get("content", "") for m in messages if m.get("role") == "user"]
         text = self.template.format(response=batch.response_texts[i], prompt=users[-1] if users else "",
                                     ground_truth=batch.ground_truths[i])
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+        rendered = render_text([{"role": "user", "content": text}], self.tokenizer, apply_chat_template=True, system_prompt=None)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def score(self, batch: RolloutBatch) -> list[float]:
         """The judge's score of every row of `batch` (0 for an unparsed text or an overlong prompt, counted). Each row is

@@ -1,7 +1,8 @@
-"""The learned scorers beside the rule rewards, set up for a run: the reward model (reward_model.enable,
-grpo_lib/model/reward_model.py) and the generative judge (judge.enable, grpo_lib/rollout/judge.py). `problems` runs before
-any weight loads (tokenizers, the fit on the GPU); `attach` builds them and hands them to the rule scorer
-(`RewardScorer.models`), whose every scoring call then adds their weighted scores (grpo_lib/trainer/step.py
+"""The models that score the policy's rollouts beside it, set up for a run: the distillation teacher (distillation.enabled,
+grpo_lib/model/teacher.py), the reward model (reward_model.enable, grpo_lib/model/reward_model.py) and the generative judge
+(judge.enable, grpo_lib/rollout/judge.py). `problems` runs before any weight loads (tokenizers, the fit on the GPU);
+`build` loads them: the teacher is returned (the step scores with it), the reward model and the judge go to the rule
+scorer (`RewardScorer.models`), whose every scoring call then adds their weighted scores (grpo_lib/trainer/step.py
 `add_model_scores`)."""
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ def keeps_messages(cfg) -> bool:
 
 
 def problems(cfg, tokenizer, *, world_size: int, gpu_bytes: float | None) -> list[str]:
-    """Before anything loads: the reward model's tokenizer against the policy's, and its fit in the memory plan."""
+    """Before anything loads: the teacher's and the reward model's tokenizers against the policy's, the judge's tokenizer,
+    and their fit in the memory plan."""
     found = []
+    if cfg.distillation.enabled:  # the teacher scores the student's token ids and must fit
+        from grpo_lib.model.teacher import tokenizer_problem
+        from grpo_lib.planning.beside import teacher_fit_problem
+
+        if problem := tokenizer_problem(cfg, tokenizer) or teacher_fit_problem(cfg, world_size=world_size, gpu_bytes=gpu_bytes):
+            return [problem]
     if cfg.judge.enable:  # the judge's tokenizer renders its prompts: loadable, with a chat template
         from transformers import AutoTokenizer
 
@@ -38,8 +46,14 @@ def problems(cfg, tokenizer, *, world_size: int, gpu_bytes: float | None) -> lis
     return found
 
 
-def attach(cfg, scorer, *, device, tokenizer, on_cpu: bool) -> None:
-    """Build the enabled scorers (every trainer process: the reward model is sharded over them) into `scorer.models`."""
+def build(cfg, scorer, *, device, tokenizer, on_cpu: bool):
+    """Load the enabled models (every trainer process: the teacher and the reward model are sharded over them); the
+    reward model and the judge into `scorer.models`; returns the teacher (None without distillation)."""
+    teacher = None
+    if cfg.distillation.enabled:  # sharded and offloaded like the reference
+        from grpo_lib.model.teacher import Teacher
+
+        teacher = Teacher(cfg, device=device)
     if cfg.reward_model.enable:
         from grpo_lib.model.reward_model import RewardModel
 
@@ -48,3 +62,4 @@ def attach(cfg, scorer, *, device, tokenizer, on_cpu: bool) -> None:
         from grpo_lib.rollout.judge import Judge
 
         scorer.models["judge"] = Judge.from_config(cfg, on_cpu=on_cpu)
+    return teacher

@@ -284,7 +284,7 @@ class VLLMEngine(EngineGlue):
         reach on_finished. `stop` (generate's): after a step that makes it True the unfinished samples are aborted and
         returned as far as they got (finish reason "abort"); the scored sequences still finish."""
         session = _Session(self.llm.llm_engine, self._request_counter, sampling=sampling, partial=stop is not None,
-                           lora_request=self.lora_request)
+                           lora=self.lora_kwargs)
         result: list[list[Generation | None]] = [[None] * p.n for p in params]
         try:
             for sequence in scored:
@@ -313,7 +313,7 @@ class VLLMEngine(EngineGlue):
         sequences (as generate's) ride along and are filled in on leaving; unfinished requests are aborted on leaving."""
         score = self._score_apart(score)  # LoRA engine: scored before, not in the batch
         with self.lifecycle.transition("generate"):
-            session = _Session(self.llm.llm_engine, self._request_counter, lora_request=self.lora_request,
+            session = _Session(self.llm.llm_engine, self._request_counter, lora=self.lora_kwargs,
                                sampling=sampling_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs))
             preemptions_before = self.preemptions_total()
             scored = score.sequences if score is not None else []
@@ -402,10 +402,9 @@ def _generation(completion) -> Generation:
 class _Session:
     """VLLMEngine.open_session's GenerationSession over one LLMEngine (the requests of one generation phase)."""
 
-    def __init__(self, engine, counter, *, sampling: dict, partial: bool = False, lora_request=None):
+    def __init__(self, engine, counter, *, sampling: dict, partial: bool = False, lora: dict | None = None):
         self.engine, self.counter = engine, counter
-        # the engine's adapter (rollout.lora_mode=adapter): every request carries it (no keyword at all without one)
-        self.lora_kwargs = {"lora_request": lora_request} if lora_request is not None else {}
+        self.lora_kwargs = lora or {}  # `VLLMEngine.lora_kwargs`: every request carries the engine's adapter, if any
         self.sampling = sampling  # SamplingParams' keyword arguments but n, max_tokens and seed (`sampling_kwargs`)
         # partial: every sample request streams its tokens (DELTA outputs), so an aborted one keeps what it generated
         self.partial = partial
